@@ -1,0 +1,351 @@
+"""The `subengine` command: parses arguments, calls the engine, prints results.
+
+Errors the engine raises on purpose (`SubengineError`) print as one line on stderr and exit
+with status 1; usage errors exit with status 2 (click's convention).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from subengine.cli import _demo
+from subengine.cli._events_file import read_events_file
+
+import subengine
+from subengine import _embedded, _migrate
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Context:
+    """What every command shares: the settings, and an engine made on first use."""
+
+    def __init__(self, settings: subengine.Settings) -> None:
+        self.settings = settings
+        self._engine: subengine.Engine | None = None
+
+    def engine(self) -> subengine.Engine:
+        if self._engine is None:
+            if self.settings.dsn is None:
+                click.echo(
+                    f"subengine: no SUBENGINE_DSN or --dsn given; using the embedded PostgreSQL "
+                    f"in {self.settings.home} (stop it with `subengine db stop`)",
+                    err=True,
+                )
+            self._engine = subengine.Engine(settings=self.settings)
+        return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
+
+def handles_errors(command: F) -> F:
+    @wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except subengine.SubengineError as error:
+            click.echo(f"error: {error}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+pass_context = click.make_pass_decorator(Context)
+
+
+@click.group()
+@click.option("--dsn", envvar="SUBENGINE_DSN", help="PostgreSQL URL or conninfo [SUBENGINE_DSN].")
+@click.option("--schema", envvar="SUBENGINE_SCHEMA", help="Schema of subengine's objects.")
+@click.version_option(package_name="subengine")
+@click.pass_context
+def cli(ctx: click.Context, dsn: str | None, schema: str | None) -> None:
+    """subengine: partitioned event streams in PostgreSQL, consumed exactly once."""
+    try:
+        settings = subengine.Settings.from_env(dsn=dsn, schema=schema)
+    except subengine.SubengineError as error:
+        raise click.UsageError(str(error)) from None
+    context = Context(settings)
+    ctx.obj = context
+    ctx.call_on_close(context.close)
+
+
+@cli.command()
+@click.option("--sql", "as_sql", is_flag=True, help="Print the SQL instead of running it.")
+@pass_context
+@handles_errors
+def migrate(context: Context, as_sql: bool) -> None:
+    """Create or upgrade subengine's schema (safe to run from many processes at once)."""
+    if as_sql:
+        click.echo(_migrate.upgrade_sql(context.settings.schema), nl=False)
+        return
+    engine = context.engine()
+    engine.migrate()
+    click.echo(f"schema {engine.schema!r} is at revision {engine.schema_revision()}")
+
+
+@cli.group()
+def db() -> None:
+    """The database subengine uses (the embedded one when no DSN is given)."""
+
+
+@db.command("url")
+@pass_context
+@handles_errors
+def db_url(context: Context) -> None:
+    """Print the connection URL (starting the embedded PostgreSQL if needed)."""
+    click.echo(context.engine().dsn)
+
+
+@db.command("stop")
+@pass_context
+@handles_errors
+def db_stop(context: Context) -> None:
+    """Stop the embedded PostgreSQL of SUBENGINE_HOME."""
+    if _embedded.stop_embedded(context.settings.home):
+        click.echo(f"stopped the embedded PostgreSQL in {context.settings.home}")
+    else:
+        click.echo(f"no embedded PostgreSQL is running in {context.settings.home}")
+
+
+@cli.group()
+def stream() -> None:
+    """Create and inspect streams."""
+
+
+@stream.command("create")
+@click.argument("name")
+@click.option("--partitions", type=int, required=True, help="Number of partitions (fixed).")
+@pass_context
+@handles_errors
+def stream_create(context: Context, name: str, partitions: int) -> None:
+    """Create stream NAME with a fixed number of partitions."""
+    created = context.engine().create_stream(name, partitions)
+    click.echo(f"created stream {created.name!r} with {created.partitions} partitions")
+
+
+@stream.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@pass_context
+@handles_errors
+def stream_list(context: Context, as_json: bool) -> None:
+    """List the streams."""
+    streams = context.engine().streams()
+    if as_json:
+        for s in streams:
+            click.echo(
+                json.dumps(
+                    {
+                        "name": s.name,
+                        "partitions": s.partitions,
+                        "created_at": s.created_at.isoformat(),
+                    }
+                )
+            )
+        return
+    rows = [
+        (s.name, str(s.partitions), s.created_at.isoformat(timespec="seconds")) for s in streams
+    ]
+    _table(("stream", "partitions", "created_at"), rows)
+
+
+@stream.command("show")
+@click.argument("name")
+@pass_context
+@handles_errors
+def stream_show(context: Context, name: str) -> None:
+    """Show the head, head time and floor of every partition of stream NAME."""
+    states = context.engine().partitions(name)
+    rows = [(str(s.partition), str(s.head), _time(s.head_time), str(s.floor)) for s in states]
+    _table(("partition", "head", "head_time", "floor"), rows)
+
+
+@cli.command()
+@click.argument("stream_name", metavar="STREAM")
+@click.option("--key", help="Ordering key of the event.")
+@click.option("--type", "event_type", help="Event type.")
+@click.option("--data", help="Event data as JSON.")
+@click.option("--metadata", help="Event metadata as a JSON object.")
+@click.option("--id", "event_id", help="Event id (UUID); makes retries idempotent.")
+@click.option("--expected-version", type=int, help="Version the key must have (0: new key).")
+@click.option(
+    "--file",
+    "events_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSON Lines file, one event per line ('-' for stdin); all or nothing.",
+)
+@pass_context
+@handles_errors
+def append(
+    context: Context,
+    stream_name: str,
+    key: str | None,
+    event_type: str | None,
+    data: str | None,
+    metadata: str | None,
+    event_id: str | None,
+    expected_version: int | None,
+    events_file: Path | None,
+) -> None:
+    """Append one event, or every event of a JSON Lines file, to STREAM in one transaction."""
+    single = [key, event_type, data, metadata, event_id]
+    if events_file is not None:
+        if any(option is not None for option in single) or expected_version is not None:
+            raise click.UsageError(
+                "--file cannot be combined with --key/--type/--data/--id/"
+                "--metadata/--expected-version"
+            )
+        events = read_events_file(events_file)
+    else:
+        if key is None or event_type is None or data is None:
+            raise click.UsageError("give --key, --type and --data (or --file)")
+        line = {"key": key, "type": event_type, "data": _json_option("--data", data)}
+        if metadata is not None:
+            line["metadata"] = _json_option("--metadata", metadata)
+        if event_id is not None:
+            line["id"] = event_id
+        events = read_events_file(None, [json.dumps(line)])
+    try:
+        stored = context.engine().append(stream_name, events, expected_version)
+    except subengine.InvalidEvent as error:
+        raise subengine.InvalidInput(
+            f"{events.source} line {events.line_of(error.index)}: {error.reason}"
+        ) from None
+    new = [a for a in stored if not a.duplicate]
+    for a in stored:
+        note = "  (already stored)" if a.duplicate else ""
+        click.echo(
+            f"partition {a.partition} position {a.position} key version "
+            f"{a.key_version} id {a.id}{note}"
+        )
+    click.echo(f"appended {len(new)} event(s), {len(stored) - len(new)} already stored", err=True)
+
+
+@cli.command()
+@click.argument("stream_name", metavar="STREAM")
+@click.option("--partition", type=int, help="Read one partition (default: all, in turn).")
+@click.option("--after", type=int, default=0, show_default=True, help="Start after position.")
+@click.option(
+    "--since",
+    type=click.DateTime(formats=None),
+    help="Read by recorded time across partitions (ISO 8601; UTC unless it names a zone).",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many events.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per event and line.")
+@pass_context
+@handles_errors
+def read(
+    context: Context,
+    stream_name: str,
+    partition: int | None,
+    after: int,
+    since: datetime | None,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """Read events of STREAM by position (per partition) or by time (--since)."""
+    engine = context.engine()
+    limit = limit or engine.settings.read_limit
+    if since is not None:
+        if partition is not None or after:
+            raise click.UsageError("--since cannot be combined with --partition or --after")
+        if since.tzinfo is None:
+            since = since.replace(tzinfo=UTC)
+        events = engine.read_since(stream_name, since, limit)
+    elif partition is not None:
+        events = engine.read(stream_name, partition, after, limit)
+    else:
+        events = list(_read_all_partitions(engine, stream_name, after, limit))
+    if as_json:
+        for event in events:
+            click.echo(json.dumps(_event_json(event), ensure_ascii=False))
+        return
+    rows = [
+        (
+            str(e.partition),
+            str(e.position),
+            e.key,
+            str(e.key_version),
+            e.type,
+            _time(e.recorded_at),
+            json.dumps(e.data, ensure_ascii=False),
+        )
+        for e in events
+    ]
+    _table(("partition", "position", "key", "version", "type", "recorded_at", "data"), rows)
+
+
+@cli.command()
+@click.option(
+    "--events",
+    "event_count",
+    type=click.IntRange(1, 100_000),
+    default=400,
+    show_default=True,
+    help="How many events to append.",
+)
+@pass_context
+@handles_errors
+def demo(context: Context, event_count: int) -> None:
+    """Show streams working: migrate, append from many keys, read back, check, print heads."""
+    ok = _demo.run(context.engine(), event_count, click.echo)
+    sys.exit(0 if ok else 1)
+
+
+def _read_all_partitions(
+    engine: subengine.Engine, stream_name: str, after: int, limit: int
+) -> Iterator[subengine.Event]:
+    remaining = limit
+    for state in engine.partitions(stream_name):
+        if remaining <= 0:
+            return
+        batch = engine.read(stream_name, state.partition, after, remaining)
+        remaining -= len(batch)
+        yield from batch
+
+
+def _json_option(name: str, value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise click.BadParameter(f"not valid JSON: {error}", param_hint=name) from None
+
+
+def _event_json(event: subengine.Event) -> dict[str, Any]:
+    return {
+        "id": str(event.id),
+        "stream": event.stream,
+        "partition": event.partition,
+        "position": event.position,
+        "key": event.key,
+        "key_version": event.key_version,
+        "type": event.type,
+        "data": event.data,
+        "metadata": event.metadata,
+        "occurred_at": event.occurred_at.isoformat(),
+        "recorded_at": event.recorded_at.isoformat(),
+    }
+
+
+def _time(value: datetime | None) -> str:
+    return "-" if value is None else value.isoformat(timespec="milliseconds")
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=False)]
+    for row in (header, *rows):
+        click.echo(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+
+
+def main() -> None:
+    cli(prog_name="subengine")

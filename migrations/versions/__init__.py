@@ -1,0 +1,1 @@
+"""Alembic revisions of subengine's schema, applied in order by `subengine migrate`."""

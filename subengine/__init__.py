@@ -1,0 +1,46 @@
+"""subengine: partitioned event streams in PostgreSQL, consumed exactly once.
+
+import subengine
+engine = subengine.Engine()          # SUBENGINE_DSN, or an embedded PostgreSQL
+engine.migrate()
+engine.create_stream("orders", partitions=8)
+engine.append("orders", [subengine.NewEvent("order-1", "OrderPlaced", {"total": 10})])
+"""
+
+from subengine._append import append
+from subengine._engine import DatabaseUnavailable, Engine
+from subengine._errors import (
+    ConfigurationError,
+    InvalidEvent,
+    InvalidInput,
+    PartitionNotFound,
+    SchemaNotReady,
+    StreamExists,
+    StreamNotFound,
+    SubengineError,
+    WrongExpectedVersion,
+)
+from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, partition_for
+from subengine._settings import Settings
+
+__all__ = [
+    "Appended",
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "Engine",
+    "Event",
+    "InvalidEvent",
+    "InvalidInput",
+    "NewEvent",
+    "PartitionNotFound",
+    "PartitionState",
+    "SchemaNotReady",
+    "Settings",
+    "Stream",
+    "StreamExists",
+    "StreamNotFound",
+    "SubengineError",
+    "WrongExpectedVersion",
+    "append",
+    "partition_for",
+]

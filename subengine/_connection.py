@@ -1,0 +1,41 @@
+"""Finding the psycopg connection behind what the caller hands us.
+
+`append` runs in the caller's transaction, whether the caller holds a psycopg connection,
+a SQLAlchemy `Connection` or a SQLAlchemy `Session` (on the psycopg driver).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from subengine._errors import InvalidInput
+
+PgConnection = psycopg.Connection[Any]
+
+
+def psycopg_connection(conn: object) -> PgConnection:
+    """The psycopg connection of `conn`, inside the transaction the caller has open."""
+    if isinstance(conn, psycopg.Connection):
+        return conn
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.orm import Session
+
+    if isinstance(conn, Session):
+        conn = conn.connection()  # joins (or begins) the session's transaction
+    if isinstance(conn, Connection):
+        if not conn.in_transaction():
+            # What SQLAlchemy's autobegin would do: the caller's commit() commits our rows.
+            conn.begin()
+        driver_connection = conn.connection.driver_connection
+        if isinstance(driver_connection, psycopg.Connection):
+            return driver_connection
+        raise InvalidInput(
+            "subengine needs SQLAlchemy's psycopg driver: use a URL starting with "
+            f"'postgresql+psycopg://' (this connection uses {conn.dialect.driver!r})"
+        )
+    raise InvalidInput(
+        "expected a psycopg Connection, a SQLAlchemy Connection or a SQLAlchemy Session, "
+        f"got {type(conn).__name__}"
+    )

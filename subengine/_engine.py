@@ -1,0 +1,204 @@
+"""`Engine`: the entry point that owns a connection pool and runs subengine's operations.
+
+Thread-safe; close it (or use it as a context manager) to release its connections.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from subengine import _embedded, _migrate, _read
+from subengine._append import (
+    ExpectedVersion,
+    append_prepared,
+    prepare,
+    schema_not_ready,
+    translate_error,
+)
+from subengine._errors import ConfigurationError, StreamExists, SubengineError
+from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
+from subengine._names import validate_partition_count, validate_stream_name
+from subengine._queries import query
+from subengine._settings import Settings
+
+log = logging.getLogger("subengine")
+
+
+class DatabaseUnavailable(SubengineError):
+    """PostgreSQL could not be reached within the connect timeout."""
+
+
+class Engine:
+    """Streams in one PostgreSQL database and schema.
+
+    `dsn` is a PostgreSQL URL or libpq conninfo; without one (and without SUBENGINE_DSN)
+    an embedded PostgreSQL is started, or reused, in SUBENGINE_HOME.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        schema: str | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        base = settings or Settings.from_env()
+        changes = {k: v for k, v in {"dsn": dsn, "schema": schema}.items() if v is not None}
+        self.settings = base.with_changes(**changes) if changes else base
+        self.embedded = self.settings.dsn is None
+        if self.settings.dsn is None:
+            self.dsn = _embedded.embedded_url(self.settings.home)
+            log.info("using the embedded PostgreSQL in %s", self.settings.home)
+        else:
+            self.dsn = self.settings.dsn
+            try:
+                conninfo_to_dict(self.dsn)
+            except psycopg.ProgrammingError as error:
+                raise ConfigurationError(f"invalid DSN: {error}") from None
+        self.schema = self.settings.schema
+        self._pool = ConnectionPool(
+            self.dsn,
+            min_size=self.settings.pool_min_size,
+            max_size=self.settings.pool_max_size,
+            timeout=self.settings.connect_timeout,
+            name="subengine",
+            open=True,
+        )
+
+    def close(self) -> None:
+        """Close every connection of the pool."""
+        self._pool.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection in a transaction: committed on success, else rolled back."""
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except PoolTimeout:
+            raise self._unavailable() from None
+        except psycopg.Error as error:
+            missing = schema_not_ready(error)
+            if missing is None:
+                raise
+            raise missing from error
+
+    def _unavailable(self) -> DatabaseUnavailable:
+        try:
+            psycopg.connect(self.dsn, connect_timeout=5).close()
+            reason = "the pool had no free connection in time"
+        except psycopg.Error as error:
+            reason = str(error).strip()
+        return DatabaseUnavailable(
+            f"could not connect to PostgreSQL within {self.settings.connect_timeout:g} s: {reason}"
+        )
+
+    # schema
+
+    def migrate(self) -> None:
+        """Create or upgrade subengine's schema (safe from many processes at once)."""
+        try:
+            _migrate.upgrade(self.dsn, self.schema)
+        except psycopg.OperationalError as error:
+            raise DatabaseUnavailable(f"could not migrate: {str(error).strip()}") from None
+
+    def schema_revision(self) -> str | None:
+        """The migration revision the database is at (None: never migrated)."""
+        return _migrate.current_revision(self.dsn, self.schema)
+
+    # streams
+
+    def create_stream(self, name: str, partitions: int) -> Stream:
+        """Create a stream with a fixed number of partitions."""
+        validate_stream_name(name)
+        validate_partition_count(partitions)
+        with self.connection() as conn:
+            row = self._run(conn, "create_stream", {"stream": name, "partitions": partitions})
+            if row is None:
+                existing = _read.get_stream(conn, self.schema, name)
+                raise StreamExists(name, existing.partitions)
+            return Stream(*row)
+
+    def streams(self) -> list[Stream]:
+        """Every stream, by name."""
+        with self.connection() as conn:
+            rows = conn.execute(query(self.schema, "list_streams")).fetchall()
+        return [Stream(*row) for row in rows]
+
+    def stream(self, name: str) -> Stream:
+        """One stream; raises StreamNotFound when it does not exist."""
+        with self.connection() as conn:
+            return _read.get_stream(conn, self.schema, name)
+
+    def _run(self, conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> Any:
+        try:
+            return conn.execute(query(self.schema, name), params).fetchone()
+        except psycopg.Error as error:
+            translated = translate_error(error, str(params.get("stream")))
+            if translated is None:
+                raise
+            raise translated from error
+
+    # append and read
+
+    def append(
+        self,
+        stream: str,
+        events: Iterable[NewEvent],
+        expected_version: ExpectedVersion = None,
+    ) -> list[Appended]:
+        """Append events in a transaction of their own; see `subengine.append`."""
+        params = prepare(stream, events, expected_version, self.settings)
+        with self.connection() as conn:
+            return append_prepared(conn, params, self.settings)
+
+    def read(
+        self, stream: str, partition: int, after: int = 0, limit: int | None = None
+    ) -> list[Event]:
+        """Events of one partition after position `after`, in position order."""
+        with self.connection() as conn:
+            return _read.read_after(
+                conn,
+                self.schema,
+                stream,
+                partition,
+                after,
+                self.settings.read_limit if limit is None else limit,
+            )
+
+    def read_since(self, stream: str, since: datetime, limit: int | None = None) -> list[Event]:
+        """Events of every partition recorded at or after `since`, oldest first.
+
+        For finding a starting point by time; to catch up, keep positions and use `read`.
+        """
+        with self.connection() as conn:
+            return _read.read_since(
+                conn,
+                self.schema,
+                stream,
+                since,
+                self.settings.read_limit if limit is None else limit,
+            )
+
+    def partitions(self, stream: str) -> list[PartitionState]:
+        """Head, head time and floor of every partition of a stream."""
+        with self.connection() as conn:
+            return _read.partition_states(conn, self.schema, stream)
+
+    def heads(self, stream: str) -> dict[int, int]:
+        """The head (last committed position) of every partition of a stream."""
+        return {state.partition: state.head for state in self.partitions(stream)}

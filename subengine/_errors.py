@@ -1,0 +1,77 @@
+"""The exceptions subengine raises; all derive from `SubengineError`.
+
+Messages name the problem and, where there is one, the command or call that fixes it.
+"""
+
+from __future__ import annotations
+
+
+class SubengineError(Exception):
+    """Base class of every error subengine raises on purpose."""
+
+
+class ConfigurationError(SubengineError):
+    """A setting or connection parameter is invalid."""
+
+
+class InvalidInput(SubengineError, ValueError):
+    """An argument is malformed: a name, a payload, a limit. Nothing was written."""
+
+
+class InvalidEvent(InvalidInput):
+    """One event of an append is malformed; `index` is its place in the call (from 0)."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"event {index}: {reason}")
+        self.index = index
+        self.reason = reason
+
+
+class StreamNotFound(SubengineError, LookupError):
+    """The named stream does not exist."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(
+            f"stream {stream!r} does not exist; create it with "
+            f"`subengine stream create {stream} --partitions N`"
+        )
+        self.stream = stream
+
+
+class StreamExists(SubengineError):
+    """A stream of that name exists already."""
+
+    def __init__(self, stream: str, partitions: int) -> None:
+        super().__init__(f"stream {stream!r} exists already, with {partitions} partitions")
+        self.stream = stream
+        self.partitions = partitions
+
+
+class PartitionNotFound(SubengineError, LookupError):
+    """The partition number is outside the stream's partitions."""
+
+    def __init__(self, stream: str, partition: int, partitions: int) -> None:
+        super().__init__(
+            f"stream {stream!r} has partitions 0..{partitions - 1}; there is no partition "
+            f"{partition}"
+        )
+        self.stream = stream
+        self.partition = partition
+
+
+class WrongExpectedVersion(SubengineError):
+    """A key's current version is not the one the append expected. Nothing was written."""
+
+    def __init__(self, stream: str, key: str, expected: int, actual: int) -> None:
+        super().__init__(
+            f"key {key!r} in stream {stream!r} is at version {actual}, "
+            f"but the append expected version {expected}; nothing was written"
+        )
+        self.stream = stream
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+
+
+class SchemaNotReady(SubengineError):
+    """The database schema is missing or older than this code; run the migrations."""

@@ -1,0 +1,81 @@
+"""Validation of the names users give: streams, event types, keys and the schema.
+
+Names are checked before any SQL runs, so a hostile name never reaches the database and
+the error says exactly which rule it broke.
+"""
+
+from __future__ import annotations
+
+import re
+
+from subengine._errors import ConfigurationError, InvalidInput
+
+STREAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")
+STREAM_NAME_RULE = (
+    "1 to 100 characters: letters, digits, '_', '.', '-', starting with a letter or digit"
+)
+SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+MAX_KEY_LENGTH = 1000
+MAX_TYPE_LENGTH = 200
+MAX_PARTITIONS = 4096
+
+
+def _shown(value: str) -> str:
+    return repr(value) if len(value) <= 60 else repr(value[:60]) + f"... ({len(value)} chars)"
+
+
+def validate_stream_name(name: object) -> str:
+    if not isinstance(name, str) or STREAM_NAME.fullmatch(name) is None:
+        shown = _shown(name) if isinstance(name, str) else type(name).__name__
+        raise InvalidInput(f"invalid stream name {shown}: use {STREAM_NAME_RULE}")
+    return name
+
+
+def validate_schema_name(name: str) -> str:
+    if SCHEMA_NAME.fullmatch(name) is None:
+        raise ConfigurationError(
+            f"invalid schema name {_shown(name)}: use 1 to 63 lower-case letters, digits "
+            "and '_', not starting with a digit"
+        )
+    return name
+
+
+def validate_partition_count(partitions: object) -> int:
+    if (
+        not isinstance(partitions, int)
+        or isinstance(partitions, bool)
+        or not 1 <= partitions <= MAX_PARTITIONS
+    ):
+        raise InvalidInput(
+            f"invalid partition count {partitions!r}: use a whole number from 1 to {MAX_PARTITIONS}"
+        )
+    return partitions
+
+
+def _printable(value: str) -> bool:
+    return value.isprintable()
+
+
+def validate_key(key: object) -> str:
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH or not _printable(key):
+        shown = _shown(key) if isinstance(key, str) else type(key).__name__
+        raise InvalidInput(
+            f"invalid event key {shown}: use 1 to {MAX_KEY_LENGTH} printable characters"
+        )
+    return key
+
+
+def validate_type(event_type: object) -> str:
+    if (
+        not isinstance(event_type, str)
+        or not event_type
+        or len(event_type) > MAX_TYPE_LENGTH
+        or not _printable(event_type)
+        or event_type.strip() != event_type
+    ):
+        shown = _shown(event_type) if isinstance(event_type, str) else type(event_type).__name__
+        raise InvalidInput(
+            f"invalid event type {shown}: use 1 to {MAX_TYPE_LENGTH} printable characters "
+            "without leading or trailing spaces"
+        )
+    return event_type

@@ -1,0 +1,108 @@
+"""Every tunable of subengine in one typed object, with its default and environment name.
+
+`Settings.from_env()` reads the environment; `Settings.describe()` lists every setting for
+the docs and the CLI. Nothing else in the package reads environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from subengine._errors import ConfigurationError
+from subengine._names import validate_schema_name
+
+
+def _setting(default: Any, env: str, doc: str) -> Any:
+    return field(default=default, metadata={"env": env, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Configuration of an engine; every field has a default and an environment variable."""
+
+    dsn: str | None = _setting(
+        None,
+        "SUBENGINE_DSN",
+        "PostgreSQL URL or libpq conninfo. Unset: an embedded PostgreSQL in SUBENGINE_HOME.",
+    )
+    home: Path = _setting(
+        Path(".subengine"),
+        "SUBENGINE_HOME",
+        "Directory of the embedded PostgreSQL's data (used only when no DSN is given).",
+    )
+    schema: str = _setting(
+        "subengine",
+        "SUBENGINE_SCHEMA",
+        "Schema holding every subengine object; two installations can share a database.",
+    )
+    max_event_bytes: int = _setting(
+        1_048_576,
+        "SUBENGINE_MAX_EVENT_BYTES",
+        "Largest accepted event payload: UTF-8 JSON of data plus metadata, in bytes.",
+    )
+    pool_min_size: int = _setting(
+        1, "SUBENGINE_POOL_MIN_SIZE", "Connections an Engine keeps open at least."
+    )
+    pool_max_size: int = _setting(
+        10, "SUBENGINE_POOL_MAX_SIZE", "Connections an Engine opens at most."
+    )
+    connect_timeout: float = _setting(
+        30.0,
+        "SUBENGINE_CONNECT_TIMEOUT",
+        "Seconds to wait for a database connection before failing.",
+    )
+    read_limit: int = _setting(
+        1000, "SUBENGINE_READ_LIMIT", "Events returned by one read when no limit is given."
+    )
+
+    def __post_init__(self) -> None:
+        validate_schema_name(self.schema)
+        for name in ("max_event_bytes", "pool_min_size", "pool_max_size", "read_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"setting {name} must be at least 1")
+        if self.pool_max_size < self.pool_min_size:
+            raise ConfigurationError("setting pool_max_size must be at least pool_min_size")
+        if self.connect_timeout <= 0:
+            raise ConfigurationError("setting connect_timeout must be positive")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from the environment; keyword overrides that are not None win."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f.metadata["env"])
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_changes(self, **changes: Any) -> Settings:
+        """A copy with some settings changed."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def describe(cls) -> Iterator[tuple[str, str, str, str]]:
+        """(name, environment variable, default, description) for every setting."""
+        for f in dataclasses.fields(cls):
+            default = "unset" if f.default is None else str(f.default)
+            yield f.name, f.metadata["env"], default, f.metadata["doc"]
+
+
+def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigurationError(f"{f.metadata['env']}={raw!r} is not a valid {kind}") from None
+    if kind == "Path":
+        return Path(raw)
+    return raw

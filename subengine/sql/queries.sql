@@ -1,0 +1,65 @@
+-- Every query subengine runs at run time, as named blocks. `{schema}` is replaced by the
+-- configured schema, quoted as an identifier; values are always bound parameters.
+
+-- name: append_events
+-- Append a batch of events in the caller's transaction (see the append_events function).
+SELECT ordinal, partition, position, id, key_version, duplicate
+  FROM {schema}.append_events(
+        %(stream)s::text, %(ids)s::uuid[], %(keys)s::text[], %(types)s::text[],
+        %(data)s::jsonb[], %(metadata)s::jsonb[], %(occurred_at)s::timestamptz[],
+        %(expected_keys)s::text[], %(expected_versions)s::bigint[])
+
+-- name: create_stream
+-- Create a stream and its partitions; returns nothing when the name is taken.
+WITH created AS (
+    INSERT INTO {schema}.streams (name, partitions) VALUES (%(stream)s, %(partitions)s)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING name, partitions, created_at
+), heads AS (
+    INSERT INTO {schema}.partitions (stream, partition)
+    SELECT created.name, p FROM created, generate_series(0, created.partitions - 1) AS p
+)
+SELECT name, partitions, created_at FROM created
+
+-- name: get_stream
+-- One stream by name.
+SELECT name, partitions, created_at FROM {schema}.streams WHERE name = %(stream)s
+
+-- name: list_streams
+-- Every stream, by name.
+SELECT name, partitions, created_at FROM {schema}.streams ORDER BY name
+
+-- name: read_after
+-- Up to `limit` events of one partition after a position, in position order, with the
+-- stream's partition count (a stream with no such row does not exist).
+SELECT s.partitions, e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type,
+       e.data, e.metadata, e.occurred_at, e.recorded_at
+  FROM {schema}.streams s
+  LEFT JOIN LATERAL (
+        SELECT * FROM {schema}.events e
+         WHERE e.stream = s.name AND e.partition = %(partition)s AND e.position > %(after)s
+         ORDER BY e.position
+         LIMIT %(limit)s) e ON true
+ WHERE s.name = %(stream)s
+ ORDER BY e.position
+
+-- name: read_since
+-- Up to `limit` events of every partition recorded at or after a time, in recorded order
+-- (ties by partition and position), with the stream's partition count.
+SELECT s.partitions, e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type,
+       e.data, e.metadata, e.occurred_at, e.recorded_at
+  FROM {schema}.streams s
+  LEFT JOIN LATERAL (
+        SELECT * FROM {schema}.events e
+         WHERE e.stream = s.name AND e.recorded_at >= %(since)s
+         ORDER BY e.recorded_at, e.partition, e.position
+         LIMIT %(limit)s) e ON true
+ WHERE s.name = %(stream)s
+ ORDER BY e.recorded_at, e.partition, e.position
+
+-- name: partitions
+-- Head, head time and floor of every partition of a stream.
+SELECT stream, partition, head, head_time, floor
+  FROM {schema}.partitions
+ WHERE stream = %(stream)s
+ ORDER BY partition

@@ -1,0 +1,130 @@
+"""Fixtures: a real PostgreSQL for every test.
+
+By default the suite starts its own embedded PostgreSQL (pgserver) in a temporary
+directory; with SUBENGINE_TEST_DSN set it uses that server instead. pytest-postgresql's
+no-process mode then gives each test a fresh database cloned from a template that
+subengine's migrations have already been applied to.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pytest_postgresql import factories
+
+import subengine
+from subengine import _migrate
+
+_embedded_server: Any = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _embedded_server
+    dsn = os.environ.get("SUBENGINE_TEST_DSN")
+    if not dsn:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import pgserver
+
+            directory = Path(tempfile.mkdtemp(prefix="subengine-test-pg-"))
+            _embedded_server = pgserver.get_server(directory / "pgdata", cleanup_mode="delete")
+        dsn = _embedded_server.get_uri()
+    params = conninfo_to_dict(dsn)
+    config.option.postgresql_host = params.get("host", "localhost")
+    config.option.postgresql_port = int(params.get("port", 5432))
+    config.option.postgresql_user = params.get("user", "postgres")
+    config.option.postgresql_password = params.get("password") or None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _embedded_server is not None:
+        _embedded_server.cleanup()
+
+
+def migrate_template(
+    host: str, port: int, user: str, dbname: str, password: str | None, **_: Any
+) -> None:
+    dsn = make_conninfo(host=host, port=port, user=user, dbname=dbname, password=password or "")
+    _migrate.upgrade(dsn, "subengine")
+
+
+postgresql_migrated_server = factories.postgresql_noproc(
+    dbname="subengine_tests", load=[migrate_template]
+)
+postgresql_blank_server = factories.postgresql_noproc(dbname="subengine_blank")
+postgresql = factories.postgresql("postgresql_migrated_server")
+postgresql_blank = factories.postgresql("postgresql_blank_server")
+
+
+def _dsn_of(conn: psycopg.Connection[Any], password: str | None) -> str:
+    params = conn.info.get_parameters()
+    return make_conninfo(**params, password=password or "")
+
+
+@pytest.fixture
+def dsn(postgresql: psycopg.Connection[Any], postgresql_migrated_server: Any) -> str:
+    """Connection string of a fresh, migrated database."""
+    return _dsn_of(postgresql, postgresql_migrated_server.password)
+
+
+@pytest.fixture
+def blank_dsn(postgresql_blank: psycopg.Connection[Any], postgresql_blank_server: Any) -> str:
+    """Connection string of a fresh database that was never migrated."""
+    return _dsn_of(postgresql_blank, postgresql_blank_server.password)
+
+
+@pytest.fixture
+def engine(dsn: str) -> Iterator[subengine.Engine]:
+    with subengine.Engine(dsn) as engine:
+        yield engine
+
+
+@pytest.fixture
+def orders(engine: subengine.Engine) -> str:
+    """A stream of 4 partitions named 'orders'."""
+    engine.create_stream("orders", partitions=4)
+    return "orders"
+
+
+@pytest.fixture
+def sql(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection for looking at the database directly."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def cli_env(dsn: str, tmp_path: Path) -> dict[str, str]:
+    """Environment for running the `subengine` command against the test database."""
+    env = dict(os.environ)
+    env.update(SUBENGINE_DSN=dsn, SUBENGINE_HOME=str(tmp_path / "home"))
+    env.pop("SUBENGINE_SCHEMA", None)
+    return env
+
+
+PYTHON = sys.executable
+
+
+def snapshot(sql: psycopg.Connection[Any]) -> tuple[Any, ...]:
+    """Everything an append or a stream command can change, to compare before and after."""
+    return (
+        sql.execute("SELECT name, partitions FROM subengine.streams ORDER BY 1").fetchall(),
+        sql.execute(
+            "SELECT stream, partition, head, head_time FROM subengine.partitions ORDER BY 1, 2"
+        ).fetchall(),
+        sql.execute("SELECT count(*), max(recorded_at) FROM subengine.events").fetchone(),
+    )
+
+
+def subengine_command() -> str:
+    """The installed `subengine` console script of this interpreter's environment."""
+    return str(Path(sys.executable).parent / "subengine")

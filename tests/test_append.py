@@ -1,0 +1,209 @@
+"""Append: dense positions, key versions, idempotency, expected versions, notifications."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+
+import psycopg
+import pytest
+import sqlalchemy
+from sqlalchemy.orm import Session
+
+import subengine
+from subengine import NewEvent
+
+# partition_for of "a", "b", "order-1", "order-2", "order-3" (MD5 prefix; see its docstring)
+PINNED_8 = [0, 4, 5, 2, 3]
+PINNED_1000 = [800, 124, 349, 698, 635]
+
+
+def events(*keys: str, type: str = "Happened") -> list[NewEvent]:
+    return [NewEvent(key, type, {"n": n}) for n, key in enumerate(keys)]
+
+
+def test_positions_are_dense_per_partition_and_versions_count_per_key(engine, orders):
+    keys = [f"order-{n % 7}" for n in range(60)]
+    stored = engine.append(orders, events(*keys))
+    by_partition: dict[int, list[int]] = {}
+    for appended in stored:
+        by_partition.setdefault(appended.partition, []).append(appended.position)
+    for positions in by_partition.values():
+        assert positions == list(range(1, len(positions) + 1))
+    for key in set(keys):
+        versions = [a.key_version for k, a in zip(keys, stored, strict=True) if k == key]
+        assert versions == list(range(1, keys.count(key) + 1))
+    assert engine.heads(orders) == {p: len(by_partition.get(p, [])) for p in range(4)}
+
+
+def test_each_event_lands_in_the_partition_of_its_key(engine, orders):
+    stored = engine.append(orders, events(*[f"k{n}" for n in range(40)]))
+    for n, appended in enumerate(stored):
+        assert appended.partition == subengine.partition_for(f"k{n}", 4)
+
+
+def test_partition_function_is_the_same_in_python_and_sql(sql):
+    keys = ["", "a", "order-123", "ünïcødé ключ", "🙂", "x" * 1000] + [f"k{n}" for n in range(200)]
+    for partitions in (1, 2, 3, 8, 13, 4096):
+        rows = sql.execute(
+            "SELECT k, subengine.partition_for(k, %s) FROM unnest(%s::text[]) AS k",
+            (partitions, keys),
+        ).fetchall()
+        assert {k: p for k, p in rows} == {k: subengine.partition_for(k, partitions) for k in keys}
+
+
+def test_partition_function_is_stable():
+    # Changing the function would move existing keys to other partitions.
+    keys = ("a", "b", "order-1", "order-2", "order-3")
+    assert [subengine.partition_for(k, 8) for k in keys] == PINNED_8
+    assert [subengine.partition_for(k, 1000) for k in keys] == PINNED_1000
+
+
+def test_an_event_id_already_in_the_stream_is_not_stored_again(engine, orders, sql):
+    event_id = uuid.uuid4()
+    first = engine.append(orders, [NewEvent("order-1", "Placed", {}, id=event_id)])
+    again = engine.append(orders, [NewEvent("order-1", "Placed", {}, id=event_id)])
+    assert (again[0].partition, again[0].position) == (first[0].partition, first[0].position)
+    assert again[0].duplicate and not first[0].duplicate
+    assert sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0] == 1
+
+
+def test_a_repeated_id_within_one_call_is_stored_once(engine, orders, sql):
+    event_id = uuid.uuid4()
+    stored = engine.append(
+        orders,
+        [NewEvent("order-1", "A", {}, id=event_id), NewEvent("order-1", "B", {}, id=event_id)],
+    )
+    assert [a.duplicate for a in stored] == [False, True]
+    assert stored[0].position == stored[1].position
+    assert sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0] == 1
+
+
+def test_retrying_a_committed_append_with_expected_version_is_idempotent(engine, orders):
+    batch = [NewEvent("order-1", "Placed", {}, id=uuid.uuid4())]
+    first = engine.append(orders, batch, expected_version=0)
+    again = engine.append(orders, batch, expected_version=0)
+    assert again[0].position == first[0].position and again[0].duplicate
+
+
+def test_expected_version_is_checked_per_key(engine, orders):
+    engine.append(orders, events("a", "a", "b"))
+    stored = engine.append(orders, events("a", "b"), expected_version={"a": 2, "b": 1})
+    assert [a.key_version for a in stored] == [3, 2]
+    assert engine.append(orders, events("new"), expected_version=0)[0].key_version == 1
+
+
+def test_wrong_expected_version_names_the_key_and_writes_nothing(engine, orders, sql):
+    engine.append(orders, events("a", "a", "b"))
+    heads = engine.heads(orders)
+    before = sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0]
+    with pytest.raises(subengine.WrongExpectedVersion) as caught:
+        engine.append(orders, events("b", "a"), expected_version={"a": 2, "b": 0})
+    assert (caught.value.key, caught.value.expected, caught.value.actual) == ("b", 0, 1)
+    assert "'b'" in str(caught.value) and "version 1" in str(caught.value)
+    assert sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0] == before
+    assert engine.heads(orders) == heads
+
+
+def test_integer_expected_version_needs_a_single_key(engine, orders):
+    with pytest.raises(subengine.InvalidInput, match="mapping"):
+        engine.append(orders, events("a", "b"), expected_version=0)
+
+
+def test_occurred_at_and_metadata_are_kept(engine, orders):
+    when = datetime(2020, 5, 17, 12, 0, tzinfo=UTC)
+    engine.append(orders, [NewEvent("k", "T", [1, 2], metadata={"by": "me"}, occurred_at=when)])
+    [event] = engine.read(orders, subengine.partition_for("k", 4))
+    assert (event.data, event.metadata, event.occurred_at) == ([1, 2], {"by": "me"}, when)
+    assert event.recorded_at > when
+
+
+def test_append_joins_the_callers_psycopg_transaction(engine, orders, dsn):
+    with psycopg.connect(dsn) as conn:
+        subengine.append(conn, orders, events("k"))
+        conn.execute("CREATE TABLE app_state (n int)")
+        conn.rollback()
+    assert engine.heads(orders) == {0: 0, 1: 0, 2: 0, 3: 0}
+    with psycopg.connect(dsn) as conn:
+        stored = subengine.append(conn, orders, events("k"))
+        conn.commit()
+    assert engine.heads(orders)[stored[0].partition] == 1
+
+
+def test_append_joins_a_sqlalchemy_connection_transaction(engine, orders, dsn):
+    sa_engine = sqlalchemy.create_engine(
+        "postgresql+psycopg://", creator=lambda: psycopg.connect(dsn)
+    )
+    try:
+        with sa_engine.connect() as conn:
+            subengine.append(conn, orders, events("k"))
+            conn.rollback()
+        assert sum(engine.heads(orders).values()) == 0
+        with sa_engine.connect() as conn:
+            subengine.append(conn, orders, events("k"))
+            conn.execute(sqlalchemy.text("CREATE TABLE app_state (n int)"))
+            conn.commit()
+        assert sum(engine.heads(orders).values()) == 1
+    finally:
+        sa_engine.dispose()
+
+
+def test_append_joins_a_sqlalchemy_session_transaction(engine, orders, dsn):
+    sa_engine = sqlalchemy.create_engine(
+        "postgresql+psycopg://", creator=lambda: psycopg.connect(dsn)
+    )
+    try:
+        with Session(sa_engine) as session:
+            subengine.append(session, orders, events("k"))
+            session.rollback()
+        assert sum(engine.heads(orders).values()) == 0
+        with Session(sa_engine) as session:
+            subengine.append(session, orders, events("k", "k"))
+            session.commit()
+        assert sum(engine.heads(orders).values()) == 2
+    finally:
+        sa_engine.dispose()
+
+
+def test_plain_sql_can_append(engine, orders, sql):
+    row = sql.execute(
+        "SELECT partition, position, key_version, duplicate FROM subengine.append("
+        "'orders', 'order-9', 'Placed', '{\"total\": 3}')"
+    ).fetchone()
+    assert row == (subengine.partition_for("order-9", 4), 1, 1, False)
+    with pytest.raises(psycopg.Error, match="expected version 0"):
+        sql.execute(
+            "SELECT * FROM subengine.append('orders', 'order-9', 'Paid', '{}', "
+            "expected_version => 0)"
+        )
+    [event] = engine.read(orders, row[0])
+    assert (event.key, event.type, event.data) == ("order-9", "Placed", {"total": 3})
+
+
+def test_one_notification_per_partition_touched(engine, orders, dsn):
+    keys = [f"k{n}" for n in range(30)]
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute('LISTEN "subengine"')
+        stored = engine.append(orders, events(*keys))
+        received = [json.loads(n.payload) for n in listener.notifies(timeout=1.0, stop_after=10)]
+    heads = {}
+    for appended in stored:
+        heads[appended.partition] = max(heads.get(appended.partition, 0), appended.position)
+    assert sorted(received, key=lambda n: n["partition"]) == [
+        {"stream": "orders", "partition": p, "head": h} for p, h in sorted(heads.items())
+    ]
+
+
+def test_appending_nothing_is_a_no_op(engine, orders):
+    assert engine.append(orders, []) == []
+
+
+def test_two_schemas_share_a_database(dsn):
+    with subengine.Engine(dsn, schema="second") as other:
+        other.migrate()
+        other.create_stream("orders", partitions=2)
+        other.append("orders", events("k"))
+        assert sum(other.heads("orders").values()) == 1
+    with subengine.Engine(dsn) as default:
+        assert default.streams() == []

@@ -1,0 +1,199 @@
+"""Bad input gets a clear error naming the problem, and changes nothing."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from datetime import datetime
+
+import pytest
+from conftest import snapshot, subengine_command
+
+import subengine
+from subengine import NewEvent
+
+HOSTILE_NAMES = [
+    "orders'; DROP TABLE subengine.events; --",
+    'orders"',
+    "or ders",
+    "",
+    "-orders",
+    "x" * 10_000,
+    "orders\n",
+    "ördërs",
+]
+
+
+@pytest.fixture
+def stored(engine, orders):
+    """A stream with a few events, so that 'nothing changed' has something to keep."""
+    engine.append(orders, [NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
+    return orders
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_invalid_stream_names_are_refused_everywhere(engine, stored, sql, name):
+    before = snapshot(sql)
+    with pytest.raises(subengine.InvalidInput, match="invalid stream name"):
+        engine.create_stream(name, partitions=2)
+    with pytest.raises(subengine.InvalidInput, match="invalid stream name"):
+        engine.append(name, [NewEvent("k", "T", {})])
+    with pytest.raises(subengine.InvalidInput, match="invalid stream name"):
+        engine.read(name, 0)
+    assert snapshot(sql) == before
+
+
+def test_unknown_stream(engine, stored, sql):
+    before = snapshot(sql)
+    for call in (
+        lambda: engine.append("missing", [NewEvent("k", "T", {})]),
+        lambda: engine.read("missing", 0),
+        lambda: engine.heads("missing"),
+        lambda: engine.read_since("missing", datetime.now().astimezone()),
+    ):
+        with pytest.raises(subengine.StreamNotFound, match="stream 'missing' does not exist"):
+            call()
+    assert snapshot(sql) == before
+
+
+def test_unknown_partition(engine, stored):
+    for partition in (4, -1, 10**6):
+        with pytest.raises(subengine.PartitionNotFound, match=r"partitions 0\.\.3"):
+            engine.read(stored, partition)
+
+
+@pytest.mark.parametrize("partitions", [0, -1, 4097, True, "4", 2.5])
+def test_invalid_partition_counts(engine, sql, partitions):
+    before = snapshot(sql)
+    with pytest.raises(subengine.InvalidInput, match="partition count"):
+        engine.create_stream("new", partitions=partitions)
+    assert snapshot(sql) == before
+
+
+def test_creating_an_existing_stream_is_an_error(engine, stored, sql):
+    before = snapshot(sql)
+    with pytest.raises(subengine.StreamExists, match="exists already, with 4 partitions"):
+        engine.create_stream(stored, partitions=8)
+    assert snapshot(sql) == before
+
+
+BAD_EVENTS = [
+    (NewEvent("k", "T", {1, 2}), "data is not valid JSON"),
+    (NewEvent("k", "T", {"x": math.nan}), "data is not valid JSON"),
+    (NewEvent("k", "T", object()), "data is not valid JSON"),
+    (NewEvent("k", "T", {"x": "a\u0000b"}), "NUL"),
+    (NewEvent("k", "T", {}, metadata=[1]), "metadata must be a JSON object"),
+    (NewEvent("", "T", {}), "invalid event key"),
+    (NewEvent("k" * 10_000, "T", {}), "invalid event key"),
+    (NewEvent("k\x00", "T", {}), "invalid event key"),
+    (NewEvent("k", "", {}), "invalid event type"),
+    (NewEvent("k", " T", {}), "invalid event type"),
+    (NewEvent("k", "T" * 201, {}), "invalid event type"),
+    (NewEvent("k", "T", {}, id="not-a-uuid"), "id must be a UUID"),
+    (NewEvent("k", "T", {}, occurred_at=datetime(2020, 1, 1)), "time zone"),
+    ({"key": "k", "type": "T", "data": {}}, "not a NewEvent"),
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_EVENTS)
+def test_a_bad_event_fails_the_whole_append(engine, stored, sql, bad, message):
+    before = snapshot(sql)
+    with pytest.raises(subengine.InvalidEvent, match=message) as caught:
+        engine.append(stored, [NewEvent("good", "T", {}), bad])
+    assert caught.value.index == 1
+    assert str(caught.value).startswith("event 1: ")
+    assert snapshot(sql) == before
+
+
+def test_payload_over_the_limit(dsn, sql):
+    settings = subengine.Settings(dsn=dsn, max_event_bytes=1000)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=2)
+        engine.append("orders", [NewEvent("k", "T", {"s": "x" * 900})])
+        before = snapshot(sql)
+        with pytest.raises(subengine.InvalidEvent, match="over the limit of 1000"):
+            engine.append("orders", [NewEvent("k", "T", {"s": "x" * 1000})])
+        assert snapshot(sql) == before
+
+
+@pytest.mark.parametrize(
+    ("expected", "message"),
+    [
+        (-1, ">= 0"),
+        ({"other": 1}, "no event here"),
+        ("1", "int or a mapping"),
+        ({"k": 1.5}, ">= 0"),
+    ],
+)
+def test_invalid_expected_versions(engine, stored, sql, expected, message):
+    before = snapshot(sql)
+    with pytest.raises(subengine.InvalidInput, match=message):
+        engine.append(stored, [NewEvent("k", "T", {})], expected_version=expected)
+    assert snapshot(sql) == before
+
+
+@pytest.mark.parametrize("limit", [0, -5, True])
+def test_invalid_read_limits(engine, stored, limit):
+    with pytest.raises(subengine.InvalidInput, match="limit"):
+        engine.read(stored, 0, limit=limit)
+
+
+def run(env, *args, stdin=None):
+    return subprocess.run(
+        [subengine_command(), *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_bad_input_exits_non_zero_with_the_reason(engine, stored, sql, cli_env, tmp_path):
+    before = snapshot(sql)
+    cases = [
+        (["append", "missing", "--key", "k", "--type", "T", "--data", "{}"], "does not exist"),
+        (["append", "orders", "--key", "k", "--type", "T", "--data", "{oops"], "not valid JSON"),
+        (
+            ["append", "orders; DROP", "--key", "k", "--type", "T", "--data", "{}"],
+            "invalid stream name",
+        ),
+        (["read", "orders", "--partition", "9"], "no partition 9"),
+        (["read", "missing"], "does not exist"),
+        (["stream", "create", "x" * 10_000, "--partitions", "2"], "invalid stream name"),
+        (["stream", "create", "orders", "--partitions", "2"], "exists already"),
+        (["stream", "create", "fresh", "--partitions", "0"], "partition count"),
+    ]
+    for args, message in cases:
+        result = run(cli_env, *args)
+        assert result.returncode != 0, args
+        assert message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert snapshot(sql) == before
+
+
+def test_cli_malformed_jsonl_line_names_the_line_and_appends_nothing(
+    stored, sql, cli_env, tmp_path
+):
+    before = snapshot(sql)
+    good = '{"key": "a", "type": "T", "data": {}}'
+    files = {
+        "broken.jsonl": (f"{good}\n\n{good}\n{{not json\n{good}\n", "line 4"),
+        "missing.jsonl": (f'{good}\n{{"key": "a", "type": "T"}}\n', "line 2: missing 'data'"),
+        "unknown.jsonl": (
+            f'{good}\n{{"key": "a", "type": "T", "data": 1, "x": 2}}\n',
+            "line 2: unknown field(s) 'x'",
+        ),
+        "badkey.jsonl": (
+            f'{good}\n{good}\n{{"key": "", "type": "T", "data": 1}}\n',
+            "line 3: invalid event key",
+        ),
+        "empty.jsonl": ("\n\n", "holds no event"),
+    }
+    for name, (content, message) in files.items():
+        path = tmp_path / name
+        path.write_text(content)
+        result = run(cli_env, "append", "orders", "--file", str(path))
+        assert result.returncode == 1, (name, result.stderr)
+        assert message in result.stderr, (name, result.stderr)
+    assert snapshot(sql) == before
