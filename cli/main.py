@@ -62,6 +62,21 @@ def handles_errors(command: F) -> F:
 pass_context = click.make_pass_decorator(Context)
 
 
+class IsoTime(click.ParamType):
+    """An ISO 8601 time; one without a zone is taken as UTC."""
+
+    name = "TIME"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, datetime):
+            return value
+        try:
+            parsed = datetime.fromisoformat(value)
+        except ValueError:
+            self.fail(f"{value!r} is not an ISO 8601 time (e.g. 2026-11-21T10:00:00Z)", param, ctx)
+        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
 @click.group()
 @click.option("--dsn", envvar="SUBENGINE_DSN", help="PostgreSQL URL or conninfo [SUBENGINE_DSN].")
 @click.option("--schema", envvar="SUBENGINE_SCHEMA", help="Schema of subengine's objects.")
@@ -235,7 +250,7 @@ def append(
 @click.option("--after", type=int, default=0, show_default=True, help="Start after position.")
 @click.option(
     "--since",
-    type=click.DateTime(formats=None),
+    type=IsoTime(),
     help="Read by recorded time across partitions (ISO 8601; UTC unless it names a zone).",
 )
 @click.option("--limit", type=click.IntRange(min=1), help="At most this many events.")
@@ -257,8 +272,6 @@ def read(
     if since is not None:
         if partition is not None or after:
             raise click.UsageError("--since cannot be combined with --partition or --after")
-        if since.tzinfo is None:
-            since = since.replace(tzinfo=UTC)
         events = engine.read_since(stream_name, since, limit)
     elif partition is not None:
         events = engine.read(stream_name, partition, after, limit)

@@ -1,0 +1,162 @@
+"""The `subengine` command, run as a process against the test database."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from conftest import subengine_command
+
+import subengine
+
+
+def run(env, *args, stdin=None, ok=True):
+    result = subprocess.run(
+        [subengine_command(), *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if ok:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_migrate_reports_the_revision(cli_env):
+    assert "is at revision 0001" in run(cli_env, "migrate").stdout
+
+
+def test_stream_create_list_and_show(cli_env):
+    assert (
+        "created stream 'orders' with 3 partitions"
+        in run(cli_env, "stream", "create", "orders", "--partitions", "3").stdout
+    )
+    run(cli_env, "stream", "create", "audit", "--partitions", "1")
+    listed = run(cli_env, "stream", "list").stdout.splitlines()
+    assert [line.split()[:2] for line in listed] == [
+        ["stream", "partitions"],
+        ["audit", "1"],
+        ["orders", "3"],
+    ]
+    as_json = [
+        json.loads(line) for line in run(cli_env, "stream", "list", "--json").stdout.splitlines()
+    ]
+    assert [(s["name"], s["partitions"]) for s in as_json] == [("audit", 1), ("orders", 3)]
+    shown = run(cli_env, "stream", "show", "orders").stdout.splitlines()
+    assert [line.split()[:2] for line in shown[1:]] == [["0", "0"], ["1", "0"], ["2", "0"]]
+
+
+def test_append_one_event_and_read_it_back(cli_env, engine, orders):
+    event_id = str(uuid.uuid4())
+    args = ["append", "orders", "--key", "order-1", "--type", "OrderPlaced"]
+    out = run(
+        cli_env, *args, "--data", '{"total": 5}', "--metadata", '{"by": "cli"}', "--id", event_id
+    ).stdout
+    partition = subengine.partition_for("order-1", 4)
+    assert f"partition {partition} position 1 key version 1 id {event_id}" in out
+    again = run(cli_env, *args, "--data", '{"total": 5}', "--id", event_id)
+    assert "already stored" in again.stdout
+    [event] = engine.read("orders", partition)
+    assert (event.id, event.data, event.metadata) == (
+        uuid.UUID(event_id),
+        {"total": 5},
+        {"by": "cli"},
+    )
+    lines = run(cli_env, "read", "orders", "--partition", str(partition), "--json").stdout
+    [read] = [json.loads(line) for line in lines.splitlines()]
+    assert read["id"] == event_id and read["data"] == {"total": 5} and read["position"] == 1
+
+
+def test_append_with_expected_version(cli_env, engine, orders):
+    args = ["append", "orders", "--key", "k", "--type", "T", "--data", "{}"]
+    run(cli_env, *args, "--expected-version", "0")
+    failed = run(cli_env, *args, "--expected-version", "0", ok=False)
+    assert failed.returncode == 1
+    assert "is at version 1, but the append expected version 0" in failed.stderr
+    assert sum(engine.heads("orders").values()) == 1
+
+
+def test_append_a_jsonl_file_in_one_transaction(cli_env, engine, orders, tmp_path):
+    lines = [
+        json.dumps(
+            {
+                "key": f"order-{n % 5}",
+                "type": "Step",
+                "data": {"n": n},
+                "occurred_at": "2026-01-02T03:04:05+00:00",
+            }
+        )
+        for n in range(50)
+    ]
+    path = tmp_path / "events.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    result = run(cli_env, "append", "orders", "--file", str(path))
+    assert "appended 50 event(s), 0 already stored" in result.stderr
+    assert len(result.stdout.splitlines()) == 50
+    assert sum(engine.heads("orders").values()) == 50
+    stored = [e for p in range(4) for e in engine.read("orders", p)]
+    assert {e.occurred_at for e in stored} == {datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)}
+
+
+def test_append_jsonl_from_stdin(cli_env, engine, orders):
+    stdin = '{"key": "a", "type": "T", "data": 1}\n{"key": "b", "type": "T", "data": 2}\n'
+    run(cli_env, "append", "orders", "--file", "-", stdin=stdin)
+    assert sum(engine.heads("orders").values()) == 2
+
+
+def test_read_by_partition_after_and_limit(cli_env, engine, orders):
+    engine.append("orders", [subengine.NewEvent("k", "T", {"n": n}) for n in range(10)])
+    partition = subengine.partition_for("k", 4)
+    out = run(
+        cli_env,
+        "read",
+        "orders",
+        "--partition",
+        str(partition),
+        "--after",
+        "4",
+        "--limit",
+        "3",
+        "--json",
+    ).stdout
+    assert [json.loads(line)["position"] for line in out.splitlines()] == [5, 6, 7]
+    table = run(cli_env, "read", "orders", "--partition", str(partition), "--limit", "2").stdout
+    assert table.splitlines()[0].split()[:3] == ["partition", "position", "key"]
+    assert len(table.splitlines()) == 3
+
+
+def test_read_every_partition_and_since(cli_env, engine, orders):
+    engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {"n": n}) for n in range(12)])
+    everything = run(cli_env, "read", "orders", "--json").stdout.splitlines()
+    assert len(everything) == 12
+    assert sorted(json.loads(line)["data"]["n"] for line in everything) == list(range(12))
+    limited = run(cli_env, "read", "orders", "--limit", "5", "--json").stdout.splitlines()
+    assert len(limited) == 5
+    since = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
+    recent = run(cli_env, "read", "orders", "--since", since, "--json").stdout.splitlines()
+    assert len(recent) == 12
+    future = (datetime.now(UTC) + timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%S")
+    assert run(cli_env, "read", "orders", "--since", future, "--json").stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["read", "orders", "--since", "2026-01-01", "--partition", "1"],
+        ["append", "orders", "--key", "k"],
+        ["append", "orders", "--file", "x.jsonl", "--key", "k"],
+    ],
+)
+def test_conflicting_or_missing_options_are_usage_errors(cli_env, orders, args):
+    result = run(cli_env, *args, ok=False)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+
+
+def test_db_url_prints_the_configured_dsn(cli_env, dsn):
+    assert run(cli_env, "db", "url").stdout.strip() == dsn

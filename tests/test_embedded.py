@@ -1,0 +1,72 @@
+"""The embedded default: with no DSN, subengine runs its own PostgreSQL in SUBENGINE_HOME."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import psycopg
+import pytest
+from conftest import subengine_command
+
+import subengine
+from subengine import _embedded
+
+
+@pytest.fixture
+def embedded_env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBENGINE_")}
+    env["SUBENGINE_HOME"] = str(tmp_path / "home")
+    yield env
+    _embedded.stop_embedded(tmp_path / "home")
+
+
+def run(env, *args):
+    return subprocess.run(
+        [subengine_command(), *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_commands_start_reuse_and_stop_the_embedded_server(embedded_env, tmp_path):
+    home = tmp_path / "home"
+    first = run(embedded_env, "db", "url")
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count("using the embedded PostgreSQL") == 1
+    url = first.stdout.strip()
+    with psycopg.connect(url) as conn:
+        backend_started = conn.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
+    assert _embedded.is_running(home)
+
+    second = run(embedded_env, "db", "url")
+    assert second.stdout.strip() == url
+    with psycopg.connect(url) as conn:  # the same server, not a new one
+        assert conn.execute("SELECT pg_postmaster_start_time()").fetchone()[0] == backend_started
+
+    stopped = run(embedded_env, "db", "stop")
+    assert "stopped the embedded PostgreSQL" in stopped.stdout
+    assert not _embedded.is_running(home)
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(url, connect_timeout=2)
+    assert "no embedded PostgreSQL is running" in run(embedded_env, "db", "stop").stdout
+
+
+def test_the_demo_runs_on_the_embedded_server(embedded_env):
+    result = run(embedded_env, "demo", "--events", "300")
+    assert result.returncode == 0, result.stderr
+    assert "check passed" in result.stdout
+    assert "appended 300 events" in result.stdout
+    again = run(embedded_env, "demo", "--events", "100")  # reuses the server and the stream
+    assert again.returncode == 0, again.stderr
+    assert "check passed" in again.stdout
+
+
+def test_engine_without_dsn_uses_the_embedded_server(tmp_path):
+    settings = subengine.Settings(home=tmp_path / "home")
+    try:
+        with subengine.Engine(settings=settings) as engine:
+            assert engine.embedded
+            engine.migrate()
+            engine.create_stream("s", partitions=1)
+            assert engine.append("s", [subengine.NewEvent("k", "T", {})])[0].position == 1
+    finally:
+        _embedded.stop_embedded(tmp_path / "home")

@@ -1,0 +1,92 @@
+"""Settings: one typed object, every setting with a default and an environment variable."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import subengine
+from subengine import Settings
+
+
+def test_defaults():
+    settings = Settings.from_env({})
+    assert settings.dsn is None
+    assert settings.home == Path(".subengine")
+    assert settings.schema == "subengine"
+    assert settings.max_event_bytes == 1_048_576
+
+
+def test_environment_values_are_parsed_by_type():
+    settings = Settings.from_env(
+        {
+            "SUBENGINE_DSN": "postgresql://x/y",
+            "SUBENGINE_HOME": "/tmp/h",
+            "SUBENGINE_SCHEMA": "other",
+            "SUBENGINE_MAX_EVENT_BYTES": "2048",
+            "SUBENGINE_CONNECT_TIMEOUT": "2.5",
+        }
+    )
+    assert (settings.dsn, settings.home, settings.schema) == (
+        "postgresql://x/y",
+        Path("/tmp/h"),
+        "other",
+    )
+    assert (settings.max_event_bytes, settings.connect_timeout) == (2048, 2.5)
+
+
+def test_overrides_win_over_the_environment():
+    settings = Settings.from_env({"SUBENGINE_SCHEMA": "env"}, schema="given", dsn=None)
+    assert settings.schema == "given"
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        (
+            {"SUBENGINE_MAX_EVENT_BYTES": "lots"},
+            "SUBENGINE_MAX_EVENT_BYTES='lots' is not a valid int",
+        ),
+        ({"SUBENGINE_MAX_EVENT_BYTES": "0"}, "max_event_bytes must be at least 1"),
+        ({"SUBENGINE_SCHEMA": 'x"; drop'}, "invalid schema name"),
+        ({"SUBENGINE_SCHEMA": "Upper"}, "invalid schema name"),
+        ({"SUBENGINE_CONNECT_TIMEOUT": "-1"}, "connect_timeout must be positive"),
+        ({"SUBENGINE_POOL_MIN_SIZE": "5", "SUBENGINE_POOL_MAX_SIZE": "2"}, "pool_max_size"),
+    ],
+)
+def test_invalid_settings_are_refused(environ, message):
+    with pytest.raises(subengine.ConfigurationError, match=message):
+        Settings.from_env(environ)
+
+
+def test_every_setting_has_an_environment_variable_and_a_description():
+    described = list(Settings.describe())
+    assert [name for name, *_ in described] == [f.name for f in dataclasses.fields(Settings)]
+    for name, env, _default, doc in described:
+        assert env == "SUBENGINE_" + name.upper()
+        assert doc
+
+
+def test_the_readme_configuration_table_lists_every_setting():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for name, env, default, _doc in Settings.describe():
+        row = next((line for line in readme.splitlines() if line.startswith(f"| {name} |")), None)
+        assert row is not None, f"README has no row for {name}"
+        assert f"`{env}`" in row
+        assert (f"`{default}`" in row) or (default == "unset" and "unset" in row)
+
+
+def test_invalid_dsn_is_a_configuration_error():
+    with pytest.raises(subengine.ConfigurationError, match="invalid DSN"):
+        subengine.Engine("host=x port")
+
+
+def test_unreachable_database_fails_with_the_reason():
+    settings = Settings(dsn="postgresql://nobody@127.0.0.1:1/none", connect_timeout=1)
+    with (
+        subengine.Engine(settings=settings) as engine,
+        pytest.raises(subengine.DatabaseUnavailable, match="could not connect"),
+    ):
+        engine.streams()
