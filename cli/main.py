@@ -33,12 +33,6 @@ class Context:
 
     def engine(self) -> subengine.Engine:
         if self._engine is None:
-            if self.settings.dsn is None:
-                click.echo(
-                    f"subengine: no SUBENGINE_DSN or --dsn given; using the embedded PostgreSQL "
-                    f"in {self.settings.home} (stop it with `subengine db stop`)",
-                    err=True,
-                )
             self._engine = subengine.Engine(settings=self.settings)
         return self._engine
 

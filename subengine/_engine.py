@@ -31,6 +31,8 @@ from subengine._settings import Settings
 
 log = logging.getLogger("subengine")
 
+_announced_homes: set[str] = set()
+
 
 class DatabaseUnavailable(SubengineError):
     """PostgreSQL could not be reached within the connect timeout."""
@@ -56,7 +58,7 @@ class Engine:
         self.embedded = self.settings.dsn is None
         if self.settings.dsn is None:
             self.dsn = _embedded.embedded_url(self.settings.home)
-            log.info("using the embedded PostgreSQL in %s", self.settings.home)
+            self._announce_embedded()
         else:
             self.dsn = self.settings.dsn
             try:
@@ -72,6 +74,18 @@ class Engine:
             name="subengine",
             open=True,
         )
+
+    def _announce_embedded(self) -> None:
+        # A warning, so that it reaches stderr even where logging is not configured: a
+        # production deployment that forgot SUBENGINE_DSN should notice. Once per process.
+        home = str(self.settings.home)
+        if home not in _announced_homes:
+            _announced_homes.add(home)
+            log.warning(
+                "subengine: no SUBENGINE_DSN or dsn given; using the embedded PostgreSQL in %s "
+                "(stop it with `subengine db stop`)",
+                home,
+            )
 
     def close(self) -> None:
         """Close every connection of the pool."""
