@@ -93,6 +93,10 @@ CREATE FUNCTION append_events(
 )
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+-- Every statement below has the same good plan whatever the arguments (index lookups by
+-- stream and key, id or partition); re-planning them on every call would cost more than
+-- running them.
+SET plan_cache_mode = force_generic_plan
 AS $function$
 #variable_conflict use_column
 DECLARE
@@ -178,7 +182,7 @@ BEGIN
     stored AS (
         SELECT e.id, e.partition, e.position, e.key_version
           FROM events e
-         WHERE e.stream = stream_name AND e.id IN (SELECT input.id FROM input)
+         WHERE e.stream = stream_name AND e.id = ANY (event_ids)
     ),
     fresh AS (
         -- the first occurrence of each id not stored yet
