@@ -178,6 +178,7 @@ def append_prepared(
         if translated is None:
             raise
         raise translated from error
+    rows.sort()  # by ordinal: duplicates come back after the events stored now
     return [Appended(row[1], row[2], row[3], row[4], row[5]) for row in rows]
 
 

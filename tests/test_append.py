@@ -207,3 +207,37 @@ def test_two_schemas_share_a_database(dsn):
         assert sum(other.heads("orders").values()) == 1
     with subengine.Engine(dsn) as default:
         assert default.streams() == []
+
+
+def test_a_retry_mixing_stored_and_new_events_stays_dense(engine, orders, dsn):
+    first = [NewEvent(f"k{n}", "First", {}, id=uuid.uuid4()) for n in range(6)]
+    engine.append(orders, first)
+    states_before = {s.partition: s for s in engine.partitions(orders)}
+    fresh = [NewEvent(f"k{n}", "Second", {}, id=uuid.uuid4()) for n in (0, 1)]
+    batch = [first[0], fresh[0], first[3], fresh[1], fresh[0], first[5]]
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute('LISTEN "subengine"')
+        stored = engine.append(orders, batch)
+        notified = {json.loads(n.payload)["partition"] for n in listener.notifies(timeout=0.5)}
+    assert [a.duplicate for a in stored] == [True, False, True, False, True, True]
+    assert stored[4].position == stored[1].position  # the repeat points at its first copy
+    assert [a.key_version for a in stored] == [1, 2, 1, 2, 2, 1]
+    new_partitions = {stored[1].partition, stored[3].partition}
+    assert notified == new_partitions
+    for state in engine.partitions(orders):
+        before = states_before[state.partition]
+        positions = [e.position for e in engine.read(orders, state.partition)]
+        assert positions == list(range(1, state.head + 1))
+        if state.partition in new_partitions:
+            assert state.head > before.head
+        else:
+            assert (state.head, state.head_time) == (before.head, before.head_time)
+
+
+def test_an_append_of_only_stored_events_changes_nothing(engine, orders, sql):
+    first = [NewEvent(f"k{n}", "First", {}, id=uuid.uuid4()) for n in range(5)]
+    engine.append(orders, first)
+    before = engine.partitions(orders)
+    again = engine.append(orders, first[::-1])
+    assert all(a.duplicate for a in again)
+    assert engine.partitions(orders) == before

@@ -69,10 +69,11 @@ RETURN (((('x' || left(md5(key), 16))::bit(64)::bigint) & 9223372036854775807) %
 
 -- Append events to a stream inside the caller's transaction. Arrays are parallel: one
 -- element per event. NULL ids get a random UUID; NULL occurred_at gets the time of
--- append. An id already in the stream is not stored again: its row reports the stored
--- event with duplicate = true. expected_keys/expected_versions pair each key with the
--- version it must have before the append (0: no event yet); a mismatch raises SQLSTATE
--- SE409 and writes nothing. An unknown stream raises SE404.
+-- append. An id already in the stream (or earlier in the same call) is not stored again:
+-- its row reports the stored event with duplicate = true. expected_keys/expected_versions
+-- pair each key with the version it must have before the append (0: no event yet); a
+-- mismatch raises SQLSTATE SE409 and writes nothing. An unknown stream raises SE404.
+-- Rows come back in no particular order; `ordinal` (from 1) says which event each is.
 CREATE FUNCTION append_events(
     stream_name         text,
     event_ids           uuid[],
@@ -100,10 +101,18 @@ SET plan_cache_mode = force_generic_plan
 AS $function$
 #variable_conflict use_column
 DECLARE
-    partition_count integer;
-    event_count     integer := coalesce(cardinality(event_keys), 0);
-    recorded        timestamptz;
-    mismatch        record;
+    partition_count  integer;
+    event_count      integer := coalesce(cardinality(event_keys), 0);
+    event_ordinals   integer[];     -- which events are stored: 1..n unless some are duplicates
+    event_partitions integer[];
+    touched          integer[];     -- the partitions this call appends to, ascending
+    touched_counts   bigint[];      -- how many events each of them receives
+    old_heads        bigint[];
+    lock_times       timestamptz[]; -- recorded_at of each touched partition's new events
+    old_head         bigint;
+    lock_time        timestamptz;
+    mismatch         record;
+    i                integer;
 BEGIN
     SELECT s.partitions INTO partition_count FROM streams s WHERE s.name = stream_name;
     IF NOT FOUND THEN
@@ -112,10 +121,7 @@ BEGIN
             MESSAGE = format('stream %L does not exist', stream_name),
             HINT = 'create it with `subengine stream create NAME --partitions N`';
     END IF;
-    IF event_ids IS NULL THEN
-        event_ids := array_fill(NULL::uuid, ARRAY[event_count]);
-    END IF;
-    IF coalesce(cardinality(event_ids), 0) <> event_count
+    IF coalesce(cardinality(event_ids), event_count) <> event_count
        OR coalesce(cardinality(event_types), 0) <> event_count
        OR coalesce(cardinality(event_data), 0) <> event_count
        OR coalesce(cardinality(event_metadata), event_count) <> event_count
@@ -129,22 +135,67 @@ BEGIN
     IF event_count = 0 THEN
         RETURN;
     END IF;
-    IF array_position(event_ids, NULL) IS NOT NULL THEN
-        event_ids := ARRAY(SELECT coalesce(i, gen_random_uuid()) FROM unnest(event_ids) AS i);
+    IF event_ids IS NULL OR array_position(event_ids, NULL) IS NOT NULL THEN
+        event_ids := ARRAY(SELECT coalesce(event_ids[n], gen_random_uuid())
+                             FROM generate_series(1, event_count) AS n ORDER BY n);
     END IF;
 
-    -- Lock the touched heads in ascending partition order: appends to one partition
-    -- serialise here until commit, and two multi-partition appends cannot deadlock.
-    PERFORM 1 FROM partitions pt
-     WHERE pt.stream = stream_name
-       AND pt.partition IN (SELECT partition_for(k, partition_count) FROM unnest(event_keys) AS k)
-     ORDER BY pt.partition
-       FOR UPDATE;
-    -- Taken after the lock, so recorded_at never decreases along a partition.
-    recorded := clock_timestamp();
+    -- Each event's partition, and which events to store: all of them, unless an id repeats
+    -- an earlier one of this call. Ids stored by earlier calls are looked up under the
+    -- partition locks below.
+    event_partitions := ARRAY(
+        SELECT partition_for(event_keys[n], partition_count)
+          FROM generate_series(1, event_count) AS n ORDER BY n);
+    IF event_count > 1 AND (SELECT count(DISTINCT x) FROM unnest(event_ids) AS x) < event_count THEN
+        event_ordinals := ARRAY(
+            SELECT min(n) FROM generate_series(1, event_count) AS n
+             GROUP BY event_ids[n] ORDER BY 1);
+    ELSE
+        event_ordinals := ARRAY(SELECT generate_series(1, event_count));
+    END IF;
+    SELECT array_agg(p ORDER BY p), array_agg(c ORDER BY p)
+      INTO touched, touched_counts
+      FROM (SELECT event_partitions[n] AS p, count(*) AS c
+              FROM unnest(event_ordinals) AS n GROUP BY 1) AS per_partition;
+
+    -- Lock and advance the touched heads in ascending partition order: appends to one
+    -- partition serialise here until commit (positions are dense and commit in order), and
+    -- two multi-partition appends cannot deadlock. head_time, set after the lock is held,
+    -- never decreases along a partition; it becomes the new events' recorded_at.
+    old_heads := '{}';
+    lock_times := '{}';
+    FOR i IN 1 .. cardinality(touched) LOOP
+        UPDATE partitions pt
+           SET head = pt.head + touched_counts[i], head_time = clock_timestamp()
+         WHERE pt.stream = stream_name AND pt.partition = touched[i]
+        RETURNING pt.head - touched_counts[i], pt.head_time INTO old_head, lock_time;
+        old_heads[i] := old_head;
+        lock_times[i] := lock_time;
+    END LOOP;
 
     -- From here on every statement sees what earlier appends to these partitions
     -- committed (READ COMMITTED takes a new snapshot per statement).
+    IF EXISTS (SELECT 1 FROM events e WHERE e.stream = stream_name AND e.id = ANY (event_ids)) THEN
+        -- A retried append: keep only events whose id is new, give back the positions
+        -- reserved for the others.
+        event_ordinals := ARRAY(
+            SELECT n FROM unnest(event_ordinals) AS n
+             WHERE NOT EXISTS (SELECT 1 FROM events e
+                                WHERE e.stream = stream_name AND e.id = event_ids[n])
+             ORDER BY n);
+        FOR i IN 1 .. cardinality(touched) LOOP
+            touched_counts[i] := (SELECT count(*) FROM unnest(event_ordinals) AS n
+                                   WHERE event_partitions[n] = touched[i]);
+            UPDATE partitions pt
+               SET head = old_heads[i] + touched_counts[i],
+                   head_time = CASE WHEN touched_counts[i] > 0 THEN pt.head_time ELSE
+                                   (SELECT e.recorded_at FROM events e
+                                     WHERE e.stream = stream_name AND e.partition = touched[i]
+                                       AND e.position = old_heads[i]) END
+             WHERE pt.stream = stream_name AND pt.partition = touched[i];
+        END LOOP;
+    END IF;
+
     IF cardinality(expected_keys) > 0 THEN
         SELECT x.key, x.expected, coalesce(current_version.v, 0) AS actual
           INTO mismatch
@@ -154,11 +205,7 @@ BEGIN
                  WHERE e.stream = stream_name AND e.key = x.key) AS current_version
          WHERE coalesce(current_version.v, 0) IS DISTINCT FROM x.expected
            -- a key whose events are all stored already is a retried append: no check
-           AND EXISTS (
-                SELECT 1 FROM unnest(event_keys, event_ids) AS i(key, id)
-                 WHERE i.key = x.key
-                   AND NOT EXISTS (
-                        SELECT 1 FROM events d WHERE d.stream = stream_name AND d.id = i.id))
+           AND x.key IN (SELECT event_keys[n] FROM unnest(event_ordinals) AS n)
          LIMIT 1;
         IF FOUND THEN
             RAISE EXCEPTION USING
@@ -171,71 +218,44 @@ BEGIN
     END IF;
 
     RETURN QUERY
-    WITH input AS (
-        SELECT i.ordinal::integer AS ordinal, i.id, i.key, i.type, i.data, i.metadata,
-               i.occurred_at, partition_for(i.key, partition_count) AS partition
-          FROM unnest(event_ids, event_keys, event_types, event_data,
-                      coalesce(event_metadata, array_fill(NULL::jsonb, ARRAY[event_count])),
-                      coalesce(event_occurred_at, array_fill(NULL::timestamptz, ARRAY[event_count])))
-               WITH ORDINALITY AS i(id, key, type, data, metadata, occurred_at, ordinal)
-    ),
-    stored AS (
-        SELECT e.id, e.partition, e.position, e.key_version
-          FROM events e
-         WHERE e.stream = stream_name AND e.id = ANY (event_ids)
-    ),
-    fresh AS (
-        -- the first occurrence of each id not stored yet
-        SELECT DISTINCT ON (input.id) input.*
-          FROM input
-         WHERE NOT EXISTS (SELECT 1 FROM stored WHERE stored.id = input.id)
-         ORDER BY input.id, input.ordinal
-    ),
-    key_versions AS (
-        SELECT k.key, coalesce((SELECT max(e.key_version) FROM events e
-                                 WHERE e.stream = stream_name AND e.key = k.key), 0) AS version
-          FROM (SELECT DISTINCT fresh.key FROM fresh) AS k
-    ),
-    numbered AS (
-        SELECT f.ordinal, f.id, f.key, f.type, f.data, f.metadata, f.occurred_at, f.partition,
-               pt.head + row_number() OVER (PARTITION BY f.partition ORDER BY f.ordinal) AS position,
-               kv.version + row_number() OVER (PARTITION BY f.key ORDER BY f.ordinal) AS key_version
-          FROM fresh f
-          JOIN partitions pt ON pt.stream = stream_name AND pt.partition = f.partition
-          JOIN key_versions kv ON kv.key = f.key
+    WITH numbered AS (
+        SELECT n AS ordinal, event_ids[n] AS id, event_keys[n] AS key, event_partitions[n] AS partition,
+               h.old_head + row_number() OVER (PARTITION BY event_partitions[n] ORDER BY n) AS position,
+               kv.version + row_number() OVER (PARTITION BY event_keys[n] ORDER BY n) AS key_version,
+               h.recorded
+          FROM unnest(event_ordinals) AS n
+          JOIN unnest(touched, old_heads, lock_times) AS h(partition, old_head, recorded)
+            ON h.partition = event_partitions[n]
+         CROSS JOIN LATERAL (
+                SELECT coalesce(max(e.key_version), 0) AS version FROM events e
+                 WHERE e.stream = stream_name AND e.key = event_keys[n]) AS kv
     ),
     inserted AS (
         INSERT INTO events (stream, partition, position, id, key, key_version, type, data,
                             metadata, occurred_at, recorded_at)
-        SELECT stream_name, n.partition, n.position, n.id, n.key, n.key_version, n.type, n.data,
-               coalesce(n.metadata, '{}'::jsonb), coalesce(n.occurred_at, recorded), recorded
+        SELECT stream_name, n.partition, n.position, n.id, n.key, n.key_version,
+               event_types[n.ordinal], event_data[n.ordinal],
+               coalesce(event_metadata[n.ordinal], '{}'::jsonb),
+               coalesce(event_occurred_at[n.ordinal], n.recorded), n.recorded
           FROM numbered n
-    ),
-    moved AS (
-        UPDATE partitions pt
-           SET head = top.head, head_time = recorded
-          FROM (SELECT n.partition, max(n.position) AS head FROM numbered n GROUP BY n.partition) AS top
-         WHERE pt.stream = stream_name AND pt.partition = top.partition
-        RETURNING pt.partition, pt.head
-    ),
-    notified AS (
-        -- one notification per partition touched; the channel is the schema's name
-        SELECT count(pg_notify(current_schema(),
-                               json_build_object('stream', stream_name, 'partition', moved.partition,
-                                                 'head', moved.head)::text)) AS sent
-          FROM moved
     )
-    SELECT input.ordinal,
-           coalesce(n.partition, s.partition),
-           coalesce(n.position, s.position),
-           input.id,
-           coalesce(n.key_version, s.key_version),
-           n.ordinal IS DISTINCT FROM input.ordinal
-      FROM input
-      LEFT JOIN numbered n ON n.id = input.id
-      LEFT JOIN stored s ON s.id = input.id
-     CROSS JOIN notified  -- referenced so that the notifications are sent
-     ORDER BY input.ordinal;
+    SELECT n.ordinal, n.partition, n.position, n.id, n.key_version, false FROM numbered n;
+
+    IF cardinality(event_ordinals) < event_count THEN
+        -- the duplicates: point at the stored event (stored earlier, or just now)
+        RETURN QUERY
+        SELECT n, e.partition, e.position, e.id, e.key_version, true
+          FROM generate_series(1, event_count) AS n
+          JOIN events e ON e.stream = stream_name AND e.id = event_ids[n]
+         WHERE n <> ALL (event_ordinals);
+    END IF;
+
+    -- one notification per partition that received events; the channel is the schema's name
+    PERFORM pg_notify(current_schema(),
+                      json_build_object('stream', stream_name, 'partition', t.p,
+                                        'head', t.old_head + t.c)::text)
+       FROM unnest(touched, old_heads, touched_counts) AS t(p, old_head, c)
+      WHERE t.c > 0;
 END
 $function$;
 
