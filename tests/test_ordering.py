@@ -142,6 +142,8 @@ def test_concurrent_appends_are_dense_ordered_and_never_skipped_by_a_tailing_rea
             assert seen[partition] == list(range(1, head + 1)), "the tail skipped an event"
             stored = engine.read("orders", partition, limit=head)
             assert [e.position for e in stored] == list(range(1, head + 1))
+            recorded = [e.recorded_at for e in stored]
+            assert recorded == sorted(recorded), "recorded_at went back along a partition"
             for event in stored:
                 versions[event.key].append(event.key_version)
                 per_writer[event.data["thread"], event.key].append(event.data["n"])
