@@ -9,6 +9,7 @@ subengine's migrations have already been applied to.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -128,3 +129,17 @@ def snapshot(sql: psycopg.Connection[Any]) -> tuple[Any, ...]:
 def subengine_command() -> str:
     """The installed `subengine` console script of this interpreter's environment."""
     return str(Path(sys.executable).parent / "subengine")
+
+
+def run_subengine(
+    env: dict[str, str], *args: str, stdin: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run the `subengine` command as a process and capture what it prints."""
+    return subprocess.run(
+        [subengine_command(), *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

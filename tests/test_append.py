@@ -131,39 +131,46 @@ def test_append_joins_the_callers_psycopg_transaction(engine, orders, dsn):
     assert engine.heads(orders)[stored[0].partition] == 1
 
 
-def test_append_joins_a_sqlalchemy_connection_transaction(engine, orders, dsn):
+@pytest.fixture
+def sa_engine(dsn):
     sa_engine = sqlalchemy.create_engine(
         "postgresql+psycopg://", creator=lambda: psycopg.connect(dsn)
     )
-    try:
-        with sa_engine.connect() as conn:
-            subengine.append(conn, orders, events("k"))
-            conn.rollback()
-        assert sum(engine.heads(orders).values()) == 0
-        with sa_engine.connect() as conn:
-            subengine.append(conn, orders, events("k"))
-            conn.execute(sqlalchemy.text("CREATE TABLE app_state (n int)"))
-            conn.commit()
-        assert sum(engine.heads(orders).values()) == 1
-    finally:
-        sa_engine.dispose()
+    yield sa_engine
+    sa_engine.dispose()
 
 
-def test_append_joins_a_sqlalchemy_session_transaction(engine, orders, dsn):
-    sa_engine = sqlalchemy.create_engine(
-        "postgresql+psycopg://", creator=lambda: psycopg.connect(dsn)
-    )
-    try:
-        with Session(sa_engine) as session:
-            subengine.append(session, orders, events("k"))
-            session.rollback()
-        assert sum(engine.heads(orders).values()) == 0
-        with Session(sa_engine) as session:
-            subengine.append(session, orders, events("k", "k"))
-            session.commit()
-        assert sum(engine.heads(orders).values()) == 2
-    finally:
-        sa_engine.dispose()
+def test_append_joins_a_sqlalchemy_connection_transaction(engine, orders, sa_engine):
+    with sa_engine.connect() as conn:
+        subengine.append(conn, orders, events("k"))
+        conn.rollback()
+    assert sum(engine.heads(orders).values()) == 0
+    with sa_engine.connect() as conn:
+        subengine.append(conn, orders, events("k"))
+        conn.execute(sqlalchemy.text("CREATE TABLE app_state (n int)"))
+        conn.commit()
+    assert sum(engine.heads(orders).values()) == 1
+
+
+def test_append_joins_a_sqlalchemy_session_transaction(engine, orders, sa_engine):
+    with Session(sa_engine) as session:
+        subengine.append(session, orders, events("k"))
+        session.rollback()
+    assert sum(engine.heads(orders).values()) == 0
+    with Session(sa_engine) as session:
+        subengine.append(session, orders, events("k", "k"))
+        session.commit()
+    assert sum(engine.heads(orders).values()) == 2
+
+
+def test_append_on_a_fresh_sqlalchemy_connection_commits_with_it(engine, orders, sa_engine):
+    # No statement ran before the append: SQLAlchemy had not begun a transaction yet,
+    # and the caller's commit() must still commit the appended events.
+    with sa_engine.connect() as conn:
+        assert not conn.in_transaction()
+        subengine.append(conn, orders, events("k"))
+        conn.commit()
+    assert sum(engine.heads(orders).values()) == 1
 
 
 def test_plain_sql_can_append(engine, orders, sql):

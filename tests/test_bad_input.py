@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import subprocess
 from datetime import datetime
 
 import pytest
-from conftest import snapshot, subengine_command
+from conftest import run_subengine as run
+from conftest import snapshot
 
 import subengine
 from subengine import NewEvent
@@ -136,17 +136,6 @@ def test_invalid_expected_versions(engine, stored, sql, expected, message):
 def test_invalid_read_limits(engine, stored, limit):
     with pytest.raises(subengine.InvalidInput, match="limit"):
         engine.read(stored, 0, limit=limit)
-
-
-def run(env, *args, stdin=None):
-    return subprocess.run(
-        [subengine_command(), *args],
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_cli_bad_input_exits_non_zero_with_the_reason(engine, stored, sql, cli_env, tmp_path):

@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conftest import subengine_command
+from conftest import run_subengine
 
 import subengine
 
 
 def run(env, *args, stdin=None, ok=True):
-    result = subprocess.run(
-        [subengine_command(), *args],
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_subengine(env, *args, stdin=stdin)
     if ok:
         assert result.returncode == 0, result.stderr
     return result

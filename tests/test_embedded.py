@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
 
 import psycopg
 import pytest
-from conftest import subengine_command
+from conftest import run_subengine as run
 
 import subengine
 from subengine import _embedded
@@ -19,12 +18,6 @@ def embedded_env(tmp_path):
     env["SUBENGINE_HOME"] = str(tmp_path / "home")
     yield env
     _embedded.stop_embedded(tmp_path / "home")
-
-
-def run(env, *args):
-    return subprocess.run(
-        [subengine_command(), *args], env=env, capture_output=True, text=True, timeout=120
-    )
 
 
 def test_commands_start_reuse_and_stop_the_embedded_server(embedded_env, tmp_path):
