@@ -66,7 +66,8 @@ def _event(fields: object) -> subengine.NewEvent:
 def read_events_file(path: Path | None, lines: Iterable[str] | None = None) -> EventsFile:
     """The events of `path` ('-': stdin) or of `lines`; raises InvalidInput naming the line."""
     if lines is None:
-        assert path is not None
+        if path is None:
+            raise ValueError("read_events_file needs a path or lines")
         if str(path) == "-":
             source, lines = "stdin", sys.stdin
         else:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import psycopg
 from subengine.cli import _demo
 from subengine.cli._events_file import read_events_file
 
@@ -48,6 +49,10 @@ def handles_errors(command: F) -> F:
             return command(*args, **kwargs)
         except subengine.SubengineError as error:
             click.echo(f"error: {error}", err=True)
+            sys.exit(1)
+        except psycopg.Error as error:  # one the engine has no better name for
+            message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            click.echo(f"error: the database said: {message}", err=True)
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]

@@ -8,9 +8,11 @@ engine.append("orders", [subengine.NewEvent("order-1", "OrderPlaced", {"total": 
 """
 
 from subengine._append import append
-from subengine._engine import DatabaseUnavailable, Engine
+from subengine._engine import Engine
 from subengine._errors import (
     ConfigurationError,
+    DatabaseUnavailable,
+    EventIdConflict,
     InvalidEvent,
     InvalidInput,
     PartitionNotFound,
@@ -29,6 +31,7 @@ __all__ = [
     "DatabaseUnavailable",
     "Engine",
     "Event",
+    "EventIdConflict",
     "InvalidEvent",
     "InvalidInput",
     "NewEvent",

@@ -9,15 +9,18 @@ events densely, inserts them and sends one notification per partition.
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from collections.abc import Iterable, Mapping
-from datetime import datetime
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 
 from subengine._connection import psycopg_connection
 from subengine._errors import (
+    EventIdConflict,
     InvalidEvent,
     InvalidInput,
     SchemaNotReady,
@@ -26,24 +29,43 @@ from subengine._errors import (
     WrongExpectedVersion,
 )
 from subengine._events import Appended, NewEvent, new_event_id
-from subengine._names import validate_key, validate_stream_name, validate_type
+from subengine._names import (
+    BIGINT_MAX,
+    validate_key,
+    validate_stream_name,
+    validate_type,
+    validate_whole_number,
+)
 from subengine._queries import query
 from subengine._settings import Settings
 
 ExpectedVersion = int | Mapping[str, int] | None
 
+# SQLSTATEs raised by the append_events function
 STREAM_NOT_FOUND = "SE404"
 VERSION_CONFLICT = "SE409"
+ID_CONFLICT = "SE410"
 
 
-def _json(value: Any, what: str) -> str:
+# A NUL character as JSON escapes it: \u0000 after an even number of backslashes.
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+# PostgreSQL stores a wider range, but Python reads back only years 1 to 9999, in any zone.
+EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
+LATEST = datetime(9999, 12, 30, tzinfo=UTC)
+
+
+def _json(value: Any, what: str) -> tuple[str, int]:
+    """The JSON text of `value` and its size in UTF-8 bytes; raises InvalidInput."""
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as error:
+        size = len(text.encode("utf-8"))
+    except (TypeError, ValueError) as error:  # UnicodeEncodeError: a lone surrogate
         raise InvalidInput(f"{what} is not valid JSON ({error})") from None
-    if "\\u0000" in text:
+    except RecursionError:
+        raise InvalidInput(f"{what} is nested too deeply to be JSON") from None
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):
         raise InvalidInput(f"{what} contains a NUL character, which PostgreSQL's JSON cannot store")
-    return text
+    return text, size
 
 
 def _validated(event: object, settings: Settings) -> tuple[str, str]:
@@ -56,13 +78,19 @@ def _validated(event: object, settings: Settings) -> tuple[str, str]:
         raise InvalidInput("metadata must be a JSON object (a dict)")
     if event.id is not None and not isinstance(event.id, uuid.UUID):
         raise InvalidInput(f"id must be a UUID, not {type(event.id).__name__}")
-    if event.occurred_at is not None and (
-        not isinstance(event.occurred_at, datetime) or event.occurred_at.tzinfo is None
-    ):
-        raise InvalidInput("occurred_at must be a datetime with a time zone")
-    data_text = _json(event.data, "data")
-    metadata_text = _json({} if event.metadata is None else event.metadata, "metadata")
-    size = len(data_text.encode()) + len(metadata_text.encode())
+    if event.occurred_at is not None:
+        if not isinstance(event.occurred_at, datetime) or event.occurred_at.tzinfo is None:
+            raise InvalidInput("occurred_at must be a datetime with a time zone")
+        if not EARLIEST <= event.occurred_at <= LATEST:
+            raise InvalidInput(
+                f"occurred_at must lie between {EARLIEST:%Y-%m-%d} and "
+                f"{LATEST:%Y-%m-%d} (UTC), not {event.occurred_at.isoformat()}"
+            )
+    data_text, data_size = _json(event.data, "data")
+    metadata_text, metadata_size = _json(
+        {} if event.metadata is None else event.metadata, "metadata"
+    )
+    size = data_size + metadata_size
     if size > settings.max_event_bytes:
         raise InvalidInput(
             f"{size} bytes of JSON is over the limit of {settings.max_event_bytes} "
@@ -93,10 +121,7 @@ def _expected_versions(
     for key, version in expected_version.items():
         if key not in present:
             raise InvalidInput(f"expected_version names key {key!r}, which has no event here")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise InvalidInput(
-                f"expected_version for key {key!r} must be a whole number >= 0, not {version!r}"
-            )
+        validate_whole_number(version, f"expected_version for key {key!r}", 0, BIGINT_MAX)
     return list(expected_version), list(expected_version.values())
 
 
@@ -148,7 +173,34 @@ def translate_error(error: psycopg.Error, stream: str) -> SubengineError | None:
     if error.sqlstate == VERSION_CONFLICT:
         detail = json.loads(error.diag.message_detail or "{}")
         return WrongExpectedVersion(stream, detail["key"], detail["expected"], detail["actual"])
+    if error.sqlstate == ID_CONFLICT:
+        detail = json.loads(error.diag.message_detail or "{}")
+        return EventIdConflict(
+            stream, detail["id"], detail["key"], detail["type"], stored=detail["stored"]
+        )
+    if (
+        isinstance(error, psycopg.errors.UniqueViolation)
+        and error.diag.constraint_name == "event_id_is_unique"
+    ):
+        # the same id appended at the same time to two partitions (so with two keys)
+        return InvalidInput(
+            f"an event id of this append was stored at the same time by another "
+            f"transaction in stream {stream!r}, for an event of another key; an id names "
+            "one event"
+        )
     return schema_not_ready(error)
+
+
+@contextmanager
+def subengine_errors(stream: str) -> Iterator[None]:
+    """Raise the subengine error a database error stands for, if there is one."""
+    try:
+        yield
+    except psycopg.Error as error:
+        translated = translate_error(error, stream)
+        if translated is None:
+            raise
+        raise translated from error
 
 
 def schema_not_ready(error: psycopg.Error) -> SchemaNotReady | None:
@@ -171,13 +223,8 @@ def append_prepared(
 ) -> list[Appended]:
     if not params["keys"]:
         return []
-    try:
+    with subengine_errors(params["stream"]):
         rows = conn.execute(query(settings.schema, "append_events"), params).fetchall()
-    except psycopg.Error as error:
-        translated = translate_error(error, params["stream"])
-        if translated is None:
-            raise
-        raise translated from error
     rows.sort()  # by ordinal: duplicates come back after the events stored now
     return [Appended(row[1], row[2], row[3], row[4], row[5]) for row in rows]
 
@@ -188,6 +235,7 @@ def append(
     events: Iterable[NewEvent],
     expected_version: ExpectedVersion = None,
     *,
+    schema: str | None = None,
     settings: Settings | None = None,
 ) -> list[Appended]:
     """Append `events` to `stream` inside the caller's open transaction.
@@ -198,7 +246,11 @@ def append(
     (an int when every event has the same key, else a mapping of key to version; 0 means
     the key has no event yet); on a mismatch `WrongExpectedVersion` is raised and nothing
     is written. An event whose id is already in the stream is not stored again.
+    `schema` (default: SUBENGINE_SCHEMA) and `settings` configure where and what limits;
+    pass `engine.settings` to append to an engine's schema.
     """
     settings = settings or Settings.from_env()
+    if schema is not None:
+        settings = settings.with_changes(schema=schema)
     params = prepare(stream, events, expected_version, settings)
     return append_prepared(psycopg_connection(conn), params, settings)

@@ -18,7 +18,7 @@ PgConnection = psycopg.Connection[Any]
 def psycopg_connection(conn: object) -> PgConnection:
     """The psycopg connection of `conn`, inside the transaction the caller has open."""
     if isinstance(conn, psycopg.Connection):
-        return conn
+        return _in_transaction(conn)
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
 
@@ -30,7 +30,7 @@ def psycopg_connection(conn: object) -> PgConnection:
             conn.begin()
         driver_connection = conn.connection.driver_connection
         if isinstance(driver_connection, psycopg.Connection):
-            return driver_connection
+            return _in_transaction(driver_connection)
         raise InvalidInput(
             "subengine needs SQLAlchemy's psycopg driver: use a URL starting with "
             f"'postgresql+psycopg://' (this connection uses {conn.dialect.driver!r})"
@@ -39,3 +39,15 @@ def psycopg_connection(conn: object) -> PgConnection:
         "expected a psycopg Connection, a SQLAlchemy Connection or a SQLAlchemy Session, "
         f"got {type(conn).__name__}"
     )
+
+
+def _in_transaction(conn: PgConnection) -> PgConnection:
+    # In autocommit mode with no transaction block open, the events would commit at once,
+    # whatever the caller does next: refuse rather than surprise.
+    if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        raise InvalidInput(
+            "the connection is in autocommit mode with no transaction open, so the events "
+            "would commit on their own: open one (`with conn.transaction():`) or use "
+            "engine.append()"
+        )
+    return conn

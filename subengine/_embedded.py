@@ -7,7 +7,6 @@ server keeps running after the process exits (the next command reuses it) until
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
@@ -15,8 +14,6 @@ import warnings
 from pathlib import Path
 
 from subengine._errors import ConfigurationError
-
-log = logging.getLogger("subengine.embedded")
 
 _STOP_TIMEOUT_SECONDS = 30.0
 
@@ -47,17 +44,25 @@ def embedded_url(home: Path) -> str:
 
 
 def _postmaster_pid(pgdata: Path) -> int | None:
+    """The pid of the server running on `pgdata`, if one is."""
     try:
         first_line = (pgdata / "postmaster.pid").read_text().splitlines()[0]
-    except (FileNotFoundError, IndexError):
+        pid = int(first_line)
+    except (FileNotFoundError, IndexError, ValueError):
         return None
     try:
-        pid = int(first_line)
         os.kill(pid, 0)
-    except (ValueError, ProcessLookupError):
+    except ProcessLookupError:
         return None
     except PermissionError:
         pass  # the server runs as another user (pgserver does so when started by root)
+    # A stale pid file can name a pid that another program has since been given.
+    try:
+        command_line = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return pid  # no /proc here: trust the pid file
+    if not command_line or not command_line[0].endswith(b"postgres"):
+        return None
     return pid
 
 

@@ -21,21 +21,24 @@ from subengine._append import (
     append_prepared,
     prepare,
     schema_not_ready,
-    translate_error,
+    subengine_errors,
 )
-from subengine._errors import ConfigurationError, StreamExists, SubengineError
+from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
 from subengine._names import validate_partition_count, validate_stream_name
 from subengine._queries import query
 from subengine._settings import Settings
 
 log = logging.getLogger("subengine")
+# The pool logs every failed connection attempt, from a background thread. Where the
+# application configured no logging they would all land on stderr; subengine reports the
+# failure once, as DatabaseUnavailable. Configured handlers still receive them.
+logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
+
+# How long to wait for one more connection attempt that explains a pool timeout.
+_DIAGNOSIS_TIMEOUT_SECONDS = 5
 
 _announced_homes: set[str] = set()
-
-
-class DatabaseUnavailable(SubengineError):
-    """PostgreSQL could not be reached within the connect timeout."""
 
 
 class Engine:
@@ -113,7 +116,7 @@ class Engine:
 
     def _unavailable(self) -> DatabaseUnavailable:
         try:
-            psycopg.connect(self.dsn, connect_timeout=5).close()
+            psycopg.connect(self.dsn, connect_timeout=_DIAGNOSIS_TIMEOUT_SECONDS).close()
             reason = "the pool had no free connection in time"
         except psycopg.Error as error:
             reason = str(error).strip()
@@ -159,13 +162,8 @@ class Engine:
             return _read.get_stream(conn, self.schema, name)
 
     def _run(self, conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> Any:
-        try:
+        with subengine_errors(str(params.get("stream"))):
             return conn.execute(query(self.schema, name), params).fetchone()
-        except psycopg.Error as error:
-            translated = translate_error(error, str(params.get("stream")))
-            if translated is None:
-                raise
-            raise translated from error
 
     # append and read
 

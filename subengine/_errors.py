@@ -73,5 +73,28 @@ class WrongExpectedVersion(SubengineError):
         self.actual = actual
 
 
+class EventIdConflict(SubengineError):
+    """An event id names another event (another key or type), stored or in the same call."""
+
+    def __init__(self, stream: str, event_id: str, key: str, type: str, *, stored: bool) -> None:
+        where = (
+            f"is stored in stream {stream!r} already"
+            if stored
+            else "names two events of one append"
+        )
+        super().__init__(
+            f"event id {event_id} {where}, the first for key {key!r} and type {type!r}; an id "
+            "names one event: give a new event a new id"
+        )
+        self.stream = stream
+        self.event_id = event_id
+        self.key = key
+        self.type = type
+
+
+class DatabaseUnavailable(SubengineError):
+    """PostgreSQL could not be reached within the connect timeout."""
+
+
 class SchemaNotReady(SubengineError):
     """The database schema is missing or older than this code; run the migrations."""

@@ -46,6 +46,7 @@ def upgrade(dsn: str, schema: str) -> None:
     """Upgrade the schema to the newest revision (creating it when missing)."""
     from alembic import command
     from sqlalchemy import create_engine
+    from sqlalchemy.exc import DBAPIError
     from sqlalchemy.pool import NullPool
 
     config = _config(schema)
@@ -57,6 +58,10 @@ def upgrade(dsn: str, schema: str) -> None:
             config.attributes["connection"] = connection
             command.upgrade(config, "head")
             connection.commit()
+    except DBAPIError as error:
+        if isinstance(error.orig, psycopg.Error):
+            raise error.orig from None  # the psycopg error, as everywhere else in subengine
+        raise
     finally:
         engine.dispose()
 
@@ -90,5 +95,6 @@ def head_revision() -> str:
     from alembic.script import ScriptDirectory
 
     head = ScriptDirectory.from_config(_config("subengine")).get_current_head()
-    assert head is not None, "migrations/versions has no revision"
+    if head is None:
+        raise RuntimeError(f"{MIGRATIONS_DIR} holds no revision: the installation is broken")
     return head

@@ -40,24 +40,33 @@ def validate_schema_name(name: str) -> str:
     return name
 
 
+BIGINT_MAX = 2**63 - 1
+INTEGER_MAX = 2**31 - 1
+
+
+def is_whole_number(value: object, minimum: int, maximum: int) -> bool:
+    """An int (not a bool) from `minimum` to `maximum`."""
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum
+
+
+def validate_whole_number(value: object, what: str, minimum: int, maximum: int) -> int:
+    if not is_whole_number(value, minimum, maximum):
+        raise InvalidInput(
+            f"{what} must be a whole number from {minimum} to {maximum}, not {value!r}"
+        )
+    return value  # type: ignore[return-value]
+
+
 def validate_partition_count(partitions: object) -> int:
-    if (
-        not isinstance(partitions, int)
-        or isinstance(partitions, bool)
-        or not 1 <= partitions <= MAX_PARTITIONS
-    ):
+    if not is_whole_number(partitions, 1, MAX_PARTITIONS):
         raise InvalidInput(
             f"invalid partition count {partitions!r}: use a whole number from 1 to {MAX_PARTITIONS}"
         )
-    return partitions
-
-
-def _printable(value: str) -> bool:
-    return value.isprintable()
+    return partitions  # type: ignore[return-value]
 
 
 def validate_key(key: object) -> str:
-    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH or not _printable(key):
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
         shown = _shown(key) if isinstance(key, str) else type(key).__name__
         raise InvalidInput(
             f"invalid event key {shown}: use 1 to {MAX_KEY_LENGTH} printable characters"
@@ -70,7 +79,7 @@ def validate_type(event_type: object) -> str:
         not isinstance(event_type, str)
         or not event_type
         or len(event_type) > MAX_TYPE_LENGTH
-        or not _printable(event_type)
+        or not event_type.isprintable()
         or event_type.strip() != event_type
     ):
         shown = _shown(event_type) if isinstance(event_type, str) else type(event_type).__name__

@@ -14,14 +14,17 @@ import psycopg
 
 from subengine._errors import InvalidInput, PartitionNotFound, StreamNotFound
 from subengine._events import Event, PartitionState, Stream
-from subengine._names import validate_stream_name
+from subengine._names import (
+    BIGINT_MAX,
+    INTEGER_MAX,
+    validate_stream_name,
+    validate_whole_number,
+)
 from subengine._queries import query
 
 
 def _limit(limit: int) -> int:
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise InvalidInput(f"limit must be a whole number >= 1, not {limit!r}")
-    return limit
+    return validate_whole_number(limit, "limit", 1, BIGINT_MAX)
 
 
 def _events(rows: list[tuple[Any, ...]]) -> list[Event]:
@@ -34,10 +37,8 @@ def read_after(
     conn: psycopg.Connection[Any], schema: str, stream: str, partition: int, after: int, limit: int
 ) -> list[Event]:
     validate_stream_name(stream)
-    if not isinstance(after, int) or isinstance(after, bool) or after < 0:
-        raise InvalidInput(f"after must be a position >= 0, not {after!r}")
-    if not isinstance(partition, int) or isinstance(partition, bool):
-        raise InvalidInput(f"partition must be a whole number, not {partition!r}")
+    validate_whole_number(after, "after", 0, BIGINT_MAX)
+    validate_whole_number(partition, "partition", -INTEGER_MAX, INTEGER_MAX)
     rows = conn.execute(
         query(schema, "read_after"),
         {"stream": stream, "partition": partition, "after": after, "limit": _limit(limit)},

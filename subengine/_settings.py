@@ -1,7 +1,8 @@
 """Every tunable of subengine in one typed object, with its default and environment name.
 
-`Settings.from_env()` reads the environment; `Settings.describe()` lists every setting for
-the docs and the CLI. Nothing else in the package reads environment variables.
+`Settings.from_env()` reads the environment; `Settings.describe()` lists every setting
+(the README's configuration table is checked against it). Nothing else in the package
+reads environment variables.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def test_a_repeated_id_within_one_call_is_stored_once(engine, orders, sql):
     event_id = uuid.uuid4()
     stored = engine.append(
         orders,
-        [NewEvent("order-1", "A", {}, id=event_id), NewEvent("order-1", "B", {}, id=event_id)],
+        [NewEvent("order-1", "A", {}, id=event_id), NewEvent("order-1", "A", {}, id=event_id)],
     )
     assert [a.duplicate for a in stored] == [False, True]
     assert stored[0].position == stored[1].position
@@ -248,3 +248,38 @@ def test_an_append_of_only_stored_events_changes_nothing(engine, orders, sql):
     again = engine.append(orders, first[::-1])
     assert all(a.duplicate for a in again)
     assert engine.partitions(orders) == before
+
+
+def test_an_id_names_one_event(engine, orders, sql):
+    event_id = uuid.uuid4()
+    engine.append(orders, [NewEvent("order-1", "Placed", {}, id=event_id)])
+    before = sql.execute("SELECT count(*), max(position) FROM subengine.events").fetchone()
+    for other in (
+        NewEvent("order-2", "Placed", {}, id=event_id),
+        NewEvent("order-1", "Paid", {}, id=event_id),
+    ):
+        with pytest.raises(
+            subengine.EventIdConflict,
+            match="stored in stream 'orders' already, the first for key 'order-1' and type 'Pl",
+        ):
+            engine.append(orders, [NewEvent("order-3", "Fine", {}), other])
+    fresh = uuid.uuid4()
+    with pytest.raises(subengine.EventIdConflict, match="two events of one append"):
+        engine.append(orders, [NewEvent("a", "T", {}, id=fresh), NewEvent("b", "T", {}, id=fresh)])
+    assert sql.execute("SELECT count(*), max(position) FROM subengine.events").fetchone() == before
+
+
+def test_a_duplicate_retry_in_a_stream_of_many_partitions_stays_fast_and_dense(engine, sql):
+    # the retry path counts events per partition in one query, not once per partition
+    engine.create_stream("wide", partitions=4096)
+    first = [NewEvent(f"k{n}", "T", {}, id=uuid.uuid4()) for n in range(2000)]
+    engine.append("wide", first[:1])
+    stored = engine.append("wide", first)
+    assert stored[0].duplicate and not any(a.duplicate for a in stored[1:])
+    heads = engine.heads("wide")
+    assert sum(heads.values()) == 2000
+    rows = sql.execute(
+        "SELECT partition, array_agg(position ORDER BY position) FROM subengine.events"
+        " WHERE stream = 'wide' GROUP BY partition"
+    ).fetchall()
+    assert all(positions == list(range(1, heads[p] + 1)) for p, positions in rows)

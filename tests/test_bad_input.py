@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 
+import psycopg
 import pytest
 from conftest import run_subengine as run
 from conftest import snapshot
@@ -77,6 +78,10 @@ def test_creating_an_existing_stream_is_an_error(engine, stored, sql):
     assert snapshot(sql) == before
 
 
+DEEP: list = []
+for _ in range(100_000):
+    DEEP = [DEEP]
+
 BAD_EVENTS = [
     (NewEvent("k", "T", {1, 2}), "data is not valid JSON"),
     (NewEvent("k", "T", {"x": math.nan}), "data is not valid JSON"),
@@ -92,6 +97,13 @@ BAD_EVENTS = [
     (NewEvent("k", "T", {}, id="not-a-uuid"), "id must be a UUID"),
     (NewEvent("k", "T", {}, occurred_at=datetime(2020, 1, 1)), "time zone"),
     ({"key": "k", "type": "T", "data": {}}, "not a NewEvent"),
+    (NewEvent("k", "T", {"x": "\ud800"}), "data is not valid JSON"),
+    (NewEvent("k", "T", DEEP), "nested too deeply"),
+    (
+        NewEvent("k", "T", {}, occurred_at=datetime(9999, 12, 31, 23, tzinfo=UTC)),
+        "must lie between",
+    ),
+    (NewEvent("k", "T", {}, occurred_at=datetime(1, 1, 1, 1, tzinfo=UTC)), "must lie between"),
 ]
 
 
@@ -119,10 +131,11 @@ def test_payload_over_the_limit(dsn, sql):
 @pytest.mark.parametrize(
     ("expected", "message"),
     [
-        (-1, ">= 0"),
+        (-1, "whole number from 0"),
+        (2**70, "whole number from 0"),
         ({"other": 1}, "no event here"),
         ("1", "int or a mapping"),
-        ({"k": 1.5}, ">= 0"),
+        ({"k": 1.5}, "whole number from 0"),
     ],
 )
 def test_invalid_expected_versions(engine, stored, sql, expected, message):
@@ -132,7 +145,7 @@ def test_invalid_expected_versions(engine, stored, sql, expected, message):
     assert snapshot(sql) == before
 
 
-@pytest.mark.parametrize("limit", [0, -5, True])
+@pytest.mark.parametrize("limit", [0, -5, True, 10**20])
 def test_invalid_read_limits(engine, stored, limit):
     with pytest.raises(subengine.InvalidInput, match="limit"):
         engine.read(stored, 0, limit=limit)
@@ -186,3 +199,62 @@ def test_cli_malformed_jsonl_line_names_the_line_and_appends_nothing(
         assert result.returncode == 1, (name, result.stderr)
         assert message in result.stderr, (name, result.stderr)
     assert snapshot(sql) == before
+
+
+def test_an_escaped_backslash_before_u0000_is_not_a_nul(engine, stored):
+    text = "C:\\u0000dir"  # a backslash, then the letters u0000
+    [appended] = engine.append(stored, [NewEvent("k", "T", {"path": text})])
+    [event] = engine.read(stored, appended.partition, after=appended.position - 1)
+    assert event.data == {"path": text}
+
+
+def test_an_autocommit_connection_is_refused_outside_a_transaction(engine, stored, dsn, sql):
+    before = snapshot(sql)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with pytest.raises(subengine.InvalidInput, match="autocommit"):
+            subengine.append(conn, stored, [NewEvent("k", "T", {})])
+        assert snapshot(sql) == before
+        with conn.transaction():
+            subengine.append(conn, stored, [NewEvent("k", "T", {})])
+    assert sum(engine.heads(stored).values()) == 9
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            "append_events('orders', NULL, ARRAY[NULL, 'a'], ARRAY['T', 'T'],"
+            " ARRAY['{}', '{}']::jsonb[])",
+            "event 1 has no key",
+        ),
+        (
+            "append_events('orders', NULL, ARRAY['a'], ARRAY['T'], ARRAY['{}']::jsonb[],"
+            " expected_keys => ARRAY['zz'], expected_versions => ARRAY[5])",
+            "every expected key",
+        ),
+        ("append('orders', 'a', 'T', '{}', occurred_at => 'infinity')", "occurred_at_is_readable"),
+        (
+            "append_events('orders', NULL, ARRAY['a'], ARRAY['T', 'U'], ARRAY['{}']::jsonb[])",
+            "one element per event",
+        ),
+    ],
+)
+def test_plain_sql_bad_input_is_refused(stored, sql, call, message):
+    before = snapshot(sql)
+    with pytest.raises(psycopg.Error, match=message):
+        sql.execute(f"SELECT * FROM subengine.{call}")  # noqa: S608 (constant test SQL)
+    assert snapshot(sql) == before
+
+
+def test_cli_reports_an_unreachable_database_in_one_line(tmp_path):
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SUBENGINE_DSN": "postgresql://nobody@127.0.0.1:1/none",
+        "SUBENGINE_CONNECT_TIMEOUT": "1",
+        "SUBENGINE_HOME": str(tmp_path),
+    }
+    for args in (["migrate"], ["stream", "list"]):
+        result = run(env, *args)
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr
+        assert "error:" in result.stderr and "127.0.0.1" in result.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -170,3 +171,68 @@ def test_multi_partition_appends_in_opposite_orders_do_not_deadlock(engine, orde
         for future in futures:
             future.result(timeout=120)
     assert engine.heads(orders) == dict.fromkeys(range(PARTITIONS), 400)
+
+
+def _append_while_held(dsn, sql, holder_events, waiter_events, waiter_expected=None):
+    """Append `holder_events` in an open transaction, start `waiter_events` in another
+    (which must wait for the first), commit the first and return the waiter's outcome."""
+    holder = psycopg.connect(dsn)
+    try:
+        subengine.append(holder, "orders", holder_events)
+
+        def waiter():
+            with psycopg.connect(dsn, application_name="waiter") as conn:
+                return subengine.append(conn, "orders", waiter_events, waiter_expected)
+
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(waiter)
+            wait_until_blocked(sql, "waiter")
+            holder.commit()
+            error = waiting.exception(timeout=10)
+            return error, None if error else waiting.result()
+    finally:
+        holder.close()
+
+
+def test_two_writers_expecting_the_same_version_one_wins(engine, orders, dsn, sql):
+    error, _ = _append_while_held(
+        dsn,
+        sql,
+        [NewEvent("order-1", "Placed", {})],
+        [NewEvent("order-1", "Placed", {})],
+        waiter_expected=0,
+    )
+    assert isinstance(error, subengine.WrongExpectedVersion)
+    assert (error.expected, error.actual) == (0, 1)
+    assert engine.heads(orders)[subengine.partition_for("order-1", PARTITIONS)] == 1
+
+
+def test_concurrent_retries_of_one_append_store_it_once(engine, orders, dsn, sql):
+    event = NewEvent("order-1", "Placed", {}, id=uuid.uuid4())
+    error, result = _append_while_held(dsn, sql, [event], [event])
+    assert error is None
+    assert result[0].duplicate and result[0].position == 1
+    assert engine.heads(orders)[subengine.partition_for("order-1", PARTITIONS)] == 1
+
+
+def test_one_id_appended_at_once_under_two_keys_fails_clearly(engine, orders, dsn, sql):
+    event_id = uuid.uuid4()
+    first_key, other_key = key_in(0), key_in(1)
+    holder = psycopg.connect(dsn)
+    try:
+        subengine.append(holder, orders, [NewEvent(first_key, "Placed", {}, id=event_id)])
+
+        def other():
+            with psycopg.connect(dsn, application_name="other-key") as conn:
+                subengine.append(conn, orders, [NewEvent(other_key, "Placed", {}, id=event_id)])
+
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(other)
+            wait_until_blocked(sql, "other-key")  # on the unique index, not on a head
+            holder.commit()
+            error = waiting.exception(timeout=10)
+    finally:
+        holder.close()
+    assert isinstance(error, subengine.InvalidInput)
+    assert "an id names one event" in str(error)
+    assert engine.heads(orders) == {0: 1, 1: 0, 2: 0, 3: 0}

@@ -52,7 +52,9 @@ CREATE TABLE events (
     type         text NOT NULL CHECK (type <> ''),
     data         jsonb NOT NULL,
     metadata     jsonb NOT NULL DEFAULT '{}',
-    occurred_at  timestamptz NOT NULL,
+    occurred_at  timestamptz NOT NULL
+                 -- the years a Python datetime can hold, in any time zone
+                 CONSTRAINT occurred_at_is_readable CHECK (occurred_at BETWEEN '0001-01-02 00:00Z' AND '9999-12-30 00:00Z'),
     recorded_at  timestamptz NOT NULL,
     PRIMARY KEY (stream, partition, position),
     CONSTRAINT event_id_is_unique UNIQUE (stream, id),
@@ -72,7 +74,8 @@ RETURN (((('x' || left(md5(key), 16))::bit(64)::bigint) & 9223372036854775807) %
 -- append. An id already in the stream (or earlier in the same call) is not stored again:
 -- its row reports the stored event with duplicate = true. expected_keys/expected_versions
 -- pair each key with the version it must have before the append (0: no event yet); a
--- mismatch raises SQLSTATE SE409 and writes nothing. An unknown stream raises SE404.
+-- mismatch raises SQLSTATE SE409 and writes nothing. An unknown stream raises SE404; an
+-- id stored already for another key or type raises SE410.
 -- Rows come back in no particular order; `ordinal` (from 1) says which event each is.
 CREATE FUNCTION append_events(
     stream_name         text,
@@ -112,6 +115,7 @@ DECLARE
     old_head         bigint;
     lock_time        timestamptz;
     mismatch         record;
+    conflict         record;
     i                integer;
 BEGIN
     SELECT s.partitions INTO partition_count FROM streams s WHERE s.name = stream_name;
@@ -132,6 +136,16 @@ BEGIN
             ERRCODE = '22023',
             MESSAGE = 'append_events: the arrays of one call must have one element per event';
     END IF;
+    IF array_position(event_keys, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '22004',
+            MESSAGE = format('append_events: event %s has no key', array_position(event_keys, NULL));
+    END IF;
+    IF EXISTS (SELECT 1 FROM unnest(expected_keys) AS k WHERE k IS NULL OR k <> ALL (event_keys)) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '22023',
+            MESSAGE = 'append_events: every expected key must be the key of an event of the call';
+    END IF;
     IF event_count = 0 THEN
         RETURN;
     END IF;
@@ -150,6 +164,20 @@ BEGIN
         event_ordinals := ARRAY(
             SELECT min(n) FROM generate_series(1, event_count) AS n
              GROUP BY event_ids[n] ORDER BY 1);
+        SELECT event_ids[later.n] AS id, event_keys[first.n] AS key, event_types[first.n] AS type
+          INTO conflict
+          FROM generate_series(1, event_count) AS later(n)
+          JOIN unnest(event_ordinals) AS first(n) ON event_ids[first.n] = event_ids[later.n]
+         WHERE (event_keys[later.n], event_types[later.n])
+               IS DISTINCT FROM (event_keys[first.n], event_types[first.n])
+         LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'SE410',
+                MESSAGE = format('event id %s names two events of one append', conflict.id),
+                DETAIL = json_build_object('id', conflict.id, 'key', conflict.key, 'type', conflict.type,
+                                           'stored', false)::text;
+        END IF;
     ELSE
         event_ordinals := ARRAY(SELECT generate_series(1, event_count));
     END IF;
@@ -166,7 +194,8 @@ BEGIN
     lock_times := '{}';
     FOR i IN 1 .. cardinality(touched) LOOP
         UPDATE partitions pt
-           SET head = pt.head + touched_counts[i], head_time = clock_timestamp()
+           SET head = pt.head + touched_counts[i],
+               head_time = greatest(pt.head_time, clock_timestamp())  -- even if the clock steps back
          WHERE pt.stream = stream_name AND pt.partition = touched[i]
         RETURNING pt.head - touched_counts[i], pt.head_time INTO old_head, lock_time;
         old_heads[i] := old_head;
@@ -177,23 +206,37 @@ BEGIN
     -- committed (READ COMMITTED takes a new snapshot per statement).
     IF EXISTS (SELECT 1 FROM events e WHERE e.stream = stream_name AND e.id = ANY (event_ids)) THEN
         -- A retried append: keep only events whose id is new, give back the positions
-        -- reserved for the others.
+        -- reserved for the others. An id stored for another event is an error.
+        SELECT e.id, e.key, e.type INTO conflict
+          FROM unnest(event_ids, event_keys, event_types) AS i(id, key, type)
+          JOIN events e ON e.stream = stream_name AND e.id = i.id
+         WHERE (e.key, e.type) IS DISTINCT FROM (i.key, i.type)
+         LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'SE410',
+                MESSAGE = format('event id %s is stored already, for key %L and type %L',
+                                 conflict.id, conflict.key, conflict.type),
+                DETAIL = json_build_object('id', conflict.id, 'key', conflict.key, 'type', conflict.type,
+                                           'stored', true)::text;
+        END IF;
         event_ordinals := ARRAY(
             SELECT n FROM unnest(event_ordinals) AS n
              WHERE NOT EXISTS (SELECT 1 FROM events e
                                 WHERE e.stream = stream_name AND e.id = event_ids[n])
              ORDER BY n);
-        FOR i IN 1 .. cardinality(touched) LOOP
-            touched_counts[i] := (SELECT count(*) FROM unnest(event_ordinals) AS n
-                                   WHERE event_partitions[n] = touched[i]);
-            UPDATE partitions pt
-               SET head = old_heads[i] + touched_counts[i],
-                   head_time = CASE WHEN touched_counts[i] > 0 THEN pt.head_time ELSE
-                                   (SELECT e.recorded_at FROM events e
-                                     WHERE e.stream = stream_name AND e.partition = touched[i]
-                                       AND e.position = old_heads[i]) END
-             WHERE pt.stream = stream_name AND pt.partition = touched[i];
-        END LOOP;
+        touched_counts := ARRAY(
+            SELECT count(n) FROM unnest(touched) WITH ORDINALITY AS t(p, i)
+              LEFT JOIN unnest(event_ordinals) AS n ON event_partitions[n] = t.p
+             GROUP BY t.i ORDER BY t.i);
+        UPDATE partitions pt
+           SET head = u.old_head + u.count,
+               head_time = CASE WHEN u.count > 0 THEN pt.head_time ELSE
+                               (SELECT e.recorded_at FROM events e
+                                 WHERE e.stream = stream_name AND e.partition = u.partition
+                                   AND e.position = u.old_head) END
+          FROM unnest(touched, old_heads, touched_counts) AS u(partition, old_head, count)
+         WHERE pt.stream = stream_name AND pt.partition = u.partition;
     END IF;
 
     IF cardinality(expected_keys) > 0 THEN
