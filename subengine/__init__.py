@@ -7,12 +7,14 @@ engine.create_stream("orders", partitions=8)
 engine.append("orders", [subengine.NewEvent("order-1", "OrderPlaced", {"total": 10})])
 """
 
+from subengine._app import App, Subscription
 from subengine._append import append
 from subengine._engine import Engine
 from subengine._errors import (
     ConfigurationError,
     DatabaseUnavailable,
     EventIdConflict,
+    Fenced,
     InvalidEvent,
     InvalidInput,
     PartitionNotFound,
@@ -20,18 +22,23 @@ from subengine._errors import (
     StreamExists,
     StreamNotFound,
     SubengineError,
+    SubscriptionMismatch,
     WrongExpectedVersion,
 )
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, partition_for
 from subengine._settings import Settings
+from subengine._subscriptions import BatchOutcome, SubscriptionPosition
 
 __all__ = [
+    "App",
     "Appended",
+    "BatchOutcome",
     "ConfigurationError",
     "DatabaseUnavailable",
     "Engine",
     "Event",
     "EventIdConflict",
+    "Fenced",
     "InvalidEvent",
     "InvalidInput",
     "NewEvent",
@@ -43,6 +50,9 @@ __all__ = [
     "StreamExists",
     "StreamNotFound",
     "SubengineError",
+    "Subscription",
+    "SubscriptionMismatch",
+    "SubscriptionPosition",
     "WrongExpectedVersion",
     "append",
     "partition_for",

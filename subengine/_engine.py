@@ -15,7 +15,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from subengine import _embedded, _migrate, _read
+from subengine import _embedded, _migrate, _read, _subscriptions
+from subengine._app import Subscription
 from subengine._append import (
     ExpectedVersion,
     append_prepared,
@@ -28,6 +29,7 @@ from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
 from subengine._names import validate_partition_count, validate_stream_name
 from subengine._queries import query
 from subengine._settings import Settings
+from subengine._subscriptions import BatchOutcome, SubscriptionPosition
 
 log = logging.getLogger("subengine")
 # The pool logs every failed connection attempt, from a background thread. Where the
@@ -210,6 +212,23 @@ class Engine:
         """Head, head time and floor of every partition of a stream."""
         with self.connection() as conn:
             return _read.partition_states(conn, self.schema, stream)
+
+    # subscriptions
+
+    def ensure_subscription(self, subscription: Subscription) -> None:
+        """Store a subscription on first use; raise SubscriptionMismatch if it disagrees."""
+        with self.connection() as conn:
+            _subscriptions.ensure_subscription(conn, self.schema, subscription)
+
+    def subscription_positions(self, name: str) -> list[SubscriptionPosition]:
+        """Every partition's position of a stored subscription."""
+        with self.connection() as conn:
+            return _subscriptions.positions(conn, self.schema, name)
+
+    def process_batch(self, subscription: Subscription, partition: int) -> BatchOutcome | None:
+        """Handle the next batch of one partition exactly once (see process_batch)."""
+        with self.connection() as conn:
+            return _subscriptions.process_batch(conn, self.schema, subscription, partition)
 
     def heads(self, stream: str) -> dict[int, int]:
         """The head (last committed position) of every partition of a stream."""

@@ -92,6 +92,14 @@ class EventIdConflict(SubengineError):
         self.type = type
 
 
+class SubscriptionMismatch(SubengineError):
+    """The stored subscription of that name reads another stream or began elsewhere."""
+
+
+class Fenced(SubengineError):
+    """A position compare-and-set matched no row: another worker or a reset moved it."""
+
+
 class DatabaseUnavailable(SubengineError):
     """PostgreSQL could not be reached within the connect timeout."""
 

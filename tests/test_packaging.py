@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from subengine import _migrate
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -74,6 +76,6 @@ def test_installed_command_migrates_from_the_wheel(wheel, tmp_path, blank_dsn):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "is at revision 0001" in result.stdout
+    assert f"is at revision {_migrate.head_revision()}" in result.stdout
     script = (target / "bin" / "subengine").read_text()
     assert "from subengine.cli.main import main" in script

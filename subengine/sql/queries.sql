@@ -64,3 +64,56 @@ SELECT stream, partition, head, head_time, floor
   FROM {schema}.partitions
  WHERE stream = %(stream)s
  ORDER BY partition
+
+-- name: create_subscription
+-- Store a subscription on first use; returns nothing when the name is taken.
+INSERT INTO {schema}.subscriptions (name, stream, start)
+VALUES (%(name)s, %(stream)s, %(start)s)
+ON CONFLICT (name) DO NOTHING
+RETURNING name
+
+-- name: get_subscription
+-- A stored subscription.
+SELECT name, stream, start, generation, paused FROM {schema}.subscriptions WHERE name = %(name)s
+
+-- name: create_positions
+-- The first position of every partition of a new subscription: 0 (from the beginning),
+-- the head (from the end: the next event appended), the last position recorded before a
+-- time, or the given one.
+INSERT INTO {schema}.subscription_positions (subscription, partition, position, generation)
+SELECT %(name)s, p.partition,
+       CASE %(kind)s
+         WHEN 'beginning' THEN 0
+         WHEN 'end' THEN p.head
+         WHEN 'time' THEN (
+             SELECT coalesce(max(e.position), 0) FROM {schema}.events e
+              WHERE e.stream = p.stream AND e.partition = p.partition
+                AND e.recorded_at < %(time)s::timestamptz)
+         ELSE coalesce((%(positions)s::jsonb ->> p.partition::text)::bigint, 0)
+       END,
+       1
+  FROM {schema}.partitions p
+ WHERE p.stream = %(stream)s
+
+-- name: lock_position
+-- A subscription's position in one partition, locked until the transaction ends.
+SELECT position, generation, stopped
+  FROM {schema}.subscription_positions
+ WHERE subscription = %(name)s AND partition = %(partition)s
+   FOR UPDATE
+
+-- name: commit_position
+-- Compare-and-set the position (DESIGN.md invariant 3): matches no row when another
+-- worker moved it or a reset bumped the generation.
+UPDATE {schema}.subscription_positions
+   SET position = %(new)s, next_time = %(next_time)s, attempts = 0, last_error = NULL,
+       retry_at = NULL, updated_at = now()
+ WHERE subscription = %(name)s AND partition = %(partition)s
+   AND position = %(old)s AND generation = %(generation)s
+
+-- name: subscription_positions
+-- Every partition's position of a subscription.
+SELECT partition, position, generation, next_time, attempts, last_error, stopped
+  FROM {schema}.subscription_positions
+ WHERE subscription = %(name)s
+ ORDER BY partition

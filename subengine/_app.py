@@ -1,0 +1,175 @@
+"""The registry users decorate: an `App` holds subscriptions, a subscription its handlers.
+
+    app = subengine.App()
+    billing = app.subscription("billing", stream="orders", start="beginning")
+
+    @billing.handler("OrderPlaced")
+    def placed(event, conn): ...
+
+Handlers are dispatched by event type; a catch-all handler takes the other types, and
+events of a type with no handler are skipped (their position still advances). A batch
+handler instead receives every event of a batch (one partition's, in position order).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+import psycopg
+
+from subengine._errors import InvalidInput
+from subengine._events import Event
+from subengine._names import (
+    BIGINT_MAX,
+    INTEGER_MAX,
+    validate_stream_name,
+    validate_type,
+    validate_whole_number,
+)
+
+EventHandler = Callable[[Event, psycopg.Connection[Any]], object]
+BatchHandler = Callable[[Sequence[Event], psycopg.Connection[Any]], object]
+Start = Literal["beginning", "end"] | datetime | Mapping[int, int]
+Ack = Literal["transactional", "at_least_once"]
+OnError = Literal["stop", "dead_letter"]
+
+ACK_MODES = ("transactional", "at_least_once")
+ERROR_POLICIES = ("stop", "dead_letter")
+MAX_BATCH_SIZE = 10_000
+
+
+def start_to_json(start: Start) -> dict[str, Any]:
+    """The stored form of a start point; raises InvalidInput for anything else."""
+    if start in ("beginning", "end"):
+        return {"kind": start}
+    if isinstance(start, datetime):
+        if start.tzinfo is None:
+            raise InvalidInput("a start time must carry a time zone")
+        return {"kind": "time", "time": start.isoformat()}
+    if isinstance(start, Mapping):
+        positions = {}
+        for partition, position in start.items():
+            validate_whole_number(partition, "a start partition", 0, INTEGER_MAX)
+            validate_whole_number(
+                position, f"the start position of partition {partition}", 0, BIGINT_MAX
+            )
+            positions[str(partition)] = position
+        return {"kind": "positions", "positions": dict(sorted(positions.items()))}
+    raise InvalidInput(
+        f"start must be 'beginning', 'end', a datetime with a time zone or a mapping of "
+        f"partition to position, not {start!r}"
+    )
+
+
+def describe_start(stored: Mapping[str, Any]) -> str:
+    """A start point as people write it."""
+    if stored["kind"] == "time":
+        return str(stored["time"])
+    if stored["kind"] == "positions":
+        return json.dumps(stored["positions"])
+    return str(stored["kind"])
+
+
+@dataclass
+class Subscription:
+    """A named consumer of one stream: its start point, policies and handlers."""
+
+    name: str
+    stream: str
+    start: Start = "beginning"
+    batch_size: int = 100
+    ack: Ack = "transactional"
+    on_error: OnError = "stop"
+    max_attempts: int = 5
+    handlers: dict[str, EventHandler] = field(default_factory=dict)
+    catch_all: EventHandler | None = None
+    batch: BatchHandler | None = None
+
+    def __post_init__(self) -> None:
+        validate_stream_name(self.name)
+        validate_stream_name(self.stream)
+        self.start_json = start_to_json(self.start)
+        validate_whole_number(self.batch_size, "batch_size", 1, MAX_BATCH_SIZE)
+        validate_whole_number(self.max_attempts, "max_attempts", 1, 1000)
+        if self.ack not in ACK_MODES:
+            raise InvalidInput(f"ack must be one of {', '.join(ACK_MODES)}, not {self.ack!r}")
+        if self.on_error not in ERROR_POLICIES:
+            raise InvalidInput(
+                f"on_error must be one of {', '.join(ERROR_POLICIES)}, not {self.on_error!r}"
+            )
+
+    def handler(self, event_type: str | None = None) -> Callable[[EventHandler], EventHandler]:
+        """Register `handler(event, conn)` for one event type, or for all others."""
+
+        def register(function: EventHandler) -> EventHandler:
+            if self.batch is not None:
+                raise InvalidInput(
+                    f"subscription {self.name!r} has a batch handler: it takes every event"
+                )
+            if event_type is None:
+                if self.catch_all is not None:
+                    raise InvalidInput(f"subscription {self.name!r} has a catch-all handler")
+                self.catch_all = function
+            else:
+                validate_type(event_type)
+                if event_type in self.handlers:
+                    raise InvalidInput(
+                        f"subscription {self.name!r} has a handler for {event_type!r} already"
+                    )
+                self.handlers[event_type] = function
+            return function
+
+        return register
+
+    def batch_handler(self) -> Callable[[BatchHandler], BatchHandler]:
+        """Register `handler(events, conn)`, called once per batch with all its events."""
+
+        def register(function: BatchHandler) -> BatchHandler:
+            if self.handlers or self.catch_all is not None or self.batch is not None:
+                raise InvalidInput(
+                    f"subscription {self.name!r} has handlers already: a batch handler "
+                    "must be its only one"
+                )
+            self.batch = function
+            return function
+
+        return register
+
+    def handle(self, events: Sequence[Event], conn: psycopg.Connection[Any]) -> None:
+        """Run the handlers for a batch, in position order."""
+        if self.batch is not None:
+            self.batch(events, conn)
+            return
+        for event in events:
+            function = self.handlers.get(event.type, self.catch_all)
+            if function is not None:
+                function(event, conn)
+
+
+class App:
+    """The subscriptions of an application, as the worker finds them (`--app MODULE:ATTR`)."""
+
+    def __init__(self) -> None:
+        self.subscriptions: dict[str, Subscription] = {}
+
+    def subscription(
+        self,
+        name: str,
+        *,
+        stream: str,
+        start: Start = "beginning",
+        batch_size: int = 100,
+        ack: Ack = "transactional",
+        on_error: OnError = "stop",
+        max_attempts: int = 5,
+    ) -> Subscription:
+        """Declare a subscription; register its handlers on the returned object."""
+        if name in self.subscriptions:
+            raise InvalidInput(f"the app declares subscription {name!r} twice")
+        subscription = Subscription(name, stream, start, batch_size, ack, on_error, max_attempts)
+        self.subscriptions[name] = subscription
+        return subscription

@@ -1,0 +1,242 @@
+"""Subscriptions: declaring them, storing them, start points, and the batch transaction."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime
+
+import psycopg
+import pytest
+
+import subengine
+from subengine import NewEvent
+
+
+@pytest.fixture
+def projections(sql):
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    return sql
+
+
+def record(event, conn):
+    conn.execute(
+        "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
+    )
+
+
+def effects(sql):
+    return sql.execute("SELECT partition, position FROM effects ORDER BY 1, 2").fetchall()
+
+
+def one_partition_stream(engine, name="orders", events=10):
+    engine.create_stream(name, partitions=1)
+    engine.append(name, [NewEvent(f"k{n % 3}", "Step", {"n": n}) for n in range(events)])
+
+
+# declaring
+
+
+def test_handlers_are_dispatched_by_type_with_a_catch_all():
+    app = subengine.App()
+    sub = app.subscription("billing", stream="orders")
+    seen = []
+    sub.handler("Placed")(lambda event, conn: seen.append(("placed", event)))
+    sub.handler()(lambda event, conn: seen.append(("other", event)))
+    events = [_event("Placed", 1), _event("Paid", 2)]
+    sub.handle(events, conn=None)
+    assert [(kind, e.position) for kind, e in seen] == [("placed", 1), ("other", 2)]
+
+
+def test_events_without_a_handler_are_skipped():
+    app = subengine.App()
+    sub = app.subscription("billing", stream="orders")
+    seen = []
+    sub.handler("Placed")(lambda event, conn: seen.append(event.position))
+    sub.handle([_event("Paid", 1), _event("Placed", 2)], conn=None)
+    assert seen == [2]
+
+
+def test_a_batch_handler_gets_the_whole_batch_and_must_be_alone():
+    app = subengine.App()
+    sub = app.subscription("projection", stream="orders")
+    batches = []
+    sub.batch_handler()(lambda events, conn: batches.append([e.position for e in events]))
+    sub.handle([_event("A", 1), _event("B", 2)], conn=None)
+    assert batches == [[1, 2]]
+    with pytest.raises(subengine.InvalidInput, match="batch handler"):
+        sub.handler("A")(lambda event, conn: None)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"ack": "maybe"}, "ack must be one of"),
+        ({"on_error": "ignore"}, "on_error must be one of"),
+        ({"start": "middle"}, "start must be"),
+        ({"start": datetime(2026, 1, 1)}, "time zone"),
+        ({"start": {0: -1}}, "start position"),
+        ({"stream": "bad name"}, "invalid stream name"),
+    ],
+)
+def test_invalid_declarations_are_refused(options, message):
+    with pytest.raises(subengine.InvalidInput, match=message):
+        subengine.App().subscription("billing", **{"stream": "orders", **options})
+
+
+def test_a_name_is_declared_once_and_a_type_handled_once():
+    app = subengine.App()
+    sub = app.subscription("billing", stream="orders")
+    with pytest.raises(subengine.InvalidInput, match="twice"):
+        app.subscription("billing", stream="orders")
+    sub.handler("A")(lambda event, conn: None)
+    with pytest.raises(subengine.InvalidInput, match="already"):
+        sub.handler("A")(lambda event, conn: None)
+
+
+# storing and start points
+
+
+def test_a_subscription_is_stored_once_and_must_agree_later(engine):
+    one_partition_stream(engine)
+    engine.create_stream("audit", partitions=1)
+    sub = subengine.App().subscription("billing", stream="orders")
+    engine.ensure_subscription(sub)
+    engine.ensure_subscription(subengine.App().subscription("billing", stream="orders"))
+    for other in (
+        subengine.App().subscription("billing", stream="audit"),
+        subengine.App().subscription("billing", stream="orders", start="end"),
+    ):
+        with pytest.raises(subengine.SubscriptionMismatch, match="stored with stream 'orders'"):
+            engine.ensure_subscription(other)
+    with pytest.raises(subengine.StreamNotFound):
+        engine.ensure_subscription(subengine.App().subscription("x", stream="missing"))
+
+
+def test_start_points_set_the_first_positions(engine, orders):
+    engine.append(orders, [NewEvent(f"k{n}", "T", {}) for n in range(20)])
+    heads = engine.heads(orders)
+    with engine.connection() as conn:
+        middle = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+    later = engine.append(orders, [NewEvent(f"k{n}", "T", {}) for n in range(8)])
+    app = subengine.App()
+    cases = {
+        "from-beginning": ("beginning", dict.fromkeys(range(4), 0)),
+        "from-end": ("end", engine.heads(orders)),
+        "from-time": (middle, heads),
+        "from-positions": ({1: 2, 3: 1}, {0: 0, 1: 2, 2: 0, 3: 1}),
+    }
+    for name, (start, expected) in cases.items():
+        engine.ensure_subscription(app.subscription(name, stream=orders, start=start))
+        stored = {p.partition: p.position for p in engine.subscription_positions(name)}
+        assert stored == expected, name
+    # from a time: exactly the events appended after it are ahead of the positions
+    ahead = engine.heads(orders)
+    stored = {p.partition: p.position for p in engine.subscription_positions("from-time")}
+    assert sum(ahead[p] - stored[p] for p in ahead) == len(later)
+
+
+@pytest.mark.parametrize(
+    ("start", "message"), [({9: 0}, "partitions 0..3"), ({0: 99}, "past its head")]
+)
+def test_start_positions_must_exist(engine, orders, start, message):
+    sub = subengine.App().subscription("billing", stream=orders, start=start)
+    with pytest.raises(subengine.InvalidInput, match=message):
+        engine.ensure_subscription(sub)
+    with pytest.raises(subengine.InvalidInput, match="not stored"):
+        engine.process_batch(sub, 0)
+
+
+# the batch transaction
+
+
+def test_batches_commit_handler_effects_and_position_together(engine, projections):
+    one_partition_stream(engine, events=10)
+    sub = subengine.App().subscription("billing", stream="orders", batch_size=4)
+    sub.handler()(record)
+    engine.ensure_subscription(sub)
+    outcomes = [engine.process_batch(sub, 0) for _ in range(4)]
+    assert [(o.handled, o.position) for o in outcomes] == [(4, 4), (4, 8), (2, 10), (0, 10)]
+    events = engine.read("orders", 0)
+    assert outcomes[0].next_time == events[4].occurred_at
+    assert outcomes[2].next_time is None
+    assert effects(projections) == [(0, p) for p in range(1, 11)]
+
+
+def test_a_failing_handler_rolls_back_the_whole_batch(engine, projections):
+    one_partition_stream(engine, events=5)
+    sub = subengine.App().subscription("billing", stream="orders", batch_size=5)
+
+    @sub.handler()
+    def fail_on_third(event, conn):
+        record(event, conn)
+        if event.position == 3:
+            raise RuntimeError("boom")
+
+    engine.ensure_subscription(sub)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.process_batch(sub, 0)
+    assert effects(projections) == []
+    assert engine.subscription_positions("billing")[0].position == 0
+
+
+def test_a_position_moved_under_the_batch_fails_the_compare_and_set(engine, projections):
+    one_partition_stream(engine, events=3)
+    sub = subengine.App().subscription("billing", stream="orders")
+
+    @sub.handler()
+    def reset_meanwhile(event, conn):
+        record(event, conn)
+        # what a reset does to the row: a new generation (same transaction, so no wait)
+        conn.execute("UPDATE subengine.subscription_positions SET generation = generation + 1")
+
+    engine.ensure_subscription(sub)
+    with pytest.raises(subengine.Fenced, match="nothing of it was committed"):
+        engine.process_batch(sub, 0)
+    assert effects(projections) == []
+    [position] = engine.subscription_positions("billing")
+    assert (position.position, position.generation) == (0, 1)
+
+
+def test_two_workers_on_one_partition_never_handle_an_event_twice(engine, projections, dsn):
+    one_partition_stream(engine, events=40)
+    sub = subengine.App().subscription("billing", stream="orders", batch_size=5)
+
+    @sub.handler()
+    def slow(event, conn):
+        record(event, conn)
+        time.sleep(0.005)  # keep batches overlapping in time
+
+    engine.ensure_subscription(sub)
+
+    def work():
+        with psycopg.connect(dsn) as conn:
+            while (
+                outcome := subengine._subscriptions.process_batch(conn, "subengine", sub, 0)
+            ) is not None and outcome.handled:
+                pass
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert effects(projections) == [(0, p) for p in range(1, 41)]
+
+
+def _event(event_type, position):
+    now = datetime.now(UTC)
+    return subengine.Event(
+        id=None,
+        stream="orders",
+        partition=0,
+        position=position,
+        key="k",
+        key_version=position,
+        type=event_type,
+        data={},
+        metadata={},
+        occurred_at=now,
+        recorded_at=now,
+    )
