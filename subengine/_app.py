@@ -14,10 +14,11 @@ handler instead receives every event of a batch (one partition's, in position or
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 
@@ -31,8 +32,13 @@ from subengine._names import (
     validate_whole_number,
 )
 
-EventHandler = Callable[[Event, psycopg.Connection[Any]], object]
-BatchHandler = Callable[[Sequence[Event], psycopg.Connection[Any]], object]
+# The connection is the worker's, inside the batch's transaction; None for at-least-once
+# subscriptions, whose handlers run outside it.
+if TYPE_CHECKING:
+    from subengine._engine import Engine
+
+EventHandler = Callable[[Event, psycopg.Connection[Any] | None], object]
+BatchHandler = Callable[[Sequence[Event], psycopg.Connection[Any] | None], object]
 Start = Literal["beginning", "end"] | datetime | Mapping[int, int]
 Ack = Literal["transactional", "at_least_once"]
 OnError = Literal["stop", "dead_letter"]
@@ -139,7 +145,7 @@ class Subscription:
 
         return register
 
-    def handle(self, events: Sequence[Event], conn: psycopg.Connection[Any]) -> None:
+    def handle(self, events: Sequence[Event], conn: psycopg.Connection[Any] | None) -> None:
         """Run the handlers for a batch, in position order."""
         if self.batch is not None:
             self.batch(events, conn)
@@ -155,6 +161,35 @@ class App:
 
     def __init__(self) -> None:
         self.subscriptions: dict[str, Subscription] = {}
+
+    def run_worker(
+        self,
+        engine: Engine,
+        subscriptions: Sequence[str] | None = None,
+        *,
+        concurrency: int = 1,
+        stop: threading.Event | None = None,
+        listen: bool = True,
+    ) -> None:
+        """Run a worker for some (default: all) of the app's subscriptions until `stop`.
+
+        Blocks; run it in a thread to embed it. The current batches finish and every lock
+        is released before it returns.
+        """
+        from subengine._worker import Worker
+
+        names = list(self.subscriptions) if subscriptions is None else list(subscriptions)
+        unknown = [name for name in names if name not in self.subscriptions]
+        if unknown or not names:
+            raise InvalidInput(
+                f"the app declares no subscription {', '.join(map(repr, unknown))}"
+                if unknown
+                else "the app declares no subscription"
+            )
+        worker = Worker(
+            engine, [self.subscriptions[n] for n in names], concurrency=concurrency, listen=listen
+        )
+        worker.run(stop or threading.Event())
 
     def subscription(
         self,

@@ -60,6 +60,24 @@ class Settings:
     read_limit: int = _setting(
         1000, "SUBENGINE_READ_LIMIT", "Events returned by one read when no limit is given."
     )
+    poll_interval: float = _setting(
+        5.0,
+        "SUBENGINE_POLL_INTERVAL",
+        "Seconds an idle worker waits for a notification before it looks for work anyway.",
+    )
+    retry_delay: float = _setting(
+        1.0,
+        "SUBENGINE_RETRY_DELAY",
+        "Seconds before the first retry of a failed batch; doubled after every failure.",
+    )
+    retry_delay_max: float = _setting(
+        60.0,
+        "SUBENGINE_RETRY_DELAY_MAX",
+        "Longest wait between two retries of a batch, in seconds.",
+    )
+    heartbeat_interval: float = _setting(
+        10.0, "SUBENGINE_HEARTBEAT_INTERVAL", "Seconds between a worker's heartbeats."
+    )
 
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
@@ -68,8 +86,11 @@ class Settings:
                 raise ConfigurationError(f"setting {name} must be at least 1")
         if self.pool_max_size < self.pool_min_size:
             raise ConfigurationError("setting pool_max_size must be at least pool_min_size")
-        if self.connect_timeout <= 0:
-            raise ConfigurationError("setting connect_timeout must be positive")
+        for name in ("connect_timeout", "poll_interval", "retry_delay", "heartbeat_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigurationError(f"setting {name} must be positive")
+        if self.retry_delay_max < self.retry_delay:
+            raise ConfigurationError("setting retry_delay_max must be at least retry_delay")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

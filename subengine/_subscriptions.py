@@ -20,8 +20,12 @@ from psycopg.types.json import Jsonb
 
 from subengine._app import Subscription, describe_start
 from subengine._errors import Fenced, InvalidInput, SubscriptionMismatch
+from subengine._events import Event
 from subengine._queries import query
 from subengine._read import get_stream, partition_states, read_after
+from subengine._settings import Settings
+
+_MAX_ERROR_LENGTH = 4000
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,47 +115,142 @@ def positions(conn: psycopg.Connection[Any], schema: str, name: str) -> list[Sub
 
 
 def process_batch(
-    conn: psycopg.Connection[Any], schema: str, subscription: Subscription, partition: int
+    conn: psycopg.Connection[Any],
+    schema: str,
+    subscription: Subscription,
+    partition: int,
+    limit: int | None = None,
 ) -> BatchOutcome | None:
-    """Handle the next batch of one partition in one transaction, exactly once.
+    """Handle the next batch of one partition (up to `limit` events, default batch_size).
 
-    Returns None when the partition is stopped. A handler's exception rolls the whole
-    batch back and propagates; `Fenced` means the position moved under us (nothing of
-    this batch was committed).
+    Transactional subscriptions run the handlers inside the transaction that moves the
+    position: exactly once. At-least-once subscriptions run them between two
+    transactions, without a connection; a crash before the second repeats the batch.
+    Returns None when the partition is stopped. A handler's exception rolls the batch
+    back and propagates; `Fenced` means the position moved under us (nothing of this
+    batch was committed).
     """
-    name = subscription.name
+    size = subscription.batch_size if limit is None else limit
+    if subscription.ack == "transactional":
+        with conn.transaction():
+            batch = _next_batch(conn, schema, subscription, partition, size)
+            if batch is None:
+                return None
+            if batch.events:
+                subscription.handle(batch.events, conn)
+            return _commit_position(conn, schema, subscription, batch)
     with conn.transaction():
-        locked = conn.execute(
-            query(schema, "lock_position"), {"name": name, "partition": partition}
+        batch = _next_batch(conn, schema, subscription, partition, size)
+    if batch is None:
+        return None
+    if batch.events:
+        subscription.handle(batch.events, None)
+    with conn.transaction():
+        return _commit_position(conn, schema, subscription, batch)
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    partition: int
+    old: int
+    generation: int
+    events: list[Event]
+    next_time: datetime | None
+
+
+def _next_batch(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    subscription: Subscription,
+    partition: int,
+    size: int,
+) -> _Batch | None:
+    """Lock the position row and read the events after it; None if the partition stopped."""
+    locked = conn.execute(
+        query(schema, "lock_position"), {"name": subscription.name, "partition": partition}
+    ).fetchone()
+    if locked is None:
+        raise InvalidInput(
+            f"subscription {subscription.name!r} is not stored or has no partition {partition}"
+        )
+    old, generation, stopped, attempts = locked
+    if stopped:
+        return None
+    if attempts > 0:
+        size = 1  # a failed batch is retried one event at a time, to find the failing one
+    events = read_after(conn, schema, subscription.stream, partition, old, size + 1)
+    next_time = events[size].occurred_at if len(events) > size else None
+    return _Batch(partition, old, generation, events[:size], next_time)
+
+
+def _commit_position(
+    conn: psycopg.Connection[Any], schema: str, subscription: Subscription, batch: _Batch
+) -> BatchOutcome:
+    new = batch.events[-1].position if batch.events else batch.old
+    moved = conn.execute(
+        query(schema, "commit_position"),
+        {
+            "name": subscription.name,
+            "partition": batch.partition,
+            "old": batch.old,
+            "generation": batch.generation,
+            "new": new,
+            "next_time": batch.next_time,
+        },
+    )
+    if moved.rowcount != 1:
+        raise Fenced(
+            f"the position of {subscription.name!r} in partition {batch.partition} moved "
+            "during the batch; nothing of it was committed"
+        )
+    return BatchOutcome(batch.partition, len(batch.events), new, batch.next_time)
+
+
+def record_failure(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    subscription: Subscription,
+    partition: int,
+    error: BaseException,
+    settings: Settings,
+) -> int:
+    """Count a failed batch and apply the error policy at the last attempt; the attempts."""
+    text = f"{type(error).__name__}: {error}"[:_MAX_ERROR_LENGTH]
+    with conn.transaction():
+        attempts_row = conn.execute(
+            query(schema, "record_failure"),
+            {"name": subscription.name, "partition": partition, "error": text},
         ).fetchone()
-        if locked is None:
-            raise InvalidInput(
-                f"subscription {name!r} is not stored or has no partition {partition}"
+        if attempts_row is None:
+            return 0
+        attempts, position = attempts_row
+        delay = min(settings.retry_delay * 2 ** (attempts - 1), settings.retry_delay_max)
+        conn.execute(
+            query(schema, "record_failure_delay"),
+            {"name": subscription.name, "partition": partition, "delay": delay},
+        )
+        if attempts < subscription.max_attempts:
+            return int(attempts)
+        if subscription.on_error == "stop":
+            conn.execute(
+                query(schema, "stop_partition"), {"name": subscription.name, "partition": partition}
             )
-        old, generation, stopped = locked
-        if stopped:
-            return None
-        size = subscription.batch_size
-        events = read_after(conn, schema, subscription.stream, partition, old, size + 1)
-        batch, following = events[:size], events[size:]
-        if batch:
-            subscription.handle(batch, conn)
-        new = batch[-1].position if batch else old
-        next_time = following[0].occurred_at if following else None
-        moved = conn.execute(
-            query(schema, "commit_position"),
+            return int(attempts)
+        # dead_letter: the failing batch is one event by now (the worker retries a failed
+        # batch one event at a time), so the event after the position is the poison one.
+        conn.execute(
+            query(schema, "dead_letter"),
             {
-                "name": name,
+                "name": subscription.name,
+                "stream": subscription.stream,
                 "partition": partition,
-                "old": old,
-                "generation": generation,
-                "new": new,
-                "next_time": next_time,
+                "position": position + 1,
+                "error": text,
+                "attempts": attempts,
             },
         )
-        if moved.rowcount != 1:
-            raise Fenced(
-                f"the position of {name!r} in partition {partition} moved during the batch; "
-                "nothing of it was committed"
-            )
-    return BatchOutcome(partition, len(batch), new, next_time)
+        conn.execute(
+            query(schema, "skip_event"),
+            {"name": subscription.name, "partition": partition, "position": position},
+        )
+        return int(attempts)

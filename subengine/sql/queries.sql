@@ -97,7 +97,7 @@ SELECT %(name)s, p.partition,
 
 -- name: lock_position
 -- A subscription's position in one partition, locked until the transaction ends.
-SELECT position, generation, stopped
+SELECT position, generation, stopped, attempts
   FROM {schema}.subscription_positions
  WHERE subscription = %(name)s AND partition = %(partition)s
    FOR UPDATE
@@ -117,3 +117,66 @@ SELECT partition, position, generation, next_time, attempts, last_error, stopped
   FROM {schema}.subscription_positions
  WHERE subscription = %(name)s
  ORDER BY partition
+
+-- name: partitions_with_work
+-- Partitions of these subscriptions with events after their position, not stopped,
+-- paused or waiting for a retry, oldest next event first (DESIGN.md invariant 7). The
+-- next event's time is kept with the position; an idle partition that received events
+-- since costs one primary-key lookup.
+SELECT sp.subscription, sp.partition,
+       coalesce(sp.next_time, (
+           SELECT e.occurred_at FROM {schema}.events e
+            WHERE e.stream = s.stream AND e.partition = sp.partition
+              AND e.position = sp.position + 1)) AS next_time
+  FROM {schema}.subscription_positions sp
+  JOIN {schema}.subscriptions s ON s.name = sp.subscription
+  JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
+ WHERE sp.subscription = ANY (%(names)s)
+   AND NOT s.paused AND NOT sp.stopped
+   AND p.head > sp.position
+   AND (sp.retry_at IS NULL OR sp.retry_at <= now())
+ ORDER BY 3 NULLS LAST, 1, 2
+ LIMIT %(limit)s
+
+-- name: record_failure
+-- Count a failed attempt of a partition's next batch, with its error.
+UPDATE {schema}.subscription_positions
+   SET attempts = attempts + 1, last_error = %(error)s, updated_at = now()
+ WHERE subscription = %(name)s AND partition = %(partition)s
+RETURNING attempts, position
+
+-- name: record_failure_delay
+-- When the failed batch may be tried again.
+UPDATE {schema}.subscription_positions
+   SET retry_at = clock_timestamp() + make_interval(secs => %(delay)s)
+ WHERE subscription = %(name)s AND partition = %(partition)s
+
+-- name: skip_event
+-- Move past a dead-lettered event (same transaction as its dead_letters row).
+UPDATE {schema}.subscription_positions
+   SET position = position + 1, next_time = NULL, attempts = 0, retry_at = NULL,
+       updated_at = now()
+ WHERE subscription = %(name)s AND partition = %(partition)s AND position = %(position)s
+
+-- name: stop_partition
+-- Halt a partition after its last allowed attempt (policy `stop`).
+UPDATE {schema}.subscription_positions
+   SET stopped = true, retry_at = NULL, updated_at = now()
+ WHERE subscription = %(name)s AND partition = %(partition)s
+
+-- name: dead_letter
+-- Record the event after the position as dead (policy `dead_letter`).
+INSERT INTO {schema}.dead_letters (subscription, partition, position, event_id, error, attempts)
+SELECT %(name)s, e.partition, e.position, e.id, %(error)s, %(attempts)s
+  FROM {schema}.events e
+ WHERE e.stream = %(stream)s AND e.partition = %(partition)s AND e.position = %(position)s
+
+-- name: register_worker
+-- A worker, for inspection.
+INSERT INTO {schema}.workers (id, host, pid, subscriptions) VALUES (%(id)s, %(host)s, %(pid)s, %(names)s)
+
+-- name: heartbeat
+UPDATE {schema}.workers SET heartbeat_at = now() WHERE id = %(id)s
+
+-- name: unregister_worker
+DELETE FROM {schema}.workers WHERE id = %(id)s

@@ -1,0 +1,246 @@
+"""The worker: competing consumers of subscriptions (DESIGN.md, Consume flow).
+
+Each of `concurrency` slots loops: find partitions with work, oldest next event first;
+try the partition's advisory lock (pals, on its own autocommit engine); handle batches
+while the partition has work; release; wait for a notification or the poll timer. A
+listener thread turns notifications into wake-ups and reconnects when its connection
+drops. Locks only keep workers from wasting effort on one partition: correctness comes
+from the position row lock and compare-and-set in every batch (invariants 3 and 5).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from subengine._app import Subscription
+from subengine._engine import Engine
+from subengine._errors import Fenced
+from subengine._migrate import connect_factory
+from subengine._queries import query
+from subengine._subscriptions import ensure_subscription, process_batch, record_failure
+
+log = logging.getLogger("subengine.worker")
+
+# Candidates fetched per look for work: enough that busy partitions locked by other
+# workers do not hide the free ones.
+_CANDIDATES_PER_SLOT = 4
+_RECONNECT_DELAY_SECONDS = 1.0
+
+
+class _Wakeup:
+    """A counter of notifications that idle slots wait on; no wake-up is lost between
+    a slot's look for work and its wait, because it waits only if the count is unchanged."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._count = 0
+
+    def count(self) -> int:
+        with self._condition:
+            return self._count
+
+    def notify(self) -> None:
+        with self._condition:
+            self._count += 1
+            self._condition.notify_all()
+
+    def wait(self, seen: int, timeout: float) -> None:
+        with self._condition:
+            if self._count == seen:
+                self._condition.wait(timeout)
+
+
+class Worker:
+    """Runs the handlers of some subscriptions until `stop` is set."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        subscriptions: Sequence[Subscription],
+        concurrency: int = 1,
+        listen: bool = True,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.engine = engine
+        self.settings = engine.settings
+        self.schema = engine.schema
+        self.subscriptions = {s.name: s for s in subscriptions}
+        self.streams = {s.stream for s in subscriptions}
+        self.concurrency = concurrency
+        self.listen = listen
+        self.id = uuid.uuid4()
+        self.wakeup = _Wakeup()
+        self._locker: Any = None
+
+    # the run
+
+    def run(self, stop: threading.Event) -> None:
+        """Work until `stop` is set; the current batches finish and every lock is released."""
+        with self.engine.connection() as conn:
+            for subscription in self.subscriptions.values():
+                ensure_subscription(conn, self.schema, subscription)
+            conn.execute(
+                query(self.schema, "register_worker"),
+                {
+                    "id": self.id,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "names": list(self.subscriptions),
+                },
+            )
+        self._locker = self._make_locker()
+        threads = [
+            threading.Thread(target=self._heartbeat, args=(stop,), daemon=True),
+            threading.Thread(target=self._wake_on_stop, args=(stop,), daemon=True),
+        ]
+        if self.listen:
+            threads.append(threading.Thread(target=self._listen, args=(stop,), daemon=True))
+        slots = [
+            threading.Thread(target=self._slot, args=(stop,), name=f"slot-{n}")
+            for n in range(self.concurrency)
+        ]
+        for thread in threads + slots:
+            thread.start()
+        try:
+            for slot in slots:
+                slot.join()
+        finally:
+            stop.set()
+            self.wakeup.notify()
+            for slot in slots:
+                slot.join()
+            with self.engine.connection() as conn:
+                conn.execute(query(self.schema, "unregister_worker"), {"id": self.id})
+            self._locker.engine.dispose()
+
+    def _make_locker(self) -> Any:
+        import pals
+        from sqlalchemy import create_engine
+
+        dsn = self.engine.dsn
+
+        def create() -> Any:
+            # pals unlocks everything on check-in; on its own autocommit engine that leaves
+            # no connection idle in a transaction (DESIGN.md, pitfalls)
+            return create_engine(
+                "postgresql+psycopg://",
+                creator=connect_factory(dsn),
+                isolation_level="AUTOCOMMIT",
+                pool_size=self.concurrency + 1,
+                max_overflow=self.concurrency,
+            )
+
+        return pals.Locker(f"subengine.{self.schema}", create_engine_callable=create)
+
+    # one slot
+
+    def _slot(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                with psycopg.connect(self.engine.dsn) as conn:
+                    while not stop.is_set():
+                        seen = self.wakeup.count()
+                        if not self._work_once(conn, stop):
+                            self.wakeup.wait(seen, self.settings.poll_interval)
+            except psycopg.OperationalError as error:
+                log.warning("database connection lost: %s; reconnecting", error)
+                stop.wait(_RECONNECT_DELAY_SECONDS)
+
+    def _work_once(self, conn: psycopg.Connection[Any], stop: threading.Event) -> bool:
+        """Take one free partition with work and drain it; False when there was none."""
+        candidates = conn.execute(
+            query(self.schema, "partitions_with_work"),
+            {"names": list(self.subscriptions), "limit": self.concurrency * _CANDIDATES_PER_SLOT},
+        ).fetchall()
+        conn.commit()
+        for name, partition, _next_time in candidates:
+            lock = self._locker.lock(f"{name}:{partition}", blocking=False)
+            if not lock.acquire():
+                lock.conn.close()  # pals keeps the connection of a failed try: give it back
+                lock.conn = None
+                continue
+            try:
+                self._drain(conn, self.subscriptions[name], partition, stop)
+            finally:
+                lock.release()
+            return True
+        return False
+
+    def _drain(
+        self,
+        conn: psycopg.Connection[Any],
+        subscription: Subscription,
+        partition: int,
+        stop: threading.Event,
+    ) -> None:
+        """Handle batches of one partition while it has work and the worker runs."""
+        while not stop.is_set():
+            try:
+                outcome = process_batch(conn, self.schema, subscription, partition)
+            except Fenced as fenced:
+                log.info("%s", fenced)
+                return
+            except Exception as error:  # a handler failed: never kill the worker for it
+                if conn.broken or conn.closed:
+                    raise psycopg.OperationalError("the worker's connection broke") from error
+                attempts = record_failure(
+                    conn, self.schema, subscription, partition, error, self.settings
+                )
+                log.warning(
+                    "subscription %s partition %s: batch failed (attempt %s of %s): %s",
+                    subscription.name,
+                    partition,
+                    attempts,
+                    subscription.max_attempts,
+                    error,
+                    extra={"subscription": subscription.name, "partition": partition},
+                )
+                return
+            if outcome is None or outcome.handled == 0 or outcome.next_time is None:
+                return
+
+    # around the slots
+
+    def _listen(self, stop: threading.Event) -> None:
+        channel = sql.Identifier(self.schema)
+        while not stop.is_set():
+            try:
+                with psycopg.connect(self.engine.dsn, autocommit=True) as conn:
+                    conn.execute(sql.SQL("LISTEN {}").format(channel))
+                    self.wakeup.notify()  # whatever came while we were not listening
+                    while not stop.is_set():
+                        for notification in conn.notifies(timeout=1.0):
+                            if self._wanted(notification.payload):
+                                self.wakeup.notify()
+            except psycopg.OperationalError as error:
+                log.warning("listening connection lost: %s; reconnecting", error)
+                stop.wait(_RECONNECT_DELAY_SECONDS)
+
+    def _wake_on_stop(self, stop: threading.Event) -> None:
+        stop.wait()
+        self.wakeup.notify()  # idle slots wait on the wake-up, not on `stop`
+
+    def _wanted(self, payload: str) -> bool:
+        try:
+            return json.loads(payload).get("stream") in self.streams
+        except (ValueError, AttributeError):
+            return True
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.settings.heartbeat_interval):
+            try:
+                with self.engine.connection() as conn:
+                    conn.execute(query(self.schema, "heartbeat"), {"id": self.id})
+            except Exception as error:  # the heartbeat is for inspection only: never fatal
+                log.warning("heartbeat failed: %s", error)

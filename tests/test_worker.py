@@ -1,0 +1,153 @@
+"""The worker loop, run in a thread against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import subengine
+from subengine import NewEvent
+
+
+@pytest.fixture
+def fast_engine(dsn, sql):
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    settings = subengine.Settings(
+        dsn=dsn, poll_interval=0.2, retry_delay=0.05, retry_delay_max=0.1, heartbeat_interval=0.5
+    )
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=4)
+        yield engine
+
+
+def record(event, conn):
+    conn.execute(
+        "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
+    )
+
+
+class Running:
+    """A worker in a thread, stopped (and joined) on exit."""
+
+    def __init__(self, app, engine, **options):
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=app.run_worker, args=(engine,), kwargs={"stop": self.stop, **options}
+        )
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the worker did not stop"
+
+
+def wait_for(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def count(sql, table="effects"):
+    return sql.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: S608
+
+
+def test_a_worker_handles_every_event_once_and_stops_cleanly(fast_engine, sql):
+    fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(100)])
+    app = subengine.App()
+    app.subscription("billing", stream="orders", batch_size=7).handler()(record)
+    with Running(app, fast_engine, concurrency=2):
+        fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(50)])
+        wait_for(lambda: count(sql) == 150)
+    assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 150
+    positions = {p.partition: p.position for p in fast_engine.subscription_positions("billing")}
+    assert positions == fast_engine.heads("orders")
+    locks = sql.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()
+    assert locks[0] == 0
+    assert count(sql, "subengine.workers") == 0
+
+
+def test_polling_alone_delivers_everything(fast_engine, sql):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(record)
+    with Running(app, fast_engine, listen=False):
+        fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(20)])
+        wait_for(lambda: count(sql) == 20)
+
+
+def test_the_listening_connection_is_terminated_again_and_again(dsn, sql):
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    # a poll interval far longer than the test: only notifications can deliver in time
+    settings = subengine.Settings(dsn=dsn, poll_interval=600)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=2)
+        app = subengine.App()
+        app.subscription("billing", stream="orders").handler()(record)
+        with Running(app, engine):
+            for round_ in range(3):
+                wait_for(
+                    lambda: (
+                        sql.execute(
+                            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
+                        ).fetchone()[0]
+                        == 1
+                    )
+                )
+                sql.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE query LIKE 'LISTEN%'"
+                )
+                engine.append("orders", [NewEvent(f"r{round_}-{n}", "T", {}) for n in range(5)])
+                wait_for(lambda r=round_: count(sql) == 5 * (r + 1))
+
+
+@pytest.mark.parametrize("policy", ["stop", "dead_letter"])
+def test_a_poison_event_is_retried_then_handled_by_policy(fast_engine, sql, policy):
+    keys = [f"k{n}" for n in range(12)]
+    stored = fast_engine.append("orders", [NewEvent(k, "T", {"n": n}) for n, k in enumerate(keys)])
+    poison = stored[5]
+    app = subengine.App()
+    sub = app.subscription("billing", stream="orders", max_attempts=3, on_error=policy)
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.id == poison.id:
+            raise ValueError("cannot handle this one")
+        record(event, conn)
+
+    with Running(app, fast_engine):
+        if policy == "stop":
+            # the poison's partition halts at it; the other partitions go on
+            handled = [
+                a for a in stored if a.partition != poison.partition or a.position < poison.position
+            ]
+            wait_for(lambda: count(sql) == len(handled))
+            wait_for(
+                lambda: (
+                    [p.stopped for p in fast_engine.subscription_positions("billing")].count(True)
+                    == 1
+                )
+            )
+        else:
+            wait_for(lambda: count(sql) == 11 and count(sql, "subengine.dead_letters") == 1)
+    [row] = [
+        p for p in fast_engine.subscription_positions("billing") if p.partition == poison.partition
+    ]
+    if policy == "stop":
+        assert (row.stopped, row.attempts, row.position) == (True, 3, poison.position - 1)
+        assert "ValueError: cannot handle this one" in row.last_error
+    else:
+        dead = sql.execute(
+            "SELECT event_id, position, attempts, error FROM subengine.dead_letters"
+        ).fetchone()
+        assert dead[:3] == (poison.id, poison.position, 3)
+        assert row.position == fast_engine.heads("orders")[poison.partition]
+        assert not row.stopped and row.attempts == 0
