@@ -146,7 +146,9 @@ class Subscription:
         return register
 
     def handle(self, events: Sequence[Event], conn: psycopg.Connection[Any] | None) -> None:
-        """Run the handlers for a batch, in position order."""
+        """Run the handlers for a batch, in position order (nothing for an empty one)."""
+        if not events:
+            return
         if self.batch is not None:
             self.batch(events, conn)
             return

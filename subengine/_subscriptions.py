@@ -115,13 +115,9 @@ def positions(conn: psycopg.Connection[Any], schema: str, name: str) -> list[Sub
 
 
 def process_batch(
-    conn: psycopg.Connection[Any],
-    schema: str,
-    subscription: Subscription,
-    partition: int,
-    limit: int | None = None,
+    conn: psycopg.Connection[Any], schema: str, subscription: Subscription, partition: int
 ) -> BatchOutcome | None:
-    """Handle the next batch of one partition (up to `limit` events, default batch_size).
+    """Handle the next batch of one partition.
 
     Transactional subscriptions run the handlers inside the transaction that moves the
     position: exactly once. At-least-once subscriptions run them between two
@@ -130,21 +126,15 @@ def process_batch(
     back and propagates; `Fenced` means the position moved under us (nothing of this
     batch was committed).
     """
-    size = subscription.batch_size if limit is None else limit
-    if subscription.ack == "transactional":
-        with conn.transaction():
-            batch = _next_batch(conn, schema, subscription, partition, size)
-            if batch is None:
-                return None
-            if batch.events:
-                subscription.handle(batch.events, conn)
-            return _commit_position(conn, schema, subscription, batch)
+    transactional = subscription.ack == "transactional"
     with conn.transaction():
-        batch = _next_batch(conn, schema, subscription, partition, size)
-    if batch is None:
-        return None
-    if batch.events:
-        subscription.handle(batch.events, None)
+        batch = _next_batch(conn, schema, subscription, partition)
+        if batch is None:
+            return None
+        if transactional:
+            subscription.handle(batch.events, conn)
+            return _commit_position(conn, schema, subscription, batch)
+    subscription.handle(batch.events, None)
     with conn.transaction():
         return _commit_position(conn, schema, subscription, batch)
 
@@ -163,7 +153,6 @@ def _next_batch(
     schema: str,
     subscription: Subscription,
     partition: int,
-    size: int,
 ) -> _Batch | None:
     """Lock the position row and read the events after it; None if the partition stopped."""
     locked = conn.execute(
@@ -176,8 +165,8 @@ def _next_batch(
     old, generation, stopped, attempts = locked
     if stopped:
         return None
-    if attempts > 0:
-        size = 1  # a failed batch is retried one event at a time, to find the failing one
+    # a failed batch is retried one event at a time, to find the failing one
+    size = 1 if attempts > 0 else subscription.batch_size
     events = read_after(conn, schema, subscription.stream, partition, old, size + 1)
     next_time = events[size].occurred_at if len(events) > size else None
     return _Batch(partition, old, generation, events[:size], next_time)
@@ -219,16 +208,17 @@ def record_failure(
     with conn.transaction():
         attempts_row = conn.execute(
             query(schema, "record_failure"),
-            {"name": subscription.name, "partition": partition, "error": text},
+            {
+                "name": subscription.name,
+                "partition": partition,
+                "error": text,
+                "delay": settings.retry_delay,
+                "delay_max": settings.retry_delay_max,
+            },
         ).fetchone()
         if attempts_row is None:
             return 0
         attempts, position = attempts_row
-        delay = min(settings.retry_delay * 2 ** (attempts - 1), settings.retry_delay_max)
-        conn.execute(
-            query(schema, "record_failure_delay"),
-            {"name": subscription.name, "partition": partition, "delay": delay},
-        )
         if attempts < subscription.max_attempts:
             return int(attempts)
         if subscription.on_error == "stop":

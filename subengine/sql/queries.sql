@@ -139,17 +139,14 @@ SELECT sp.subscription, sp.partition,
  LIMIT %(limit)s
 
 -- name: record_failure
--- Count a failed attempt of a partition's next batch, with its error.
+-- Count a failed attempt of a partition's next batch, with its error; it is tried again
+-- after `delay` seconds, doubled for every earlier failure, at most `delay_max`.
 UPDATE {schema}.subscription_positions
-   SET attempts = attempts + 1, last_error = %(error)s, updated_at = now()
+   SET attempts = attempts + 1, last_error = %(error)s, updated_at = now(),
+       retry_at = clock_timestamp()
+                  + make_interval(secs => least(%(delay)s * 2 ^ attempts, %(delay_max)s))
  WHERE subscription = %(name)s AND partition = %(partition)s
 RETURNING attempts, position
-
--- name: record_failure_delay
--- When the failed batch may be tried again.
-UPDATE {schema}.subscription_positions
-   SET retry_at = clock_timestamp() + make_interval(secs => %(delay)s)
- WHERE subscription = %(name)s AND partition = %(partition)s
 
 -- name: skip_event
 -- Move past a dead-lettered event (same transaction as its dead_letters row).
