@@ -219,15 +219,18 @@ def record_failure(
         if attempts_row is None:
             return 0
         attempts, position = attempts_row
-        if attempts < subscription.max_attempts:
+        # The policy acts on one event: a failed batch is retried one event at a time, so
+        # the failing batch held one event if an earlier attempt failed too (or if batches
+        # hold one event). Until then the failure only counts.
+        isolated = attempts >= 2 or subscription.batch_size == 1
+        if attempts < subscription.max_attempts or not isolated:
             return int(attempts)
         if subscription.on_error == "stop":
             conn.execute(
                 query(schema, "stop_partition"), {"name": subscription.name, "partition": partition}
             )
             return int(attempts)
-        # dead_letter: the failing batch is one event by now (the worker retries a failed
-        # batch one event at a time), so the event after the position is the poison one.
+        # dead_letter: the event after the position is the failing one
         conn.execute(
             query(schema, "dead_letter"),
             {

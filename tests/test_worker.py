@@ -151,3 +151,28 @@ def test_a_poison_event_is_retried_then_handled_by_policy(fast_engine, sql, poli
         assert dead[:3] == (poison.id, poison.position, 3)
         assert row.position == fast_engine.heads("orders")[poison.partition]
         assert not row.stopped and row.attempts == 0
+
+
+def test_a_single_attempt_dead_letters_the_failing_event_not_the_batch_head(fast_engine, sql):
+    # One partition, the poison event in the middle of the first batch: with one attempt
+    # allowed, the failed batch of 10 must not send its first event to the dead letters.
+    fast_engine.create_stream("single", partitions=1)
+    stored = fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(10)])
+    poison = stored[6]
+    app = subengine.App()
+    sub = app.subscription(
+        "billing", stream="single", batch_size=10, max_attempts=1, on_error="dead_letter"
+    )
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.id == poison.id:
+            raise ValueError("poison")
+        record(event, conn)
+
+    with Running(app, fast_engine):
+        wait_for(lambda: count(sql) == 9 and count(sql, "subengine.dead_letters") == 1)
+    dead = sql.execute("SELECT event_id, position FROM subengine.dead_letters").fetchall()
+    assert dead == [(poison.id, poison.position)]
+    handled = sql.execute("SELECT position FROM effects ORDER BY 1").fetchall()
+    assert [p for (p,) in handled] == [p for p in range(1, 11) if p != poison.position]
