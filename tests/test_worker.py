@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -176,3 +177,23 @@ def test_a_single_attempt_dead_letters_the_failing_event_not_the_batch_head(fast
     assert dead == [(poison.id, poison.position)]
     handled = sql.execute("SELECT position FROM effects ORDER BY 1").fetchall()
     assert [p for (p,) in handled] == [p for p in range(1, 11) if p != poison.position]
+
+
+def test_the_partition_with_the_oldest_next_event_goes_first(fast_engine):
+    # Invariant 7: keys in two partitions; the later-appended partition holds older events.
+    new_key = next(f"n{i}" for i in range(100) if subengine.partition_for(f"n{i}", 4) == 0)
+    old_key = next(f"o{i}" for i in range(100) if subengine.partition_for(f"o{i}", 4) == 3)
+    now = datetime.now(UTC)
+    fast_engine.append("orders", [NewEvent(new_key, "T", {}, occurred_at=now) for _ in range(3)])
+    fast_engine.append(
+        "orders",
+        [NewEvent(old_key, "T", {}, occurred_at=now - timedelta(hours=1)) for _ in range(3)],
+    )
+    order = []
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(
+        lambda event, conn: order.append(event.partition)
+    )
+    with Running(app, fast_engine, concurrency=1):
+        wait_for(lambda: len(order) == 6)
+    assert order == [3, 3, 3, 0, 0, 0]
