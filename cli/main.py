@@ -7,6 +7,7 @@ with status 1; usage errors exit with status 2 (click's convention).
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 import psycopg
-from subengine.cli import _demo
+from subengine.cli import _demo, _worker
 from subengine.cli._events_file import read_events_file
 
 import subengine
@@ -293,6 +294,120 @@ def read(
         for e in events
     ]
     _table(("partition", "position", "key", "version", "type", "recorded_at", "data"), rows)
+
+
+class StartPoint(click.ParamType):
+    """`beginning`, `end`, an ISO 8601 time (UTC unless it names a zone), or a JSON object
+    of partition to position."""
+
+    name = "beginning|end|TIME|JSON"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str) or value in ("beginning", "end"):
+            return value
+        if value.lstrip().startswith("{"):
+            try:
+                positions = json.loads(value)
+                return {int(partition): position for partition, position in positions.items()}
+            except (ValueError, AttributeError) as error:
+                self.fail(f"{value!r} is not a JSON object of partition to position: {error}")
+        return IsoTime().convert(value, param, ctx)
+
+
+@cli.command()
+@click.option(
+    "--app",
+    "app_spec",
+    required=True,
+    metavar="MODULE:ATTR",
+    help="The subengine.App to run, e.g. myproject.consumers:app.",
+)
+@click.option(
+    "--subscription",
+    "names",
+    multiple=True,
+    metavar="NAME",
+    help="A subscription to work on (repeatable; default: all the app declares).",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 256),
+    default=1,
+    show_default=True,
+    help="Partitions this process handles at once.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+@pass_context
+@handles_errors
+def worker(
+    context: Context, app_spec: str, names: tuple[str, ...], concurrency: int, log_level: str
+) -> None:
+    """Consume subscriptions of an app until SIGTERM/SIGINT (a second one exits at once)."""
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    app = _worker.load_app(app_spec)
+    engine = context.engine()
+    _worker.run_until_signalled(
+        lambda stop: app.run_worker(engine, list(names) or None, concurrency=concurrency, stop=stop)
+    )
+
+
+@cli.group()
+def subscription() -> None:
+    """Create and reset stored subscriptions."""
+
+
+@subscription.command("create")
+@click.argument("name")
+@click.option("--stream", "stream_name", required=True, help="The stream it consumes.")
+@click.option(
+    "--start",
+    type=StartPoint(),
+    default="beginning",
+    show_default=True,
+    help="Where it begins: beginning, end, a time, or a JSON map of partition to position.",
+)
+@pass_context
+@handles_errors
+def subscription_create(context: Context, name: str, stream_name: str, start: Any) -> None:
+    """Store subscription NAME (an app declaring it later must agree on stream and start)."""
+    engine = context.engine()
+    engine.ensure_subscription(subengine.Subscription(name, stream_name, start))
+    _positions_table(engine.subscription_positions(name))
+
+
+@subscription.command("reset")
+@click.argument("name")
+@click.option(
+    "--to",
+    "to",
+    type=StartPoint(),
+    required=True,
+    help="beginning, end, a time (the first event recorded at or after it is next), "
+    "or a JSON map of partition to position.",
+)
+@pass_context
+@handles_errors
+def subscription_reset(context: Context, name: str, to: Any) -> None:
+    """Move every position of NAME at once, in a new generation (workers may run)."""
+    engine = context.engine()
+    engine.reset_subscription(name, to)
+    _positions_table(engine.subscription_positions(name))
+
+
+def _positions_table(positions: list[subengine.SubscriptionPosition]) -> None:
+    _table(
+        ("partition", "position", "generation"),
+        [(str(p.partition), str(p.position), str(p.generation)) for p in positions],
+    )
 
 
 @cli.command()

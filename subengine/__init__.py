@@ -23,9 +23,11 @@ from subengine._errors import (
     StreamNotFound,
     SubengineError,
     SubscriptionMismatch,
+    SubscriptionNotFound,
     WrongExpectedVersion,
 )
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, partition_for
+from subengine._orm import sqlalchemy_session
 from subengine._settings import Settings
 from subengine._subscriptions import BatchOutcome, SubscriptionPosition
 
@@ -52,8 +54,10 @@ __all__ = [
     "SubengineError",
     "Subscription",
     "SubscriptionMismatch",
+    "SubscriptionNotFound",
     "SubscriptionPosition",
     "WrongExpectedVersion",
     "append",
     "partition_for",
+    "sqlalchemy_session",
 ]

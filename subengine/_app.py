@@ -13,6 +13,7 @@ handler instead receives every event of a batch (one partition's, in position or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -108,10 +109,18 @@ class Subscription:
                 f"on_error must be one of {', '.join(ERROR_POLICIES)}, not {self.on_error!r}"
             )
 
-    def handler(self, event_type: str | None = None) -> Callable[[EventHandler], EventHandler]:
-        """Register `handler(event, conn)` for one event type, or for all others."""
+    def handler(
+        self, event_type: str | None = None, *, payload: Callable[..., Any] | None = None
+    ) -> Callable[[EventHandler], EventHandler]:
+        """Register `handler(event, conn)` for one event type, or for all others.
+
+        With `payload=SomeClass` the handler finds `SomeClass(**event.data)` in
+        `event.payload` (`SomeClass.model_validate(event.data)` for pydantic models);
+        data that does not fit fails the batch like a raising handler.
+        """
 
         def register(function: EventHandler) -> EventHandler:
+            registered = function if payload is None else _with_payload(function, payload)
             if self.batch is not None:
                 raise InvalidInput(
                     f"subscription {self.name!r} has a batch handler: it takes every event"
@@ -119,14 +128,14 @@ class Subscription:
             if event_type is None:
                 if self.catch_all is not None:
                     raise InvalidInput(f"subscription {self.name!r} has a catch-all handler")
-                self.catch_all = function
+                self.catch_all = registered
             else:
                 validate_type(event_type)
                 if event_type in self.handlers:
                     raise InvalidInput(
                         f"subscription {self.name!r} has a handler for {event_type!r} already"
                     )
-                self.handlers[event_type] = function
+                self.handlers[event_type] = registered
             return function
 
         return register
@@ -156,6 +165,24 @@ class Subscription:
             function = self.handlers.get(event.type, self.catch_all)
             if function is not None:
                 function(event, conn)
+
+
+def _with_payload(function: EventHandler, payload: Callable[..., Any]) -> EventHandler:
+    validate = getattr(payload, "model_validate", None)
+
+    def typed(event: Event, conn: psycopg.Connection[Any] | None) -> object:
+        if validate is not None:
+            value = validate(event.data)
+        elif isinstance(event.data, dict):
+            value = payload(**event.data)
+        else:
+            raise InvalidInput(
+                f"event {event.id} has {type(event.data).__name__} data; "
+                f"{getattr(payload, '__name__', payload)} needs a JSON object"
+            )
+        return function(dataclasses.replace(event, payload=value), conn)
+
+    return typed
 
 
 class App:

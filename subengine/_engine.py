@@ -16,7 +16,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from subengine import _embedded, _migrate, _read, _subscriptions
-from subengine._app import Subscription
+from subengine._app import Start, Subscription
 from subengine._append import (
     ExpectedVersion,
     append_prepared,
@@ -219,6 +219,12 @@ class Engine:
         """Store a subscription on first use; raise SubscriptionMismatch if it disagrees."""
         with self.connection() as conn:
             _subscriptions.ensure_subscription(conn, self.schema, subscription)
+
+    def reset_subscription(self, name: str, to: Start) -> dict[int, int]:
+        """Move every position of subscription `name` to `to` ('beginning', 'end', a time
+        or a map of positions) in a new generation; the new positions by partition."""
+        with self.connection() as conn:
+            return _subscriptions.reset_subscription(conn, self.schema, name, to)
 
     def subscription_positions(self, name: str) -> list[SubscriptionPosition]:
         """Every partition's position of a stored subscription."""

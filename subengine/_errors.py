@@ -96,12 +96,17 @@ class SubscriptionMismatch(SubengineError):
     """The stored subscription of that name reads another stream or began elsewhere."""
 
 
+class SubscriptionNotFound(SubengineError, LookupError):
+    """No subscription of that name is stored."""
+
+
 class Fenced(SubengineError):
     """A position compare-and-set matched no row: another worker or a reset moved it."""
 
 
 class DatabaseUnavailable(SubengineError):
-    """PostgreSQL could not be reached within the connect timeout."""
+    """PostgreSQL could not be reached in time (connect timeout, or a worker's outage
+    timeout)."""
 
 
 class SchemaNotReady(SubengineError):

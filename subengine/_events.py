@@ -69,6 +69,8 @@ class Event:
     metadata: dict[str, Any]
     occurred_at: datetime
     recorded_at: datetime
+    # `data` as an instance of the class a handler was registered with (`payload=`)
+    payload: Any = None
 
 
 class Appended(NamedTuple):

@@ -78,6 +78,11 @@ class Settings:
     heartbeat_interval: float = _setting(
         10.0, "SUBENGINE_HEARTBEAT_INTERVAL", "Seconds between a worker's heartbeats."
     )
+    outage_timeout: float = _setting(
+        60.0,
+        "SUBENGINE_OUTAGE_TIMEOUT",
+        "Seconds a worker keeps reconnecting to a lost database before it exits with an error.",
+    )
 
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
@@ -86,7 +91,13 @@ class Settings:
                 raise ConfigurationError(f"setting {name} must be at least 1")
         if self.pool_max_size < self.pool_min_size:
             raise ConfigurationError("setting pool_max_size must be at least pool_min_size")
-        for name in ("connect_timeout", "poll_interval", "retry_delay", "heartbeat_interval"):
+        for name in (
+            "connect_timeout",
+            "poll_interval",
+            "retry_delay",
+            "heartbeat_interval",
+            "outage_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"setting {name} must be positive")
         if self.retry_delay_max < self.retry_delay:

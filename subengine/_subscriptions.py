@@ -18,9 +18,15 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from subengine._app import Subscription, describe_start
-from subengine._errors import Fenced, InvalidInput, SubscriptionMismatch
+from subengine._app import Start, Subscription, describe_start, start_to_json
+from subengine._errors import (
+    Fenced,
+    InvalidInput,
+    SubscriptionMismatch,
+    SubscriptionNotFound,
+)
 from subengine._events import Event
+from subengine._names import validate_stream_name
 from subengine._queries import query
 from subengine._read import get_stream, partition_states, read_after
 from subengine._settings import Settings
@@ -58,23 +64,13 @@ def ensure_subscription(
     with conn.transaction():
         get_stream(conn, schema, subscription.stream)  # raises StreamNotFound
         start = subscription.start_json
-        if start["kind"] == "positions":
-            _check_start_positions(conn, schema, subscription)
+        _check_start_positions(conn, schema, subscription.stream, start)
         created = conn.execute(
             query(schema, "create_subscription"),
             {"name": subscription.name, "stream": subscription.stream, "start": Jsonb(start)},
         ).fetchone()
         if created is not None:
-            conn.execute(
-                query(schema, "create_positions"),
-                {
-                    "name": subscription.name,
-                    "stream": subscription.stream,
-                    "kind": start["kind"],
-                    "time": start.get("time"),
-                    "positions": json.dumps(start.get("positions", {})),
-                },
-            )
+            _write_positions(conn, schema, subscription.name, subscription.stream, start, 1)
             return
         stored = conn.execute(
             query(schema, "get_subscription"), {"name": subscription.name}
@@ -91,15 +87,61 @@ def ensure_subscription(
             )
 
 
+def reset_subscription(
+    conn: psycopg.Connection[Any], schema: str, name: str, to: Start
+) -> dict[int, int]:
+    """Move every position of a stored subscription to `to`, in a new generation.
+
+    One transaction: it waits for the batches in flight (they hold their position rows),
+    then every partition moves at once and its failure state is cleared. A batch that
+    read the old generation fails its compare-and-set (`Fenced`) and commits nothing.
+    The stored start point is unchanged: it records where the subscription began.
+    Returns the new position of every partition.
+    """
+    validate_stream_name(name)
+    start = start_to_json(to)
+    with conn.transaction():
+        bumped = conn.execute(query(schema, "bump_generation"), {"name": name}).fetchone()
+        if bumped is None:
+            raise SubscriptionNotFound(f"no subscription named {name!r}")
+        stream, generation = bumped
+        _check_start_positions(conn, schema, stream, start)
+        return _write_positions(conn, schema, name, stream, start, generation)
+
+
+def _write_positions(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    name: str,
+    stream: str,
+    start: dict[str, Any],
+    generation: int,
+) -> dict[int, int]:
+    rows = conn.execute(
+        query(schema, "write_positions"),
+        {
+            "name": name,
+            "stream": stream,
+            "kind": start["kind"],
+            "time": start.get("time"),
+            "positions": json.dumps(start.get("positions", {})),
+            "generation": generation,
+        },
+    ).fetchall()
+    return dict(sorted((partition, position) for partition, position in rows))
+
+
 def _check_start_positions(
-    conn: psycopg.Connection[Any], schema: str, subscription: Subscription
+    conn: psycopg.Connection[Any], schema: str, stream: str, start: dict[str, Any]
 ) -> None:
-    heads = {s.partition: s.head for s in partition_states(conn, schema, subscription.stream)}
-    for partition, position in subscription.start_json["positions"].items():
+    if start["kind"] != "positions":
+        return
+    heads = {s.partition: s.head for s in partition_states(conn, schema, stream)}
+    for partition, position in start["positions"].items():
         head = heads.get(int(partition))
         if head is None:
             raise InvalidInput(
-                f"start names partition {partition}, but stream {subscription.stream!r} has "
+                f"start names partition {partition}, but stream {stream!r} has "
                 f"partitions 0..{len(heads) - 1}"
             )
         if position > head:

@@ -12,21 +12,25 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+import sqlalchemy.exc
 from psycopg import sql
 
 from subengine._app import Subscription
 from subengine._engine import Engine
-from subengine._errors import Fenced
+from subengine._errors import DatabaseUnavailable, Fenced
 from subengine._migrate import connect_factory
 from subengine._queries import query
+from subengine._settings import Settings
 from subengine._subscriptions import ensure_subscription, process_batch, record_failure
 
 log = logging.getLogger("subengine.worker")
@@ -35,6 +39,11 @@ log = logging.getLogger("subengine.worker")
 # workers do not hide the free ones.
 _CANDIDATES_PER_SLOT = 4
 _RECONNECT_DELAY_SECONDS = 1.0
+
+
+def _connect_timeout(settings: Settings) -> int:
+    """libpq's connect_timeout is whole seconds, at least 2 (smaller values mean 2)."""
+    return max(2, math.ceil(settings.connect_timeout))
 
 
 class _Wakeup:
@@ -82,6 +91,8 @@ class Worker:
         self.id = uuid.uuid4()
         self.wakeup = _Wakeup()
         self._locker: Any = None
+        # set by a slot that gave up on the database; run() raises it
+        self.fatal: DatabaseUnavailable | None = None
 
     # the run
 
@@ -100,6 +111,13 @@ class Worker:
                 },
             )
         self._locker = self._make_locker()
+        log.info(
+            "worker %s (pid %s) started: subscriptions %s, concurrency %s",
+            self.id,
+            os.getpid(),
+            ", ".join(f"{s.name} ({s.stream})" for s in self.subscriptions.values()),
+            self.concurrency,
+        )
         threads = [
             threading.Thread(target=self._heartbeat, args=(stop,), daemon=True),
             threading.Thread(target=self._wake_on_stop, args=(stop,), daemon=True),
@@ -120,9 +138,19 @@ class Worker:
             self.wakeup.notify()
             for slot in slots:
                 slot.join()
-            with self.engine.connection() as conn:
-                conn.execute(query(self.schema, "unregister_worker"), {"id": self.id})
             self._locker.engine.dispose()
+            self._unregister()
+        if self.fatal is not None:
+            raise self.fatal
+
+    def _unregister(self) -> None:
+        try:
+            with psycopg.connect(
+                self.engine.dsn, connect_timeout=_connect_timeout(self.settings)
+            ) as conn:
+                conn.execute(query(self.schema, "unregister_worker"), {"id": self.id})
+        except psycopg.OperationalError as error:  # the row is for inspection only
+            log.warning("could not unregister the worker: %s", error)
 
     def _make_locker(self) -> Any:
         import pals
@@ -146,14 +174,27 @@ class Worker:
     # one slot
 
     def _slot(self, stop: threading.Event) -> None:
+        outage_since: float | None = None
         while not stop.is_set():
             try:
-                with psycopg.connect(self.engine.dsn) as conn:
+                with psycopg.connect(
+                    self.engine.dsn, connect_timeout=_connect_timeout(self.settings)
+                ) as conn:
+                    outage_since = None
                     while not stop.is_set():
                         seen = self.wakeup.count()
                         if not self._work_once(conn, stop):
                             self.wakeup.wait(seen, self.settings.poll_interval)
-            except psycopg.OperationalError as error:
+            except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
+                now = time.monotonic()
+                outage_since = now if outage_since is None else outage_since
+                if now - outage_since >= self.settings.outage_timeout:
+                    self.fatal = DatabaseUnavailable(
+                        f"the database was unreachable for {self.settings.outage_timeout:g} s "
+                        f"(SUBENGINE_OUTAGE_TIMEOUT): {str(error).strip()}"
+                    )
+                    stop.set()
+                    return
                 log.warning("database connection lost: %s; reconnecting", error)
                 stop.wait(_RECONNECT_DELAY_SECONDS)
 

@@ -154,3 +154,56 @@ def test_conflicting_or_missing_options_are_usage_errors(cli_env, orders, args):
 
 def test_db_url_prints_the_configured_dsn(cli_env, dsn):
     assert run(cli_env, "db", "url").stdout.strip() == dsn
+
+
+def subscription_rows(sql):
+    return sql.execute(
+        "SELECT partition, position, generation FROM subengine.subscription_positions"
+        " WHERE subscription = 'billing' ORDER BY 1"
+    ).fetchall()
+
+
+def test_subscription_create_and_reset(cli_env, engine, sql):
+    engine.create_stream("orders", partitions=2)
+    # one transaction per event, so that each has its own recorded_at
+    stored = [engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {})])[0] for n in range(10)]
+    heads = engine.heads("orders")
+    out = run(cli_env, "subscription", "create", "billing", "--stream", "orders", "--start", "end")
+    assert subscription_rows(sql) == [(p, heads[p], 1) for p in (0, 1)]
+    assert out.stdout.split()[:3] == ["partition", "position", "generation"]
+    # the stored subscription is what later declarations must agree with
+    again = run(cli_env, "subscription", "create", "billing", "--stream", "orders", ok=False)
+    assert again.returncode == 1
+    assert "is stored with stream 'orders' and start end" in again.stderr
+    run(cli_env, "subscription", "reset", "billing", "--to", "beginning")
+    assert subscription_rows(sql) == [(0, 0, 2), (1, 0, 2)]
+    run(cli_env, "subscription", "reset", "billing", "--to", '{"0": 1, "1": 2}')
+    assert subscription_rows(sql) == [(0, 1, 3), (1, 2, 3)]
+    # by time: the first event recorded at or after it is the next one
+    third = next(a for a in stored if a.position == 3)
+    [event] = engine.read("orders", third.partition, third.position - 1, 1)
+    run(cli_env, "subscription", "reset", "billing", "--to", event.recorded_at.isoformat())
+    rows = dict((p, position) for p, position, _ in subscription_rows(sql))
+    assert rows[third.partition] == third.position - 1
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "message"),
+    [
+        (["nope", "--to", "beginning"], 1, "no subscription named 'nope'"),
+        (["billing", "--to", "yesterday"], 2, "is not an ISO 8601 time"),
+        (["billing", "--to", '{"9": 1}'], 1, "start names partition 9"),
+        (["billing", "--to", '{"0": 99}'], 1, "start position 99 of partition 0 is past its head"),
+        (["billing", "--to", '{"x": 1}'], 2, "not a JSON object of partition to position"),
+        (["billing"], 2, "Missing option '--to'"),
+    ],
+)
+def test_a_bad_reset_changes_nothing(cli_env, engine, sql, args, status, message):
+    engine.create_stream("orders", partitions=2)
+    engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {}) for n in range(4)])
+    run(cli_env, "subscription", "create", "billing", "--stream", "orders")
+    before = subscription_rows(sql)
+    result = run(cli_env, "subscription", "reset", *args, ok=False)
+    assert result.returncode == status
+    assert message in result.stderr
+    assert subscription_rows(sql) == before

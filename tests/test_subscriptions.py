@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import psycopg
 import pytest
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import subengine
 from subengine import NewEvent
@@ -46,6 +49,34 @@ def test_handlers_are_dispatched_by_type_with_a_catch_all():
     events = [_event("Placed", 1), _event("Paid", 2)]
     sub.handle(events, conn=None)
     assert [(kind, e.position) for kind, e in seen] == [("placed", 1), ("other", 2)]
+
+
+@dataclass
+class Placed:
+    total: int
+    currency: str = "EUR"
+
+
+def test_a_handler_can_take_a_typed_payload(engine, projections):
+    engine.create_stream("orders", partitions=1)
+    engine.append(
+        "orders",
+        [NewEvent("a", "Placed", {"total": 5}), NewEvent("b", "Placed", {"totl": 7})],
+    )
+    sub = subengine.App().subscription("billing", stream="orders", batch_size=1)
+    seen = []
+
+    @sub.handler("Placed", payload=Placed)
+    def placed(event, conn):
+        seen.append(event.payload)
+
+    engine.ensure_subscription(sub)
+    engine.process_batch(sub, 0)
+    assert seen == [Placed(total=5)]
+    # data that does not fit the class fails the batch like a raising handler
+    with pytest.raises(TypeError, match="totl"):
+        engine.process_batch(sub, 0)
+    assert engine.subscription_positions("billing")[0].position == 1
 
 
 def test_events_without_a_handler_are_skipped():
@@ -240,3 +271,43 @@ def _event(event_type, position):
         occurred_at=now,
         recorded_at=now,
     )
+
+
+# SQLAlchemy
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Effect(Base):
+    __tablename__ = "effects"
+    event_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    partition: Mapped[int]
+    position: Mapped[int]
+
+
+def test_a_sqlalchemy_session_writes_in_the_batch_transaction(engine, projections):
+    one_partition_stream(engine, events=6)
+    sub = subengine.App().subscription("billing", stream="orders", batch_size=3)
+    fail_at = {5}
+
+    @sub.handler()
+    def handle(event, conn):
+        with subengine.sqlalchemy_session(conn) as session:
+            session.add(Effect(event_id=event.id, partition=0, position=event.position))
+            session.commit()  # commits nothing yet: the batch's transaction is the worker's
+            if event.position in fail_at:
+                raise ValueError("after the session's commit")
+
+    engine.ensure_subscription(sub)
+    assert engine.process_batch(sub, 0).position == 3
+    assert effects(projections) == [(0, 1), (0, 2), (0, 3)]
+    with pytest.raises(ValueError, match="after the session's commit"):
+        engine.process_batch(sub, 0)
+    # the whole second batch rolled back, the session's "committed" rows with it
+    assert effects(projections) == [(0, 1), (0, 2), (0, 3)]
+    assert engine.subscription_positions("billing")[0].position == 3
+    fail_at.clear()
+    assert engine.process_batch(sub, 0).position == 6
+    assert effects(projections) == [(0, p) for p in range(1, 7)]

@@ -76,11 +76,12 @@ RETURNING name
 -- A stored subscription.
 SELECT name, stream, start, generation, paused FROM {schema}.subscriptions WHERE name = %(name)s
 
--- name: create_positions
--- The first position of every partition of a new subscription: 0 (from the beginning),
--- the head (from the end: the next event appended), the last position recorded before a
--- time, or the given one.
-INSERT INTO {schema}.subscription_positions (subscription, partition, position, generation)
+-- name: write_positions
+-- Set every partition's position of a subscription, as of generation %(generation)s: 0
+-- (from the beginning), the head (from the end: the next event appended), the last
+-- position recorded before a time, or the given one. Used on creation and by reset, which
+-- also clears the failure state.
+INSERT INTO {schema}.subscription_positions AS sp (subscription, partition, position, generation)
 SELECT %(name)s, p.partition,
        CASE %(kind)s
          WHEN 'beginning' THEN 0
@@ -91,9 +92,20 @@ SELECT %(name)s, p.partition,
                 AND e.recorded_at < %(time)s::timestamptz)
          ELSE coalesce((%(positions)s::jsonb ->> p.partition::text)::bigint, 0)
        END,
-       1
+       %(generation)s
   FROM {schema}.partitions p
  WHERE p.stream = %(stream)s
+ON CONFLICT (subscription, partition) DO UPDATE
+   SET position = excluded.position, generation = excluded.generation, next_time = NULL,
+       attempts = 0, last_error = NULL, stopped = false, retry_at = NULL, updated_at = now()
+RETURNING sp.partition, sp.position
+
+-- name: bump_generation
+-- Start a new generation of a subscription (reset): every compare-and-set of the old one
+-- fails from now on (DESIGN.md invariant 3).
+UPDATE {schema}.subscriptions SET generation = generation + 1
+ WHERE name = %(name)s
+RETURNING stream, generation
 
 -- name: lock_position
 -- A subscription's position in one partition, locked until the transaction ends.

@@ -1,0 +1,82 @@
+"""A SQLAlchemy `Session` inside a handler's transaction.
+
+    @billing.handler("OrderPlaced")
+    def placed(event, conn):
+        with subengine.sqlalchemy_session(conn) as session:
+            session.add(Order(id=event.key, total=event.data["total"]))
+
+The session runs its statements on the worker's connection, in the batch's transaction,
+so its writes commit with the position or not at all (invariant 2). The transaction is
+the worker's: the session's `commit()` and `rollback()` do not end it (commit flushes;
+to undo the batch, raise). The session is flushed when the block ends.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import sqlalchemy
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import StaticPool
+
+# One SQLAlchemy engine per worker connection, made on first use: making one runs the
+# dialect's first-connect queries, which a batch should not pay for every time.
+_engines: weakref.WeakKeyDictionary[psycopg.Connection[Any], sqlalchemy.Engine] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _Borrowed:
+    """The worker's connection as SQLAlchemy sees it: everything but ending the
+    transaction, or the connection, which stay the worker's to do."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def commit(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _engine_for(conn: psycopg.Connection[Any]) -> sqlalchemy.Engine:
+    engine = _engines.get(conn)
+    if engine is None:
+        borrowed = _Borrowed(conn)
+        engine = sqlalchemy.create_engine(
+            "postgresql+psycopg://",
+            creator=lambda: borrowed,
+            poolclass=StaticPool,
+            pool_reset_on_return=None,
+            # the hstore lookup wants a real psycopg Connection, not the wrapper
+            use_native_hstore=False,
+        )
+        _engines[conn] = engine
+    return engine
+
+
+@contextmanager
+def sqlalchemy_session(conn: psycopg.Connection[Any], **options: Any) -> Iterator[Session]:
+    """A Session on the handler's connection and transaction, flushed at the end.
+
+    `options` go to `Session(...)` (e.g. `expire_on_commit=False`).
+    """
+    if conn is None:
+        raise TypeError(
+            "sqlalchemy_session needs the handler's connection; at-least-once handlers "
+            "have none (their work is not in the batch's transaction)"
+        )
+    with Session(bind=_engine_for(conn), **options) as session:
+        yield session
+        session.flush()

@@ -1,0 +1,464 @@
+"""`subengine worker` as real processes: signals, crashes, fencing, resets, fatal errors.
+
+The workers run `tests/apps/worker_app.py`, which records each event's effect in the
+table `effects` (no unique constraint) inside the batch's transaction.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import psycopg
+import pytest
+from conftest import run_subengine, subengine_command
+
+import subengine
+from subengine import NewEvent
+
+APPS = Path(__file__).parent / "apps"
+
+
+@pytest.fixture
+def app_env(cli_env, sql, tmp_path):
+    """The `effects` table and sequence, and an environment with short intervals."""
+    sql.execute("CREATE SEQUENCE effect_order")
+    sql.execute(
+        "CREATE TABLE effects (event_id uuid, key text, key_version bigint, partition int,"
+        " position bigint, seq bigint)"
+    )
+    env = dict(
+        cli_env,
+        SUBENGINE_POLL_INTERVAL="0.5",
+        SUBENGINE_RETRY_DELAY="0.1",
+        SUBENGINE_RETRY_DELAY_MAX="0.5",
+        SUBENGINE_HEARTBEAT_INTERVAL="1",
+        WORKER_APP_MARKS=str(tmp_path / "marks"),
+    )
+    env.pop("WORKER_APP_SLEEP", None)
+    return env
+
+
+@pytest.fixture
+def engine_of(dsn):
+    with subengine.Engine(dsn) as engine:
+        yield engine
+
+
+class Workers:
+    """Worker processes of one test; whatever is still running at the end is killed."""
+
+    def __init__(self, env, log_dir):
+        self.env = env
+        self.log_dir = log_dir
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *args, **env):
+        log = open(self.log_dir / f"worker-{len(self.processes)}.log", "wb")
+        process = subprocess.Popen(
+            [subengine_command(), "worker", "--app", "worker_app:app", *args],
+            cwd=APPS,
+            env=dict(self.env, **env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.processes.append(process)
+        return process
+
+    def log(self, process):
+        index = self.processes.index(process)
+        return (self.log_dir / f"worker-{index}.log").read_text()
+
+    def kill_all(self):
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def workers(app_env, tmp_path):
+    workers = Workers(app_env, tmp_path)
+    yield workers
+    workers.kill_all()
+
+
+def wait_for(condition, timeout=60.0, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def effect_count(sql):
+    return sql.execute("SELECT count(*) FROM effects").fetchone()[0]
+
+
+def positions(sql):
+    return dict(
+        sql.execute(
+            "SELECT partition, position FROM subengine.subscription_positions"
+            " WHERE subscription = 'effects' ORDER BY 1"
+        ).fetchall()
+    )
+
+
+def marks(env):
+    path = Path(env["WORKER_APP_MARKS"])
+    if not path.exists():
+        return []
+    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
+
+
+def advisory_locks(sql):
+    return sql.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0]
+
+
+def assert_each_effect_once_in_key_order(sql, engine):
+    """Every stored event has exactly one effect, and each key's effects, in the order
+    they were made, are its versions 1, 2, 3 …"""
+    duplicated = sql.execute(
+        "SELECT event_id, count(*) FROM effects GROUP BY 1 HAVING count(*) > 1"
+    ).fetchall()
+    assert duplicated == []
+    missing = sql.execute(
+        "SELECT count(*) FROM subengine.events e"
+        " WHERE NOT EXISTS (SELECT FROM effects f WHERE f.event_id = e.id)"
+    ).fetchone()[0]
+    assert missing == 0
+    versions = defaultdict(list)
+    for key, version in sql.execute("SELECT key, key_version FROM effects ORDER BY seq"):
+        versions[key].append(version)
+    assert all(v == list(range(1, len(v) + 1)) for v in versions.values())
+
+
+# fatal conditions
+
+
+@pytest.mark.parametrize(
+    ("app", "status", "message"),
+    [
+        ("no_such_module:app", 1, "cannot import 'no_such_module': ModuleNotFoundError"),
+        ("worker_app:nothing", 1, "module 'worker_app' has no attribute 'nothing'"),
+        ("worker_app:os", 1, "'os' is a module, not a subengine.App"),
+        ("worker_app", 2, "is not MODULE:ATTR"),
+    ],
+)
+def test_a_bad_app_path_exits_with_a_clear_message(app_env, app, status, message):
+    result = subprocess.run(
+        [subengine_command(), "worker", "--app", app],
+        cwd=APPS,
+        env=app_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == status
+    assert message in result.stderr
+
+
+def test_an_unknown_subscription_exits_with_a_clear_message(app_env, engine_of):
+    engine_of.create_stream("orders", partitions=2)
+    result = subprocess.run(
+        [subengine_command(), "worker", "--app", "worker_app:app", "--subscription", "nope"],
+        cwd=APPS,
+        env=app_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "the app declares no subscription 'nope'" in result.stderr
+
+
+def test_a_database_unreachable_at_start_exits_non_zero(app_env):
+    port = _free_port()
+    env = dict(
+        app_env,
+        SUBENGINE_DSN=f"postgresql://postgres@127.0.0.1:{port}/postgres",
+        SUBENGINE_CONNECT_TIMEOUT="2",
+    )
+    result = subprocess.run(
+        [subengine_command(), "worker", "--app", "worker_app:app"],
+        cwd=APPS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "could not connect to PostgreSQL within 2 s" in result.stderr
+
+
+def test_a_database_lost_for_longer_than_the_outage_timeout_exits_non_zero(
+    app_env, engine_of, sql, workers
+):
+    engine_of.create_stream("orders", partitions=2)
+    engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
+    params = psycopg.conninfo.conninfo_to_dict(app_env["SUBENGINE_DSN"])
+    with _Proxy(params.get("host") or "localhost", int(params.get("port") or 5432)) as proxy:
+        through_proxy = psycopg.conninfo.make_conninfo(
+            app_env["SUBENGINE_DSN"], host="127.0.0.1", port=proxy.port
+        )
+        worker = workers.start(
+            SUBENGINE_DSN=through_proxy, SUBENGINE_OUTAGE_TIMEOUT="3", SUBENGINE_CONNECT_TIMEOUT="2"
+        )
+        wait_for(lambda: effect_count(sql) == 10, what="the events to be handled")
+    # the proxy is gone: every connection of the worker broke and none can be made
+    assert worker.wait(timeout=60) == 1
+    assert "the database was unreachable for 3 s" in workers.log(worker)
+
+
+# signals
+
+
+def test_sigterm_finishes_the_current_batch_releases_locks_and_exits_0(
+    app_env, engine_of, sql, workers
+):
+    engine_of.create_stream("orders", partitions=1)
+    engine_of.append("orders", [NewEvent("k", "T", {}) for _ in range(60)])
+    worker = workers.start(WORKER_APP_BATCH="10", WORKER_APP_SLEEP="0.1")
+    wait_for(lambda: marks(app_env), what="a batch to start")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=60) == 0
+    assert "finishing the current batches" in workers.log(worker)
+    # the batch that was running when the signal came committed whole, and no other began
+    last = marks(app_env)[-1][3]
+    assert positions(sql) == {0: last}
+    assert effect_count(sql) == last
+    assert advisory_locks(sql) == 0
+    assert sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 0
+
+
+def test_a_second_signal_exits_at_once_and_the_batch_rolls_back(app_env, engine_of, sql, workers):
+    engine_of.create_stream("orders", partitions=1)
+    engine_of.append("orders", [NewEvent("k", "T", {}) for _ in range(20)])
+    worker = workers.start(WORKER_APP_BATCH="10", WORKER_APP_SLEEP="3")
+    wait_for(lambda: marks(app_env), what="a batch to start")
+    worker.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=10) == 128 + signal.SIGTERM
+    assert "SIGTERM again: exiting at once" in workers.log(worker)
+    assert positions(sql) == {0: 0}
+    # the next worker finds the database consistent and does everything exactly once
+    workers.start()
+    wait_for(lambda: positions(sql) == {0: 20}, what="the next worker to finish")
+    assert_each_effect_once_in_key_order(sql, engine_of)
+
+
+# crashes and fencing
+
+
+def test_exactly_once_while_workers_are_killed_at_random(app_env, engine_of, sql, workers):
+    engine_of.create_stream("orders", partitions=8)
+    rng = random.Random(7)
+    running = [workers.start("--concurrency", "2") for _ in range(3)]
+    total, appended = 20_000, threading.Event()
+
+    def produce():
+        keys = [f"order-{n}" for n in range(400)]
+        with subengine.Engine(app_env["SUBENGINE_DSN"]) as producer:
+            for _ in range(total // 20):
+                producer.append("orders", [NewEvent(rng.choice(keys), "T", {}) for _ in range(20)])
+                time.sleep(0.01)
+        appended.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    kills = 0
+
+    def caught_up():
+        return appended.is_set() and sum(positions(sql).values()) == total
+
+    while not caught_up() or kills < 5:
+        time.sleep(rng.uniform(1.0, 2.0))
+        victim = running.pop(rng.randrange(len(running)))
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        kills += 1
+        running.append(workers.start("--concurrency", "2"))
+        if kills > 200:
+            raise AssertionError("the workers never caught up")
+    producer.join()
+    assert sum(engine_of.heads("orders").values()) == total
+    assert_each_effect_once_in_key_order(sql, engine_of)
+
+
+@pytest.mark.parametrize("terminated", ["lock", "batch"])
+def test_a_worker_that_loses_a_connection_mid_batch_never_duplicates(
+    app_env, engine_of, sql, workers, terminated
+):
+    # One partition, slow batches. While the first worker is inside a batch, terminate
+    # either the connection holding its advisory lock (so a second worker takes the
+    # partition while the batch runs) or the connection running the batch (which rolls
+    # back). Each event is still handled exactly once.
+    engine_of.create_stream("orders", partitions=1)
+    engine_of.append("orders", [NewEvent(f"k{n % 3}", "T", {}) for n in range(30)])
+    first = workers.start(WORKER_APP_BATCH="5", WORKER_APP_SLEEP="0.2")
+    wait_for(lambda: marks(app_env), what="a batch to start")
+    target = (
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        if terminated == "lock"
+        else "SELECT pid FROM pg_stat_activity WHERE query LIKE '%pg_sleep%'"
+        " AND pid <> pg_backend_pid()"
+    )
+    [(pid,)] = sql.execute(target).fetchall()
+    sql.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    second = workers.start(WORKER_APP_BATCH="5", WORKER_APP_SLEEP="0.2")
+    wait_for(lambda: positions(sql) == {0: 30}, what="both workers to finish")
+    assert_each_effect_once_in_key_order(sql, engine_of)
+    assert first.poll() is None and second.poll() is None
+
+
+# reset
+
+
+def test_reset_while_a_worker_runs(app_env, engine_of, sql, workers):
+    engine_of.create_stream("orders", partitions=4)
+    engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
+    workers.start()
+    wait_for(lambda: effect_count(sql) == 40, what="the first pass")
+    result = run_subengine(app_env, "subscription", "reset", "effects", "--to", "beginning")
+    assert result.returncode == 0, result.stderr
+    wait_for(lambda: effect_count(sql) == 80, what="the second pass")
+    twice = sql.execute(
+        "SELECT count(*) FROM (SELECT event_id FROM effects GROUP BY 1 HAVING count(*) = 2) x"
+    ).fetchone()[0]
+    assert twice == 40
+    result = run_subengine(app_env, "subscription", "reset", "effects", "--to", "end")
+    assert result.returncode == 0, result.stderr
+    engine_of.append("orders", [NewEvent("new", "T", {})])
+    wait_for(lambda: effect_count(sql) == 81, what="the new event")
+    time.sleep(1)  # a poll interval: nothing old comes back
+    assert effect_count(sql) == 81
+    generations = sql.execute(
+        "SELECT DISTINCT generation FROM subengine.subscription_positions"
+    ).fetchall()
+    assert generations == [(3,)]
+
+
+# helpers
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Proxy:
+    """A TCP proxy to PostgreSQL; leaving the `with` block closes it and every connection
+    through it, as a network outage would."""
+
+    def __init__(self, host, port):
+        self.target = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        self.lock = threading.Lock()
+
+    def __enter__(self):
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        with self.lock:
+            for s in self.sockets:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+            self.sockets.clear()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = self._connect()
+            with self.lock:
+                self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _connect(self):
+        host, port = self.target
+        if host.startswith("/"):  # a Unix-domain socket directory, as libpq names it
+            server = socket.socket(socket.AF_UNIX)
+            server.connect(f"{host}/.s.PGSQL.{port}")
+            return server
+        return socket.create_connection(self.target)
+
+    @staticmethod
+    def _pipe(source, sink):
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def test_the_readme_example_app_runs_as_written(cli_env, engine_of, sql, tmp_path):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    [source] = [
+        block.split("```", 1)[0]
+        for block in readme.split("```python\n")
+        if block.startswith("# myproject/consumers.py")
+    ]
+    command = next(
+        line for line in readme.splitlines() if line.startswith("subengine worker --app myproject")
+    )
+    (tmp_path / "myproject").mkdir()
+    (tmp_path / "myproject" / "__init__.py").write_text("")
+    (tmp_path / "myproject" / "consumers.py").write_text(source)
+    sql.execute("CREATE TABLE invoices (order_id text, total int)")
+    engine_of.create_stream("orders", partitions=8)
+    engine_of.append(
+        "orders", [NewEvent(f"order-{n}", "OrderPlaced", {"total": n}) for n in range(50)]
+    )
+    engine_of.append("orders", [NewEvent(f"order-{n}", "OrderPaid", {}) for n in range(50)])
+    worker = subprocess.Popen(
+        [subengine_command(), *command.split()[1:]],
+        cwd=tmp_path,
+        env=dict(cli_env, SUBENGINE_POLL_INTERVAL="0.5"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: (
+                sql.execute("SELECT count(*), sum(total) FROM invoices").fetchone()
+                == (50, sum(range(50)))
+            ),
+            what="the invoices",
+        )
+        wait_for(
+            lambda: (
+                {p.partition: p.position for p in engine_of.subscription_positions("billing")}
+                == engine_of.heads("orders")
+            ),
+            what="billing to reach the heads",
+        )
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == 0, stderr
+    assert "started: subscriptions billing (orders), concurrency 4" in stderr
