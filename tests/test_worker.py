@@ -197,3 +197,66 @@ def test_the_partition_with_the_oldest_next_event_goes_first(fast_engine):
     with Running(app, fast_engine, concurrency=1):
         wait_for(lambda: len(order) == 6)
     assert order == [3, 3, 3, 0, 0, 0]
+
+
+@pytest.mark.parametrize("start", ["beginning", "end", "time", "positions"])
+def test_each_start_point_through_the_worker(fast_engine, sql, start):
+    old = [fast_engine.append("orders", [NewEvent(f"k{n}", "T", {"n": n})])[0] for n in range(12)]
+    middle = old[6]
+    [event] = fast_engine.read("orders", middle.partition, middle.position - 1, 1)
+    declared = {
+        "beginning": "beginning",
+        "end": "end",
+        "time": event.recorded_at,  # the events recorded from then on
+        "positions": {middle.partition: middle.position - 1},  # one partition's tail
+    }[start]
+    expected = {
+        "beginning": old,
+        "end": [],
+        "time": old[6:],
+        "positions": [
+            a for a in old if a.partition != middle.partition or a.position >= middle.position
+        ],
+    }[start]
+    app = subengine.App()
+    sub = app.subscription("billing", stream="orders", start=declared)
+    sub.handler()(record)
+    fast_engine.ensure_subscription(sub)  # stored now: "end" means the heads of now
+    with Running(app, fast_engine):
+        new = fast_engine.append("orders", [NewEvent(f"n{n}", "T", {}) for n in range(5)])
+        wanted = {a.id for a in expected} | {a.id for a in new}
+        wait_for(lambda: count(sql) == len(wanted))
+        time.sleep(0.3)  # longer than a poll: nothing else arrives
+    handled = {row[0] for row in sql.execute("SELECT event_id FROM effects")}
+    assert handled == wanted
+    assert count(sql) == len(wanted)
+
+
+def test_at_least_once_handlers_run_outside_the_transaction_and_may_repeat(fast_engine, sql):
+    stored = fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(20)])
+    calls = []
+    app = subengine.App()
+    sub = app.subscription("mailer", stream="orders", ack="at_least_once", batch_size=5)
+    reset_once = threading.Event()
+
+    @sub.handler()
+    def send(event, conn):
+        assert conn is None  # no transaction to write in: the effect is outside
+        calls.append(event.id)
+        if not reset_once.is_set():
+            # a reset while the batch's handlers run: the position it read is stale, so
+            # its compare-and-set fails and the position stays where the reset put it
+            reset_once.set()
+            fast_engine.reset_subscription("mailer", "beginning")
+
+    with Running(app, fast_engine):
+        wait_for(
+            lambda: (
+                {p.partition: p.position for p in fast_engine.subscription_positions("mailer")}
+                == fast_engine.heads("orders")
+            )
+        )
+    # every event at least once; the fenced batch's events a second time
+    assert set(calls) == {a.id for a in stored}
+    assert len(calls) > len(stored)
+    assert all(p.generation == 2 for p in fast_engine.subscription_positions("mailer"))
