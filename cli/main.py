@@ -7,7 +7,6 @@ with status 1; usage errors exit with status 2 (click's convention).
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -17,11 +16,12 @@ from typing import Any, TypeVar
 
 import click
 import psycopg
-from subengine.cli import _demo, _worker
+from subengine.cli import _demo, _status, _worker
 from subengine.cli._events_file import read_events_file
 
 import subengine
 from subengine import _embedded, _migrate
+from subengine._logging import LogFormat, configure_logging
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -342,27 +342,49 @@ class StartPoint(click.ParamType):
     default="info",
     show_default=True,
 )
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: one object per line (time, level, logger, message and fields such as "
+    "subscription, partition, worker_id).",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    metavar="PORT",
+    help="Serve Prometheus metrics over HTTP on this port (all interfaces).",
+)
 @pass_context
 @handles_errors
 def worker(
-    context: Context, app_spec: str, names: tuple[str, ...], concurrency: int, log_level: str
+    context: Context,
+    app_spec: str,
+    names: tuple[str, ...],
+    concurrency: int,
+    log_level: str,
+    log_format: LogFormat,
+    metrics_port: int | None,
 ) -> None:
     """Consume subscriptions of an app until SIGTERM/SIGINT (a second one exits at once)."""
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(log_level, log_format)
     app = _worker.load_app(app_spec)
     engine = context.engine()
     _worker.run_until_signalled(
-        lambda stop: app.run_worker(engine, list(names) or None, concurrency=concurrency, stop=stop)
+        lambda stop: app.run_worker(
+            engine,
+            list(names) or None,
+            concurrency=concurrency,
+            stop=stop,
+            metrics_port=metrics_port,
+        )
     )
 
 
 @cli.group()
 def subscription() -> None:
-    """Create and reset stored subscriptions."""
+    """Create, inspect, pause, resume and reset stored subscriptions."""
 
 
 @subscription.command("create")
@@ -401,6 +423,194 @@ def subscription_reset(context: Context, name: str, to: Any) -> None:
     engine = context.engine()
     engine.reset_subscription(name, to)
     _positions_table(engine.subscription_positions(name))
+
+
+@subscription.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@pass_context
+@handles_errors
+def subscription_list(context: Context, as_json: bool) -> None:
+    """List the stored subscriptions."""
+    rows = context.engine().subscriptions()
+    if as_json:
+        _status.print_json(rows)
+    else:
+        _status.print_table(rows, _status.SUBSCRIPTION_COLUMNS, "subscriptions")
+
+
+@subscription.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@pass_context
+@handles_errors
+def subscription_show(context: Context, name: str, as_json: bool) -> None:
+    """Show every partition of subscription NAME: position, lag, state, errors, holder."""
+    rows = context.engine().subscription_status(name)
+    if as_json:
+        _status.print_json(rows)
+    else:
+        _status.print_table(rows, _status.PARTITION_COLUMNS, f"subscription {name}")
+
+
+@subscription.command("pause")
+@click.argument("name")
+@pass_context
+@handles_errors
+def subscription_pause(context: Context, name: str) -> None:
+    """Pause NAME: workers take none of its partitions (batches in flight finish)."""
+    context.engine().pause_subscription(name)
+    click.echo(f"paused subscription {name!r}")
+
+
+@subscription.command("resume")
+@click.argument("name")
+@pass_context
+@handles_errors
+def subscription_resume(context: Context, name: str) -> None:
+    """Resume NAME, and restart its stopped partitions."""
+    restarted = context.engine().resume_subscription(name)
+    note = f"; restarted stopped partitions {', '.join(map(str, restarted))}" if restarted else ""
+    click.echo(f"resumed subscription {name!r}{note}")
+
+
+@cli.command()
+@click.option("--subscription", "name", metavar="NAME", help="Only this subscription.")
+@click.option("--partitions", is_flag=True, help="One row per partition.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--watch", is_flag=True, help="Redraw until Ctrl-C, with the lag drained.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.1, 3600),
+    default=1.0,
+    show_default=True,
+    help="Seconds between redraws with --watch.",
+)
+@pass_context
+@handles_errors
+def status(
+    context: Context,
+    name: str | None,
+    partitions: bool,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+) -> None:
+    """Lag and state of every subscription (per partition with --partitions)."""
+    engine = context.engine()
+    per_partition = partitions or name is not None
+
+    def rows() -> list[dict[str, Any]]:
+        if per_partition:
+            return engine.subscription_status(name)
+        return engine.subscription_summary(name)
+
+    if as_json:
+        if watch:
+            raise click.UsageError("--watch cannot be combined with --json")
+        _status.print_json(rows())
+        return
+    columns = _status.PARTITION_COLUMNS if per_partition else _status.SUMMARY_COLUMNS
+    if watch:
+
+        def render() -> tuple[Any, int]:
+            current = rows()
+            lag = sum(int(row["lag"] or 0) for row in current)
+            return _status.table(current, columns, "subscriptions"), lag
+
+        _status.watch(render, interval)
+        return
+    _status.print_table(rows(), columns, "subscriptions")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@pass_context
+@handles_errors
+def workers(context: Context, as_json: bool) -> None:
+    """The registered workers: host, pid, heartbeat, partitions held."""
+    rows = context.engine().workers()
+    if as_json:
+        _status.print_json(rows)
+    else:
+        _status.print_table(rows, _status.WORKER_COLUMNS, "workers")
+
+
+@cli.group("dead-letters")
+def dead_letters() -> None:
+    """Events a subscription gave up on (policy dead_letter)."""
+
+
+@dead_letters.command("list")
+@click.option("--subscription", "name", metavar="NAME", help="Only this subscription.")
+@click.option("--all", "everything", is_flag=True, help="Resolved ones too.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@pass_context
+@handles_errors
+def dead_letters_list(context: Context, name: str | None, everything: bool, as_json: bool) -> None:
+    """List unresolved dead letters, oldest first."""
+    rows = context.engine().dead_letters(name, everything)
+    if as_json:
+        _status.print_json(rows)
+    else:
+        _status.print_table(rows, _status.DEAD_LETTER_COLUMNS, "dead letters")
+
+
+@dead_letters.command("show")
+@click.argument("name")
+@click.argument("partition", type=int)
+@click.argument("position", type=int)
+@pass_context
+@handles_errors
+def dead_letters_show(context: Context, name: str, partition: int, position: int) -> None:
+    """Show one dead letter with its event, as JSON."""
+    engine = context.engine()
+    [row] = [
+        r
+        for r in engine.dead_letters(name, everything=True)
+        if (r["partition"], r["position"]) == (partition, position)
+    ] or [None]
+    if row is None:
+        raise subengine.InvalidInput(
+            f"subscription {name!r} has no dead letter at partition {partition} position {position}"
+        )
+    stream_name = next(s["stream"] for s in engine.subscriptions() if s["name"] == name)
+    events = engine.read(stream_name, partition, position - 1, 1)
+    row["event"] = _event_json(events[0]) if events else None
+    _status.print_json([row])
+
+
+@dead_letters.command("retry")
+@click.argument("name")
+@click.argument("partition", type=int)
+@click.argument("position", type=int)
+@click.option("--app", "app_spec", required=True, metavar="MODULE:ATTR", help="The app.")
+@pass_context
+@handles_errors
+def dead_letters_retry(
+    context: Context, name: str, partition: int, position: int, app_spec: str
+) -> None:
+    """Run one dead letter through NAME's handlers again, in a transaction."""
+    app = _worker.load_app(app_spec)
+    declared = app.subscriptions.get(name)
+    if declared is None:
+        raise subengine.InvalidInput(f"the app declares no subscription {name!r}")
+    error = context.engine().retry_dead_letter(declared, partition, position)
+    if error is not None:
+        click.echo(f"error: the handlers failed again (recorded): {error}", err=True)
+        sys.exit(1)
+    click.echo(f"retried: partition {partition} position {position} of {name!r} is handled")
+
+
+@dead_letters.command("discard")
+@click.argument("name")
+@click.argument("partition", type=int)
+@click.argument("position", type=int)
+@pass_context
+@handles_errors
+def dead_letters_discard(context: Context, name: str, partition: int, position: int) -> None:
+    """Mark one dead letter discarded (it stays listed with --all)."""
+    context.engine().discard_dead_letter(name, partition, position)
+    click.echo(f"discarded: partition {partition} position {position} of {name!r}")
 
 
 def _positions_table(positions: list[subengine.SubscriptionPosition]) -> None:

@@ -199,11 +199,13 @@ class App:
         concurrency: int = 1,
         stop: threading.Event | None = None,
         listen: bool = True,
+        metrics_port: int | None = None,
     ) -> None:
         """Run a worker for some (default: all) of the app's subscriptions until `stop`.
 
         Blocks; run it in a thread to embed it. The current batches finish and every lock
-        is released before it returns.
+        is released before it returns. With `metrics_port`, the worker serves Prometheus
+        metrics over HTTP on that port while it runs.
         """
         from subengine._worker import Worker
 
@@ -216,7 +218,11 @@ class App:
                 else "the app declares no subscription"
             )
         worker = Worker(
-            engine, [self.subscriptions[n] for n in names], concurrency=concurrency, listen=listen
+            engine,
+            [self.subscriptions[n] for n in names],
+            concurrency=concurrency,
+            listen=listen,
+            metrics_port=metrics_port,
         )
         worker.run(stop or threading.Event())
 

@@ -15,7 +15,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from subengine import _embedded, _migrate, _read, _subscriptions
+from subengine import _embedded, _migrate, _operations, _read, _subscriptions
 from subengine._app import Start, Subscription
 from subengine._append import (
     ExpectedVersion,
@@ -235,6 +235,59 @@ class Engine:
         """Handle the next batch of one partition exactly once (see process_batch)."""
         with self.connection() as conn:
             return _subscriptions.process_batch(conn, self.schema, subscription, partition)
+
+    # operating
+
+    def subscriptions(self) -> list[dict[str, Any]]:
+        """Every stored subscription: name, stream, start, generation, paused, created_at."""
+        with self.connection() as conn:
+            return _operations.subscriptions(conn, self.schema)
+
+    def subscription_summary(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Per subscription: partitions, lag (events, seconds), states, workers."""
+        with self.connection() as conn:
+            return _operations.summary(conn, self.schema, name)
+
+    def subscription_status(self, name: str | None = None) -> list[dict[str, Any]]:
+        """The subscription_status view's rows (one per subscription and partition)."""
+        with self.connection() as conn:
+            return _operations.status(conn, self.schema, name)
+
+    def pause_subscription(self, name: str) -> None:
+        """Stop workers from taking the subscription's partitions (batches in flight end)."""
+        with self.connection() as conn:
+            _operations.set_paused(conn, self.schema, name, True)
+
+    def resume_subscription(self, name: str) -> list[int]:
+        """Lift a pause and restart stopped partitions; the partitions restarted."""
+        with self.connection() as conn:
+            return _operations.set_paused(conn, self.schema, name, False)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The workers_status view's rows."""
+        with self.connection() as conn:
+            return _operations.workers(conn, self.schema)
+
+    def dead_letters(
+        self, name: str | None = None, everything: bool = False
+    ) -> list[dict[str, Any]]:
+        """Unresolved dead letters (all of them with `everything`), oldest first."""
+        with self.connection() as conn:
+            return _operations.dead_letters(conn, self.schema, name, everything)
+
+    def retry_dead_letter(
+        self, subscription: Subscription, partition: int, position: int
+    ) -> str | None:
+        """Run a dead letter through the handlers again; None on success, else the error."""
+        with self.connection() as conn:
+            return _operations.retry_dead_letter(
+                conn, self.schema, subscription, partition, position
+            )
+
+    def discard_dead_letter(self, name: str, partition: int, position: int) -> None:
+        """Mark a dead letter discarded (it stays, resolved)."""
+        with self.connection() as conn:
+            _operations.discard_dead_letter(conn, self.schema, name, partition, position)
 
     def heads(self, stream: str) -> dict[int, int]:
         """The head (last committed position) of every partition of a stream."""

@@ -83,6 +83,11 @@ class Settings:
         "SUBENGINE_OUTAGE_TIMEOUT",
         "Seconds a worker keeps reconnecting to a lost database before it exits with an error.",
     )
+    progress_interval: float = _setting(
+        10.0,
+        "SUBENGINE_PROGRESS_INTERVAL",
+        "Seconds between a worker's progress lines and its readings of the lag (one query).",
+    )
 
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
@@ -97,6 +102,7 @@ class Settings:
             "retry_delay",
             "heartbeat_interval",
             "outage_timeout",
+            "progress_interval",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"setting {name} must be positive")

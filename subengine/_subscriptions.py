@@ -237,6 +237,11 @@ def _commit_position(
     return BatchOutcome(batch.partition, len(batch.events), new, batch.next_time)
 
 
+def error_text(error: BaseException) -> str:
+    """An exception as stored in last_error and dead_letters.error."""
+    return f"{type(error).__name__}: {error}"[:_MAX_ERROR_LENGTH]
+
+
 def record_failure(
     conn: psycopg.Connection[Any],
     schema: str,
@@ -246,7 +251,7 @@ def record_failure(
     settings: Settings,
 ) -> int:
     """Count a failed batch and apply the error policy at the last attempt; the attempts."""
-    text = f"{type(error).__name__}: {error}"[:_MAX_ERROR_LENGTH]
+    text = error_text(error)
     with conn.transaction():
         attempts_row = conn.execute(
             query(schema, "record_failure"),

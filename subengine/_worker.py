@@ -10,6 +10,7 @@ from the position row lock and compare-and-set in every batch (invariants 3 and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -25,13 +26,18 @@ import psycopg
 import sqlalchemy.exc
 from psycopg import sql
 
+from subengine import _metrics
 from subengine._app import Subscription
 from subengine._engine import Engine
 from subengine._errors import DatabaseUnavailable, Fenced
-from subengine._migrate import connect_factory
 from subengine._queries import query
 from subengine._settings import Settings
-from subengine._subscriptions import ensure_subscription, process_batch, record_failure
+from subengine._subscriptions import (
+    BatchOutcome,
+    ensure_subscription,
+    process_batch,
+    record_failure,
+)
 
 log = logging.getLogger("subengine.worker")
 
@@ -41,9 +47,23 @@ _CANDIDATES_PER_SLOT = 4
 _RECONNECT_DELAY_SECONDS = 1.0
 
 
+def lock_key(schema: str, subscription: str, partition: int) -> int:
+    """The advisory lock of (subscription, partition): the SQL function lock_class's
+    31 bits of MD5 of "schema.subscription", shifted left 32 bits, or'ed with the partition."""
+    digest = hashlib.md5(f"{schema}.{subscription}".encode(), usedforsecurity=False).digest()
+    return (int.from_bytes(digest[:4], "big") & 0x7FFFFFFF) << 32 | partition
+
+
 def _connect_timeout(settings: Settings) -> int:
     """libpq's connect_timeout is whole seconds, at least 2 (smaller values mean 2)."""
     return max(2, math.ceil(settings.connect_timeout))
+
+
+def _policy_applied(subscription: Subscription, attempts: int) -> bool:
+    """Whether `record_failure`, having returned `attempts`, applied the error policy: at
+    the last attempt, once the failing event was isolated (its rule, repeated here)."""
+    isolated = attempts >= 2 or subscription.batch_size == 1
+    return attempts >= subscription.max_attempts and isolated
 
 
 class _Wakeup:
@@ -63,10 +83,12 @@ class _Wakeup:
             self._count += 1
             self._condition.notify_all()
 
-    def wait(self, seen: int, timeout: float) -> None:
+    def wait(self, seen: int, timeout: float) -> bool:
+        """Wait for a notification after `seen`; False when the timeout came first."""
         with self._condition:
             if self._count == seen:
                 self._condition.wait(timeout)
+            return self._count != seen
 
 
 class Worker:
@@ -78,6 +100,7 @@ class Worker:
         subscriptions: Sequence[Subscription],
         concurrency: int = 1,
         listen: bool = True,
+        metrics_port: int | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -90,9 +113,14 @@ class Worker:
         self.listen = listen
         self.id = uuid.uuid4()
         self.wakeup = _Wakeup()
+        self.metrics = _metrics.WorkerMetrics(list(self.subscriptions))
+        self.metrics_port = metrics_port
+        # every connection of the worker carries it: the status views find the worker's
+        # connections, and the holder of each partition lock, by it
+        self.application_name = f"subengine worker {self.id}"
         self._locker: Any = None
         # set by a slot that gave up on the database; run() raises it
-        self.fatal: DatabaseUnavailable | None = None
+        self.fatal: Exception | None = None
 
     # the run
 
@@ -110,17 +138,31 @@ class Worker:
                     "names": list(self.subscriptions),
                 },
             )
+        if self.metrics_port is not None:
+            try:
+                self.metrics.serve(self.metrics_port)
+            except Exception:
+                self._unregister()
+                raise
         self._locker = self._make_locker()
         log.info(
-            "worker %s (pid %s) started: subscriptions %s, concurrency %s",
+            "worker %s (pid %s) started: subscriptions %s, concurrency %s%s",
             self.id,
             os.getpid(),
             ", ".join(f"{s.name} ({s.stream})" for s in self.subscriptions.values()),
             self.concurrency,
+            "" if self.metrics.port is None else f", metrics on port {self.metrics.port}",
+            extra=self._fields(
+                subscriptions=list(self.subscriptions),
+                concurrency=self.concurrency,
+                pid=os.getpid(),
+                metrics_port=self.metrics.port,
+            ),
         )
         threads = [
             threading.Thread(target=self._heartbeat, args=(stop,), daemon=True),
             threading.Thread(target=self._wake_on_stop, args=(stop,), daemon=True),
+            threading.Thread(target=self._progress, args=(stop,), daemon=True),
         ]
         if self.listen:
             threads.append(threading.Thread(target=self._listen, args=(stop,), daemon=True))
@@ -140,6 +182,7 @@ class Worker:
                 slot.join()
             self._locker.engine.dispose()
             self._unregister()
+            self.metrics.close()
         if self.fatal is not None:
             raise self.fatal
 
@@ -150,26 +193,37 @@ class Worker:
             ) as conn:
                 conn.execute(query(self.schema, "unregister_worker"), {"id": self.id})
         except psycopg.OperationalError as error:  # the row is for inspection only
-            log.warning("could not unregister the worker: %s", error)
+            log.warning("could not unregister the worker: %s", error, extra=self._fields())
 
     def _make_locker(self) -> Any:
         import pals
         from sqlalchemy import create_engine
 
         dsn = self.engine.dsn
+        application_name = self.application_name
+
+        def connect() -> psycopg.Connection[Any]:
+            return psycopg.connect(dsn, application_name=application_name)
 
         def create() -> Any:
             # pals unlocks everything on check-in; on its own autocommit engine that leaves
             # no connection idle in a transaction (DESIGN.md, pitfalls)
             return create_engine(
                 "postgresql+psycopg://",
-                creator=connect_factory(dsn),
+                creator=connect,
                 isolation_level="AUTOCOMMIT",
                 pool_size=self.concurrency + 1,
                 max_overflow=self.concurrency,
             )
 
         return pals.Locker(f"subengine.{self.schema}", create_engine_callable=create)
+
+    def _lock(self, subscription: str, partition: int) -> Any:
+        """The partition's advisory lock (pals), under the key the status view knows."""
+        from pals.core import Lock
+
+        key = lock_key(self.schema, subscription, partition)
+        return Lock(self._locker.engine, key, f"{subscription}:{partition}", blocking=False)
 
     # one slot
 
@@ -178,13 +232,18 @@ class Worker:
         while not stop.is_set():
             try:
                 with psycopg.connect(
-                    self.engine.dsn, connect_timeout=_connect_timeout(self.settings)
+                    self.engine.dsn,
+                    connect_timeout=_connect_timeout(self.settings),
+                    application_name=self.application_name,
                 ) as conn:
                     outage_since = None
                     while not stop.is_set():
                         seen = self.wakeup.count()
-                        if not self._work_once(conn, stop):
-                            self.wakeup.wait(seen, self.settings.poll_interval)
+                        found = self._work_once(conn, stop)
+                        self.metrics.looked_for_work(found)
+                        if not found:
+                            notified = self.wakeup.wait(seen, self.settings.poll_interval)
+                            self.metrics.woke(by_notification=notified)
             except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
                 now = time.monotonic()
                 outage_since = now if outage_since is None else outage_since
@@ -195,8 +254,15 @@ class Worker:
                     )
                     stop.set()
                     return
-                log.warning("database connection lost: %s; reconnecting", error)
+                log.warning(
+                    "database connection lost: %s; reconnecting", error, extra=self._fields()
+                )
                 stop.wait(_RECONNECT_DELAY_SECONDS)
+            except Exception as error:  # a bug of ours (handler errors never reach here)
+                log.exception("worker slot failed; stopping the worker")
+                self.fatal = error
+                stop.set()
+                return
 
     def _work_once(self, conn: psycopg.Connection[Any], stop: threading.Event) -> bool:
         """Take one free partition with work and drain it; False when there was none."""
@@ -206,7 +272,7 @@ class Worker:
         ).fetchall()
         conn.commit()
         for name, partition, _next_time in candidates:
-            lock = self._locker.lock(f"{name}:{partition}", blocking=False)
+            lock = self._lock(name, partition)
             if not lock.acquire():
                 lock.conn.close()  # pals keeps the connection of a failed try: give it back
                 lock.conn = None
@@ -226,11 +292,13 @@ class Worker:
         stop: threading.Event,
     ) -> None:
         """Handle batches of one partition while it has work and the worker runs."""
+        where = self._fields(subscription=subscription.name, partition=partition)
         while not stop.is_set():
+            started = time.monotonic()
             try:
                 outcome = process_batch(conn, self.schema, subscription, partition)
             except Fenced as fenced:
-                log.info("%s", fenced)
+                log.info("%s", fenced, extra=where)
                 return
             except Exception as error:  # a handler failed: never kill the worker for it
                 if conn.broken or conn.closed:
@@ -238,18 +306,69 @@ class Worker:
                 attempts = record_failure(
                     conn, self.schema, subscription, partition, error, self.settings
                 )
-                log.warning(
-                    "subscription %s partition %s: batch failed (attempt %s of %s): %s",
-                    subscription.name,
-                    partition,
-                    attempts,
-                    subscription.max_attempts,
-                    error,
-                    extra={"subscription": subscription.name, "partition": partition},
-                )
+                self._batch_failed(subscription, partition, attempts, error)
                 return
+            if outcome is not None and outcome.handled > 0:
+                self._batch_committed(subscription, outcome, time.monotonic() - started)
             if outcome is None or outcome.handled == 0 or outcome.next_time is None:
                 return
+
+    def _batch_committed(
+        self, subscription: Subscription, outcome: BatchOutcome, seconds: float
+    ) -> None:
+        self.metrics.batch_committed(subscription.name, outcome.handled, seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            # positions are dense: the batch held the `handled` positions up to the new one
+            first = outcome.position - outcome.handled + 1
+            log.debug(
+                "subscription %s partition %s: positions %s to %s in %.3f s",
+                subscription.name,
+                outcome.partition,
+                first,
+                outcome.position,
+                seconds,
+                extra=self._fields(
+                    subscription=subscription.name,
+                    partition=outcome.partition,
+                    from_position=first,
+                    to_position=outcome.position,
+                    events=outcome.handled,
+                    seconds=round(seconds, 6),
+                ),
+            )
+
+    def _batch_failed(
+        self, subscription: Subscription, partition: int, attempts: int, error: Exception
+    ) -> None:
+        gave_up = _policy_applied(subscription, attempts)
+        dead_lettered = gave_up and subscription.on_error == "dead_letter"
+        self.metrics.batch_failed(subscription.name, dead_lettered)
+        fields = self._fields(
+            subscription=subscription.name,
+            partition=partition,
+            attempts=attempts,
+            max_attempts=subscription.max_attempts,
+            error=f"{type(error).__name__}: {error}",
+        )
+        log.warning(
+            "subscription %s partition %s: batch failed (attempt %s of %s): %s",
+            subscription.name,
+            partition,
+            attempts,
+            subscription.max_attempts,
+            error,
+            extra=fields,
+        )
+        if gave_up:
+            log.error(
+                "subscription %s partition %s: %s",
+                subscription.name,
+                partition,
+                "the failing event went to the dead letters; the partition goes on"
+                if dead_lettered
+                else "the partition is stopped at the failing event (on_error='stop')",
+                extra=fields,
+            )
 
     # around the slots
 
@@ -257,15 +376,20 @@ class Worker:
         channel = sql.Identifier(self.schema)
         while not stop.is_set():
             try:
-                with psycopg.connect(self.engine.dsn, autocommit=True) as conn:
+                with psycopg.connect(
+                    self.engine.dsn, autocommit=True, application_name=self.application_name
+                ) as conn:
                     conn.execute(sql.SQL("LISTEN {}").format(channel))
                     self.wakeup.notify()  # whatever came while we were not listening
                     while not stop.is_set():
                         for notification in conn.notifies(timeout=1.0):
                             if self._wanted(notification.payload):
+                                self.metrics.notification_received()
                                 self.wakeup.notify()
             except psycopg.OperationalError as error:
-                log.warning("listening connection lost: %s; reconnecting", error)
+                log.warning(
+                    "listening connection lost: %s; reconnecting", error, extra=self._fields()
+                )
                 stop.wait(_RECONNECT_DELAY_SECONDS)
 
     def _wake_on_stop(self, stop: threading.Event) -> None:
@@ -284,4 +408,30 @@ class Worker:
                 with self.engine.connection() as conn:
                     conn.execute(query(self.schema, "heartbeat"), {"id": self.id})
             except Exception as error:  # the heartbeat is for inspection only: never fatal
-                log.warning("heartbeat failed: %s", error)
+                log.warning("heartbeat failed: %s", error, extra=self._fields())
+
+    def _progress(self, stop: threading.Event) -> None:
+        """Read the lag at start and then every progress_interval, for the lag gauges and
+        the progress lines; skip the query when nothing can have changed (see Progress)."""
+        names = list(self.subscriptions)
+        progress = _metrics.Progress(names, time.monotonic())
+        while True:
+            done = self.metrics.done()
+            if not progress.wants_reading(done, self.metrics.serving):
+                progress.skip(time.monotonic())
+            else:
+                try:
+                    with self.engine.connection() as conn:
+                        reading = _metrics.read_lag(conn, self.schema, names)
+                except Exception as error:  # progress is for people: never fatal
+                    log.warning("could not read the lag: %s", error, extra=self._fields())
+                else:
+                    self.metrics.lag_read(reading, time.time())
+                    for line in progress.report(time.monotonic(), done, reading):
+                        log.info("%s", line.message(), extra=self._fields(**line.fields()))
+            if stop.wait(self.settings.progress_interval):
+                return
+
+    def _fields(self, **fields: Any) -> dict[str, Any]:
+        """Structured log fields (`extra=`): the worker's id and the given ones."""
+        return {"worker_id": str(self.id), **fields}

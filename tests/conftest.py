@@ -97,6 +97,19 @@ def orders(engine: subengine.Engine) -> str:
 
 
 @pytest.fixture
+def fast_engine(dsn: str, sql: psycopg.Connection[Any]) -> Iterator[subengine.Engine]:
+    """An engine whose workers poll, retry and beat fast, with a 4-partition stream
+    'orders' and an `effects` table."""
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    settings = subengine.Settings(
+        dsn=dsn, poll_interval=0.2, retry_delay=0.05, retry_delay_max=0.1, heartbeat_interval=0.5
+    )
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=4)
+        yield engine
+
+
+@pytest.fixture
 def sql(dsn: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection for looking at the database directly."""
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -12,17 +12,6 @@ import subengine
 from subengine import NewEvent
 
 
-@pytest.fixture
-def fast_engine(dsn, sql):
-    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
-    settings = subengine.Settings(
-        dsn=dsn, poll_interval=0.2, retry_delay=0.05, retry_delay_max=0.1, heartbeat_interval=0.5
-    )
-    with subengine.Engine(settings=settings) as engine:
-        engine.create_stream("orders", partitions=4)
-        yield engine
-
-
 def record(event, conn):
     conn.execute(
         "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)

@@ -189,3 +189,80 @@ UPDATE {schema}.workers SET heartbeat_at = now() WHERE id = %(id)s
 
 -- name: unregister_worker
 DELETE FROM {schema}.workers WHERE id = %(id)s
+
+-- name: list_subscriptions
+-- Every stored subscription.
+SELECT name, stream, start, generation, paused, created_at
+  FROM {schema}.subscriptions
+ ORDER BY name
+
+-- name: subscription_summary
+-- One row per subscription: its partitions' lag in events and seconds, and their states.
+SELECT subscription, stream, count(*) AS partitions, sum(lag) AS lag,
+       max(lag_seconds) AS lag_seconds, max(generation) AS generation,
+       count(*) FILTER (WHERE state = 'ok') AS ok,
+       count(*) FILTER (WHERE state = 'idle') AS idle,
+       count(*) FILTER (WHERE state = 'retrying') AS retrying,
+       count(*) FILTER (WHERE state = 'stopped') AS stopped,
+       count(*) FILTER (WHERE state = 'paused') AS paused,
+       count(DISTINCT worker_id) AS workers
+  FROM {schema}.subscription_status
+ WHERE %(name)s::text IS NULL OR subscription = %(name)s
+ GROUP BY subscription, stream
+ ORDER BY subscription
+
+-- name: subscription_status
+-- The status view's rows of one subscription, or of all.
+SELECT * FROM {schema}.subscription_status
+ WHERE %(name)s::text IS NULL OR subscription = %(name)s
+ ORDER BY subscription, partition
+
+-- name: set_paused
+-- Pause or resume a subscription; resuming also restarts its stopped partitions.
+WITH s AS (
+    UPDATE {schema}.subscriptions SET paused = %(paused)s WHERE name = %(name)s RETURNING name
+)
+UPDATE {schema}.subscription_positions sp
+   SET stopped = false, attempts = 0, retry_at = NULL, updated_at = now()
+  FROM s
+ WHERE sp.subscription = s.name AND NOT %(paused)s AND sp.stopped
+RETURNING sp.partition
+
+-- name: subscription_exists
+SELECT 1 FROM {schema}.subscriptions WHERE name = %(name)s
+
+-- name: workers_status
+SELECT * FROM {schema}.workers_status ORDER BY started_at
+
+-- name: list_dead_letters
+-- Dead letters, unresolved ones only unless %(all)s.
+SELECT d.subscription, d.partition, d.position, d.event_id, e.key, e.type, d.error,
+       d.attempts, d.retries, d.resolution, d.created_at, d.resolved_at
+  FROM {schema}.dead_letters d
+  JOIN {schema}.subscriptions s ON s.name = d.subscription
+  LEFT JOIN {schema}.events e
+    ON e.stream = s.stream AND e.partition = d.partition AND e.position = d.position
+ WHERE (%(name)s::text IS NULL OR d.subscription = %(name)s)
+   AND (%(all)s OR d.resolution IS NULL)
+ ORDER BY d.created_at, d.subscription, d.partition, d.position
+
+-- name: lock_dead_letter
+-- An unresolved dead letter, locked for its retry or discard.
+SELECT d.event_id, s.stream
+  FROM {schema}.dead_letters d
+  JOIN {schema}.subscriptions s ON s.name = d.subscription
+ WHERE d.subscription = %(name)s AND d.partition = %(partition)s
+   AND d.position = %(position)s AND d.resolution IS NULL
+   FOR UPDATE OF d
+
+-- name: resolve_dead_letter
+UPDATE {schema}.dead_letters
+   SET resolution = %(resolution)s, resolved_at = now(),
+       retries = retries + CASE WHEN %(resolution)s = 'retried' THEN 1 ELSE 0 END
+ WHERE subscription = %(name)s AND partition = %(partition)s AND position = %(position)s
+
+-- name: dead_letter_retry_failed
+UPDATE {schema}.dead_letters
+   SET retries = retries + 1, error = %(error)s
+ WHERE subscription = %(name)s AND partition = %(partition)s AND position = %(position)s
+   AND resolution IS NULL

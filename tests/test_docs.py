@@ -1,0 +1,116 @@
+"""Every SQL statement and command shown in docs/operations.md runs, in order, against a
+database with a subscription, a held partition's worth of events and dead letters."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import subengine_command
+
+import subengine
+from subengine import NewEvent
+
+ROOT = Path(__file__).parent.parent
+OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
+
+
+def blocks(text, language):
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
+
+
+def readme_app(directory):
+    readme = (ROOT / "README.md").read_text()
+    [source] = [b for b in blocks(readme, "python") if b.startswith("# myproject/consumers.py")]
+    (directory / "myproject").mkdir()
+    (directory / "myproject" / "__init__.py").write_text("")
+    (directory / "myproject" / "consumers.py").write_text(source)
+
+
+@pytest.fixture
+def operated(engine, sql, tmp_path):
+    """Stream orders (8 partitions) with 20 events in partition 3, subscription billing
+    (the README's app), and two dead letters at partition 3, positions 17 and 18."""
+    readme_app(tmp_path)
+    sql.execute("CREATE TABLE invoices (order_id text, total int)")
+    engine.create_stream("orders", partitions=8)
+    key = next(f"order-{n}" for n in range(99) if subengine.partition_for(f"order-{n}", 8) == 3)
+    stored = engine.append(
+        "orders", [NewEvent(key, "OrderPlaced", {"total": n}) for n in range(20)]
+    )
+    engine.ensure_subscription(subengine.App().subscription("billing", stream="orders"))
+    for a in stored[16:18]:
+        sql.execute(
+            "INSERT INTO subengine.dead_letters"
+            " (subscription, partition, position, event_id, error, attempts)"
+            " VALUES ('billing', %s, %s, %s, 'ValueError: test', 5)",
+            (a.partition, a.position, a.id),
+        )
+    return tmp_path
+
+
+def test_every_sql_block_of_the_operations_page_runs(operated, sql):
+    statements = blocks(OPERATIONS, "sql")
+    assert len(statements) >= 6
+    try:
+        for statement in statements:
+            sql.execute(statement)
+        behind = sql.execute(statements[0]).fetchall()
+        assert behind[0][:2] == ("billing", 20)
+        stuck = sql.execute(statements[1]).fetchall()
+        assert stuck == []
+        letters = sql.execute(statements[4]).fetchall()
+        assert [(r[1], r[2]) for r in letters] == [(3, 17), (3, 18)]
+    finally:
+        sql.execute(
+            "DO $$ BEGIN IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'subengine_operator')"
+            " THEN DROP OWNED BY subengine_operator; DROP ROLE subengine_operator; END IF; END $$"
+        )
+
+
+def test_every_command_of_the_operations_page_runs(operated, cli_env, sql):
+    commands = [
+        line.split("#")[0].split()
+        for block in blocks(OPERATIONS, "sh")
+        for line in block.splitlines()
+        if line.startswith("subengine ")
+    ]
+    assert len(commands) >= 14
+    for command in commands:
+        if "--watch" in command:
+            watcher = subprocess.Popen(
+                [subengine_command(), *command[1:]],
+                env=cli_env,
+                cwd=operated,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            time.sleep(1.5)
+            watcher.send_signal(signal.SIGINT)
+            _, err = watcher.communicate(timeout=30)
+            assert watcher.returncode == 0, (command, err)
+            continue
+        result = subprocess.run(
+            [subengine_command(), *command[1:]],
+            env=cli_env,
+            cwd=operated,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, (command, result.stderr)
+    # what the commands did: paused and resumed, reset to the end, one letter retried
+    # (the README handler wrote its invoice) and one discarded
+    resolutions = sql.execute(
+        "SELECT position, resolution FROM subengine.dead_letters ORDER BY 1"
+    ).fetchall()
+    assert resolutions == [(17, "retried"), (18, "discarded")]
+    assert sql.execute("SELECT total FROM invoices").fetchall() == [(16,)]
+    assert sql.execute(
+        "SELECT bool_and(NOT paused), max(generation) FROM subengine.subscriptions"
+    ).fetchone() == (True, 2)

@@ -1,0 +1,502 @@
+"""A worker's Prometheus metrics, structured logs and progress lines, against a real
+PostgreSQL: in a thread with `metrics_port`, and as the `subengine worker` process."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import subengine_command
+from prometheus_client.parser import text_string_to_metric_families
+
+import subengine
+from subengine import NewEvent, _metrics
+from subengine._logging import JsonFormatter
+from subengine._metrics import PartitionLag, Progress
+
+APPS = Path(__file__).parent / "apps"
+
+
+@pytest.fixture
+def metered_engine(dsn, sql):
+    """Fast polls, retries and progress readings; a 4-partition stream 'orders'."""
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    settings = subengine.Settings(
+        dsn=dsn,
+        poll_interval=0.2,
+        retry_delay=0.05,
+        retry_delay_max=0.1,
+        heartbeat_interval=0.5,
+        progress_interval=0.1,
+    )
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=4)
+        yield engine
+
+
+def record(event, conn):
+    conn.execute(
+        "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
+    )
+
+
+class Running:
+    """A worker in a thread, stopped (and joined) on exit; `error` is what it raised."""
+
+    def __init__(self, app, engine, **options):
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(app, engine, options))
+
+    def _run(self, app, engine, options):
+        try:
+            app.run_worker(engine, stop=self.stop, **options)
+        except BaseException as error:
+            self.error = error
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the worker did not stop"
+        assert self.error is None, self.error
+
+
+def wait_for(condition, timeout=30.0, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port):
+    """{(sample name, sorted labels): value} of the endpoint; {} while it is not up."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples, name, **labels):
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def lag_gauges(samples):
+    return {
+        dict(labels)["partition"]: value
+        for (name, labels), value in samples.items()
+        if name == "subengine_lag_events"
+    }
+
+
+def expected_lag(engine, subscription):
+    heads = engine.heads("orders")
+    return {
+        str(p.partition): heads[p.partition] - p.position
+        for p in engine.subscription_positions(subscription)
+    }
+
+
+def count(sql, table="effects"):
+    return sql.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: S608
+
+
+def first_of_a_partition(stored):
+    """An event at position 1: the first batch of its partition fails (attempt 1), then
+    the event alone (attempt 2, …), so the failed batches are exactly the attempts."""
+    return next(a for a in stored if a.position == 1)
+
+
+def poisoned_app(poison, on_error, max_attempts=3, batch_size=7):
+    app = subengine.App()
+    sub = app.subscription(
+        "billing",
+        stream="orders",
+        batch_size=batch_size,
+        on_error=on_error,
+        max_attempts=max_attempts,
+    )
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.id == poison.id:
+            raise ValueError("cannot handle this one")
+        record(event, conn)
+
+    return app
+
+
+# the metrics endpoint
+
+
+def test_the_counters_equal_the_events_handled_and_the_lag_gauges_head_minus_position(
+    metered_engine, sql
+):
+    stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
+    poison = first_of_a_partition(stored)  # its partition stops there and keeps a lag
+    port = free_port()
+    with Running(poisoned_app(poison, "stop"), metered_engine, metrics_port=port):
+        wait_for(
+            lambda: any(p.stopped for p in metered_engine.subscription_positions("billing")),
+            what="the poison's partition to stop",
+        )
+        more = metered_engine.append("orders", [NewEvent(f"m{n}", "T", {}) for n in range(10)])
+        handled = sum(
+            1
+            for a in stored + more
+            if a.partition != poison.partition or a.position < poison.position
+        )
+        wait_for(lambda: count(sql) == handled, what="every other event")
+        wanted_lag = expected_lag(metered_engine, "billing")
+        assert wanted_lag[str(poison.partition)] > 0
+        wait_for(lambda: lag_gauges(scrape(port)) == wanted_lag, what="the lag gauges to be read")
+        samples = scrape(port)
+    processed = value(samples, "subengine_events_processed_total", subscription="billing")
+    assert processed == count(sql) == handled
+    assert value(samples, "subengine_batch_size_events_sum", subscription="billing") == handled
+    batches = value(samples, "subengine_batch_size_events_count", subscription="billing")
+    assert batches == value(
+        samples, "subengine_batch_duration_seconds_count", subscription="billing"
+    )
+    assert batches > 0
+    [row] = [
+        p
+        for p in metered_engine.subscription_positions("billing")
+        if p.partition == poison.partition
+    ]
+    assert row.stopped and row.attempts == 3
+    assert value(samples, "subengine_batch_failures_total", subscription="billing") == 3
+    assert value(samples, "subengine_dead_letters_total", subscription="billing") == 0
+
+
+def test_a_dead_lettered_event_is_counted(metered_engine, sql):
+    stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(12)])
+    port = free_port()
+    with Running(
+        poisoned_app(first_of_a_partition(stored), "dead_letter", max_attempts=2),
+        metered_engine,
+        metrics_port=port,
+    ):
+        wait_for(lambda: count(sql) == 11 and count(sql, "subengine.dead_letters") == 1)
+        wait_for(
+            lambda: lag_gauges(scrape(port)) == dict.fromkeys(map(str, range(4)), 0),
+            what="no lag left",
+        )
+        samples = scrape(port)
+    assert value(samples, "subengine_dead_letters_total", subscription="billing") == 1
+    assert value(samples, "subengine_batch_failures_total", subscription="billing") == 2
+    assert value(samples, "subengine_events_processed_total", subscription="billing") == 11
+
+
+def test_notifications_wake_ups_and_looks_for_work_are_counted(metered_engine, sql):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(record)
+    port = free_port()
+    with Running(app, metered_engine, metrics_port=port):
+        wait_for(lambda: scrape(port), what="the endpoint")
+        metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
+        wait_for(lambda: count(sql) == 5)
+        wait_for(
+            lambda: value(scrape(port), "subengine_wakeups_total", cause="timer") >= 1,
+            what="a poll timer to expire",
+        )
+        samples = scrape(port)
+    assert value(samples, "subengine_notifications_received_total") >= 1
+    assert value(samples, "subengine_looks_for_work_total", found_work="true") >= 1
+    assert value(samples, "subengine_looks_for_work_total", found_work="false") >= 1
+    assert value(samples, "subengine_wakeups_total", cause="notification") >= 1
+
+
+def test_two_workers_in_one_process_keep_their_own_counts(metered_engine, sql):
+    metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(8)])
+    first, second = subengine.App(), subengine.App()
+    first.subscription("billing", stream="orders").handler()(record)
+    second.subscription("audit", stream="orders").handler()(lambda event, conn: None)
+    ports = free_port(), free_port()
+    with (
+        Running(first, metered_engine, metrics_port=ports[0]),
+        Running(second, metered_engine, metrics_port=ports[1]),
+    ):
+        for port, name in zip(ports, ("billing", "audit"), strict=True):
+            wait_for(
+                lambda p=port, n=name: (
+                    value(scrape(p), "subengine_events_processed_total", subscription=n) == 8
+                ),
+                what=f"{name}'s count",
+            )
+        assert (
+            value(scrape(ports[0]), "subengine_events_processed_total", subscription="audit")
+            is None
+        )
+
+
+def test_a_metrics_port_in_use_is_a_clear_error_and_leaves_no_worker_registered(
+    metered_engine, sql
+):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(record)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        with pytest.raises(subengine.ConfigurationError, match="cannot serve metrics on port"):
+            app.run_worker(metered_engine, metrics_port=taken.getsockname()[1])
+    assert count(sql, "subengine.workers") == 0
+
+
+# the lag query's cost
+
+
+@pytest.fixture
+def lag_reads(monkeypatch):
+    """Counts of the worker's lag readings and of the readings it skipped."""
+    counts = {"read": 0, "skipped": 0}
+    read_lag, skip = _metrics.read_lag, Progress.skip
+
+    def counting_read(*args):
+        counts["read"] += 1
+        return read_lag(*args)
+
+    def counting_skip(self, now):
+        counts["skipped"] += 1
+        skip(self, now)
+
+    monkeypatch.setattr(_metrics, "read_lag", counting_read)
+    monkeypatch.setattr(Progress, "skip", counting_skip)
+    return counts
+
+
+def test_an_idle_worker_without_metrics_reads_the_lag_once_until_it_has_work(
+    metered_engine, sql, lag_reads
+):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(record)
+    with Running(app, metered_engine):
+        wait_for(lambda: lag_reads["skipped"] >= 5, what="several progress intervals")
+        assert lag_reads["read"] == 1  # the reading at start found nothing behind
+        metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
+        wait_for(lambda: count(sql) == 5)
+        wait_for(lambda: lag_reads["read"] >= 2, what="a reading after the work")
+        reads = lag_reads["read"]
+        skipped = lag_reads["skipped"]
+        wait_for(lambda: lag_reads["skipped"] >= skipped + 5, what="several progress intervals")
+        assert lag_reads["read"] == reads  # idle again: no more readings
+
+
+def test_a_worker_serving_metrics_reads_the_lag_every_interval(metered_engine, lag_reads):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(record)
+    with Running(app, metered_engine, metrics_port=free_port()):
+        wait_for(lambda: lag_reads["read"] >= 5, what="a reading per interval")
+    assert lag_reads["skipped"] == 0
+
+
+# logs
+
+
+@pytest.fixture
+def json_log():
+    """The `subengine` loggers' records at DEBUG and above, formatted as JSON lines."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("subengine")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_json_log_lines_carry_the_structured_fields(metered_engine, sql, json_log):
+    stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(12)])
+    poison = first_of_a_partition(stored)
+    with Running(poisoned_app(poison, "dead_letter", max_attempts=2), metered_engine):
+        wait_for(lambda: count(sql) == 11 and count(sql, "subengine.dead_letters") == 1)
+    lines = [line for line in json_log() if line["logger"] == "subengine.worker"]
+    assert all({"time", "level", "message", "worker_id"} <= set(line) for line in lines)
+    [started] = [line for line in lines if "started" in line["message"]]
+    assert started["subscriptions"] == ["billing"]
+    failures = [line for line in lines if "batch failed" in line["message"]]
+    assert [line["attempts"] for line in failures] == [1, 2]
+    assert all(
+        (line["subscription"], line["partition"]) == ("billing", poison.partition)
+        for line in failures
+    )
+    [gave_up] = [line for line in lines if line["level"] == "ERROR"]
+    assert "dead letters" in gave_up["message"]
+    batches = [line for line in lines if "from_position" in line]
+    assert sum(line["events"] for line in batches) == 11
+    for line in batches:
+        assert line["to_position"] - line["from_position"] + 1 == line["events"]
+        assert line["subscription"] == "billing" and 0 <= line["partition"] < 4
+
+
+def test_progress_lines_report_a_backlog_until_it_is_caught_up(dsn, sql, json_log):
+    settings = subengine.Settings(dsn=dsn, poll_interval=0.2, progress_interval=0.1)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=2)
+        engine.append("orders", [NewEvent(f"k{n % 8}", "T", {}) for n in range(300)])
+        app = subengine.App()
+        app.subscription("billing", stream="orders", batch_size=10).handler()(
+            lambda event, conn: conn.execute("SELECT pg_sleep(0.002)")
+        )
+
+        def progress():
+            return [line for line in json_log() if "remaining" in line]
+
+        with Running(app, engine):
+            # every event is counted by the first line whose reading follows its commit
+            wait_for(
+                lambda: sum(line["events"] for line in progress()) == 300,
+                what="progress lines accounting for every event",
+            )
+    lines = progress()
+    assert lines[0]["remaining"] > 0
+    assert any(line["remaining"] > 0 and line["events"] > 0 for line in lines)
+    assert lines[-1]["remaining"] == 0 and lines[-1]["message"].endswith("caught up")
+    for line in lines:
+        assert line["subscription"] == "billing" and "worker_id" in line
+        assert {"rate", "seconds", "eta_seconds"} <= set(line)
+
+
+# progress arithmetic
+
+
+def reading(*lags, halted=()):
+    return [
+        PartitionLag("billing", partition, 100, 100 + lag, partition in halted)
+        for partition, lag in enumerate(lags)
+    ]
+
+
+def test_progress_is_quiet_when_nothing_is_behind_and_nothing_was_done():
+    progress = Progress(["billing"], now=0.0)
+    assert progress.report(0.0, {"billing": 0}, reading(0, 0)) == []
+    assert not progress.wants_reading({"billing": 0}, serving_metrics=False)
+    assert progress.report(10.0, {"billing": 0}, reading(0, 0)) == []
+
+
+def test_progress_counts_events_rate_remaining_and_eta():
+    progress = Progress(["billing"], now=0.0)
+    [first] = progress.report(0.0, {"billing": 0}, reading(600, 400))
+    assert first.message() == "subscription billing: 1,000 events to catch up"
+    assert progress.wants_reading({"billing": 0}, serving_metrics=False)  # still behind
+    [line] = progress.report(10.0, {"billing": 500}, reading(300, 200))
+    assert (line.events, line.rate, line.remaining, line.eta_seconds) == (500, 50.0, 500, 10.0)
+    assert line.message() == (
+        "subscription billing: 500 events in 10.0 s (50/s), 500 remaining, ETA 10 s"
+    )
+    # new appends outpace the worker: no ETA
+    [line] = progress.report(20.0, {"billing": 600}, reading(400, 200))
+    assert line.eta_seconds is None and line.message().endswith("not shrinking")
+    [line] = progress.report(30.0, {"billing": 1200}, reading(0, 0))
+    assert line.message().endswith("caught up")
+
+
+def test_stopped_or_paused_partitions_are_not_remaining_work():
+    progress = Progress(["billing"], now=0.0)
+    assert progress.report(0.0, {"billing": 0}, reading(0, 50, halted={1})) == []
+    assert not progress.wants_reading({"billing": 0}, serving_metrics=False)
+    assert progress.wants_reading({"billing": 0}, serving_metrics=True)
+    assert progress.wants_reading({"billing": 3}, serving_metrics=False)
+
+
+# the command
+
+
+@pytest.fixture
+def worker_app_env(cli_env, sql):
+    """The table `tests/apps/worker_app.py` writes its effects to, and short intervals."""
+    sql.execute("CREATE SEQUENCE effect_order")
+    sql.execute(
+        "CREATE TABLE effects (event_id uuid, key text, key_version bigint, partition int,"
+        " position bigint, seq bigint)"
+    )
+    env = dict(
+        cli_env,
+        SUBENGINE_POLL_INTERVAL="0.5",
+        SUBENGINE_HEARTBEAT_INTERVAL="1",
+        SUBENGINE_PROGRESS_INTERVAL="0.2",
+    )
+    for name in ("WORKER_APP_SLEEP", "WORKER_APP_MARKS", "WORKER_APP_BATCH"):
+        env.pop(name, None)
+    return env
+
+
+def test_the_worker_command_serves_metrics_and_logs_json_lines(worker_app_env, engine, sql):
+    engine.create_stream("orders", partitions=4)
+    engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(30)])
+    port = free_port()
+    worker = subprocess.Popen(
+        [
+            subengine_command(),
+            "worker",
+            "--app",
+            "worker_app:app",
+            "--metrics-port",
+            str(port),
+            "--log-format",
+            "json",
+            "--log-level",
+            "debug",
+        ],
+        cwd=APPS,
+        env=worker_app_env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: (
+                value(scrape(port), "subengine_events_processed_total", subscription="effects")
+                == 30
+            ),
+            what="the count of 30 events",
+        )
+        wait_for(
+            lambda: lag_gauges(scrape(port)) == expected_lag(engine, "effects"),
+            what="the lag gauges",
+        )
+        assert set(expected_lag(engine, "effects").values()) == {0}
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == 0, stderr
+    # every line is a JSON object but the signal handler's own one
+    lines = [
+        json.loads(line)
+        for line in stderr.splitlines()
+        if not line.startswith("SIGTERM: finishing the current batches")
+    ]
+    assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    batches = [line for line in lines if "from_position" in line]
+    assert sum(line["events"] for line in batches) == 30
+    assert {line["subscription"] for line in batches} == {"effects"}
+    assert all(line["partition"] in range(4) for line in batches)

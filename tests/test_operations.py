@@ -1,0 +1,193 @@
+"""Operating subengine from the command line: status, subscriptions, workers, dead letters."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_subengine, subengine_command
+from test_worker import Running, wait_for
+
+import subengine
+from subengine import NewEvent
+
+APPS = Path(__file__).parent / "apps"
+
+
+def run(env, *args, ok=True, cwd=None):
+    if cwd is None:
+        result = run_subengine(env, *args)
+    else:
+        result = subprocess.run(
+            [subengine_command(), *args],
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    if ok:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def json_lines(text):
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture
+def letters_app():
+    sys.path.insert(0, str(APPS))
+    try:
+        yield importlib.import_module("letters_app").app
+    finally:
+        sys.path.remove(str(APPS))
+
+
+def test_status_shows_lag_per_subscription_and_partition(fast_engine, cli_env):
+    stored = fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(20)])
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
+    app.subscription("audit", stream="orders", start="end").handler()(lambda e, c: None)
+    for sub in app.subscriptions.values():
+        fast_engine.ensure_subscription(sub)
+    summary = {
+        row["subscription"]: row for row in json_lines(run(cli_env, "status", "--json").stdout)
+    }
+    assert (summary["billing"]["lag"], summary["billing"]["partitions"]) == (20, 4)
+    assert summary["billing"]["ok"] + summary["billing"]["idle"] == 4
+    assert summary["audit"]["lag"] == 0 and summary["audit"]["idle"] == 4
+    rows = json_lines(run(cli_env, "status", "--subscription", "billing", "--json").stdout)
+    lags = {row["partition"]: row["lag"] for row in rows}
+    assert lags == {p: sum(1 for a in stored if a.partition == p) for p in range(4)}
+    assert all(
+        (row["state"] in ("ok", "idle") and row["lag_seconds"] is not None) or row["lag"] == 0
+        for row in rows
+    )
+    table = run(cli_env, "status").stdout
+    assert "subscription" in table and "billing" in table and "audit" in table
+    with Running(app, fast_engine):
+        wait_for(lambda: all(r["lag"] == 0 for r in fast_engine.subscription_summary()))
+    rows = json_lines(run(cli_env, "subscription", "show", "billing", "--json").stdout)
+    assert {row["state"] for row in rows} == {"idle"}
+    missing = run(cli_env, "status", "--subscription", "nope", ok=False)
+    assert missing.returncode == 1 and "no subscription named 'nope'" in missing.stderr
+
+
+def test_status_watch_redraws_until_interrupted(fast_engine, cli_env):
+    fast_engine.append("orders", [NewEvent("k", "T", {})])
+    fast_engine.ensure_subscription(subengine.App().subscription("billing", stream="orders"))
+    watcher = subprocess.Popen(
+        [subengine_command(), "status", "--watch", "--interval", "0.2"],
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2)
+    watcher.send_signal(signal.SIGINT)
+    out, err = watcher.communicate(timeout=30)
+    assert watcher.returncode == 0, err
+    assert "billing" in out and "lag drained" in out
+
+
+def test_subscription_list_pause_and_resume(fast_engine, cli_env, sql):
+    fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(8)])
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(
+        lambda event, conn: conn.execute(
+            "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
+        )
+    )
+    fast_engine.ensure_subscription(app.subscriptions["billing"])
+    [listed] = json_lines(run(cli_env, "subscription", "list", "--json").stdout)
+    assert (listed["name"], listed["stream"], listed["start"]) == (
+        "billing",
+        "orders",
+        {"kind": "beginning"},
+    )
+    assert (
+        "paused subscription 'billing'" in run(cli_env, "subscription", "pause", "billing").stdout
+    )
+    with Running(app, fast_engine):
+        time.sleep(1)  # several poll intervals: a paused subscription gets no work
+        assert sql.execute("SELECT count(*) FROM effects").fetchone()[0] == 0
+        states = {r["state"] for r in fast_engine.subscription_status("billing")}
+        assert states == {"paused"}
+        # a stopped partition restarts on resume too
+        sql.execute(
+            "UPDATE subengine.subscription_positions SET stopped = true WHERE partition = 0"
+        )
+        out = run(cli_env, "subscription", "resume", "billing").stdout
+        assert "restarted stopped partitions 0" in out
+        wait_for(lambda: sql.execute("SELECT count(*) FROM effects").fetchone()[0] == 8)
+    bad = run(cli_env, "subscription", "pause", "nope", ok=False)
+    assert bad.returncode == 1 and "no subscription named 'nope'" in bad.stderr
+
+
+def test_workers_lists_running_workers(fast_engine, cli_env):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
+    with Running(app, fast_engine, concurrency=2):
+        wait_for(lambda: fast_engine.workers())
+        [worker] = json_lines(run(cli_env, "workers", "--json").stdout)
+        assert worker["subscriptions"] == ["billing"] and worker["connected"] is True
+        assert "billing" in run(cli_env, "workers").stdout
+    assert json_lines(run(cli_env, "workers", "--json").stdout) == []
+
+
+def test_dead_letters_list_show_retry_and_discard(fast_engine, cli_env, sql, letters_app):
+    stored = fast_engine.append(
+        "orders",
+        [NewEvent(f"k{n}", "T", {"poison": n in (2, 5)}) for n in range(8)],
+    )
+    with Running(letters_app, fast_engine):
+        wait_for(lambda: len(fast_engine.dead_letters("letters")) == 2)
+    first, second = stored[2], stored[5]  # keys k2 and k5
+    listed = json_lines(run(cli_env, "dead-letters", "list", "--json").stdout)
+    assert {(r["partition"], r["position"]) for r in listed} == {
+        (first.partition, first.position),
+        (second.partition, second.position),
+    }
+    assert all(r["error"] == f"ValueError: cannot handle {r['key']}" for r in listed)
+    shown = json.loads(
+        run(
+            cli_env, "dead-letters", "show", "letters", str(first.partition), str(first.position)
+        ).stdout
+    )
+    assert shown["event"]["id"] == str(first.id) and shown["event"]["data"] == {"poison": True}
+    where = ("letters", str(first.partition), str(first.position))
+    # still broken: the retry fails, is recorded, and changes nothing else
+    failed = run(
+        cli_env, "dead-letters", "retry", *where, "--app", "letters_app:app", ok=False, cwd=APPS
+    )
+    assert failed.returncode == 1 and "failed again" in failed.stderr
+    [row] = [
+        r
+        for r in fast_engine.dead_letters("letters")
+        if r["position"] == first.position and r["partition"] == first.partition
+    ]
+    assert (row["retries"], row["resolution"]) == (1, None)
+    effects_before = sql.execute("SELECT count(*) FROM effects").fetchone()[0]
+    fixed = dict(cli_env, LETTERS_FIXED="1")
+    out = run(fixed, "dead-letters", "retry", *where, "--app", "letters_app:app", cwd=APPS).stdout
+    assert "is handled" in out
+    assert (
+        sql.execute("SELECT count(*) FROM effects WHERE event_id = %s", (first.id,)).fetchone()[0]
+        == 1
+    )
+    assert sql.execute("SELECT count(*) FROM effects").fetchone()[0] == effects_before + 1
+    again = run(
+        fixed, "dead-letters", "retry", *where, "--app", "letters_app:app", ok=False, cwd=APPS
+    )
+    assert again.returncode == 1 and "no unresolved dead letter" in again.stderr
+    run(cli_env, "dead-letters", "discard", "letters", str(second.partition), str(second.position))
+    assert json_lines(run(cli_env, "dead-letters", "list", "--json").stdout) == []
+    resolved = json_lines(run(cli_env, "dead-letters", "list", "--all", "--json").stdout)
+    assert sorted(r["resolution"] for r in resolved) == ["discarded", "retried"]
