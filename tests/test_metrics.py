@@ -9,7 +9,6 @@ import logging
 import signal
 import socket
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import subengine_command
 from prometheus_client.parser import text_string_to_metric_families
+from test_worker import Running, record
 
 import subengine
 from subengine import NewEvent, _metrics
@@ -41,37 +41,6 @@ def metered_engine(dsn, sql):
     with subengine.Engine(settings=settings) as engine:
         engine.create_stream("orders", partitions=4)
         yield engine
-
-
-def record(event, conn):
-    conn.execute(
-        "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
-    )
-
-
-class Running:
-    """A worker in a thread, stopped (and joined) on exit; `error` is what it raised."""
-
-    def __init__(self, app, engine, **options):
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(app, engine, options))
-
-    def _run(self, app, engine, options):
-        try:
-            app.run_worker(engine, stop=self.stop, **options)
-        except BaseException as error:
-            self.error = error
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the worker did not stop"
-        assert self.error is None, self.error
 
 
 def wait_for(condition, timeout=30.0, what="the condition"):

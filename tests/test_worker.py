@@ -19,13 +19,18 @@ def record(event, conn):
 
 
 class Running:
-    """A worker in a thread, stopped (and joined) on exit."""
+    """A worker in a thread, stopped (and joined) on exit; `error` is what it raised."""
 
     def __init__(self, app, engine, **options):
         self.stop = threading.Event()
-        self.thread = threading.Thread(
-            target=app.run_worker, args=(engine,), kwargs={"stop": self.stop, **options}
-        )
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(app, engine, options))
+
+    def _run(self, app, engine, options):
+        try:
+            app.run_worker(engine, stop=self.stop, **options)
+        except BaseException as error:
+            self.error = error
 
     def __enter__(self):
         self.thread.start()
@@ -35,6 +40,7 @@ class Running:
         self.stop.set()
         self.thread.join(timeout=30)
         assert not self.thread.is_alive(), "the worker did not stop"
+        assert self.error is None, self.error
 
 
 def wait_for(condition, timeout=30.0):
