@@ -19,20 +19,9 @@ import psycopg
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from psycopg import sql
 
 from subengine._errors import ConfigurationError
-
-# Every (subscription, partition) of some subscriptions: its position and its stream's head.
-# Primary-key lookups only; one row per partition.
-_LAG_QUERY = """
-SELECT sp.subscription, sp.partition, sp.position, p.head, sp.stopped OR s.paused
-  FROM {schema}.subscription_positions sp
-  JOIN {schema}.subscriptions s ON s.name = sp.subscription
-  JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
- WHERE sp.subscription = ANY (%(names)s)
- ORDER BY 1, 2
-"""
+from subengine._queries import query
 
 _BATCH_SIZE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000)
 _BATCH_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -58,8 +47,7 @@ def read_lag(
     conn: psycopg.Connection[Any], schema: str, names: Sequence[str]
 ) -> list[PartitionLag]:
     """Position and head of every partition of the named subscriptions, in one query."""
-    statement = sql.SQL(_LAG_QUERY).format(schema=sql.Identifier(schema))
-    rows = conn.execute(statement, {"names": list(names)}).fetchall()
+    rows = conn.execute(query(schema, "subscription_lag"), {"names": list(names)}).fetchall()
     return [PartitionLag(*row) for row in rows]
 
 

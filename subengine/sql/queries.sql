@@ -150,6 +150,17 @@ SELECT sp.subscription, sp.partition,
  ORDER BY 3 NULLS LAST, 1, 2
  LIMIT %(limit)s
 
+-- name: subscription_lag
+-- Position and head of every partition of some subscriptions, and whether it is halted
+-- (stopped or paused): the worker's lag gauges and progress lines. Primary-key lookups
+-- only; unlike the subscription_status view it reads neither pg_locks nor the events.
+SELECT sp.subscription, sp.partition, sp.position, p.head, sp.stopped OR s.paused
+  FROM {schema}.subscription_positions sp
+  JOIN {schema}.subscriptions s ON s.name = sp.subscription
+  JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
+ WHERE sp.subscription = ANY (%(names)s)
+ ORDER BY 1, 2
+
 -- name: record_failure
 -- Count a failed attempt of a partition's next batch, with its error; it is tried again
 -- after `delay` seconds, doubled for every earlier failure, at most `delay_max`.
