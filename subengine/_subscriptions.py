@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -242,6 +242,15 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:_MAX_ERROR_LENGTH]
 
 
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failed batch as recorded: its attempt, and what the error policy did (`retry`:
+    nothing yet; `stopped`; `dead_lettered`: the failing event was recorded and skipped)."""
+
+    attempts: int
+    action: Literal["retry", "stopped", "dead_lettered"]
+
+
 def record_failure(
     conn: psycopg.Connection[Any],
     schema: str,
@@ -249,8 +258,8 @@ def record_failure(
     partition: int,
     error: BaseException,
     settings: Settings,
-) -> int:
-    """Count a failed batch and apply the error policy at the last attempt; the attempts."""
+) -> Failure:
+    """Count a failed batch and apply the error policy at the last attempt."""
     text = error_text(error)
     with conn.transaction():
         attempts_row = conn.execute(
@@ -264,19 +273,19 @@ def record_failure(
             },
         ).fetchone()
         if attempts_row is None:
-            return 0
-        attempts, position = attempts_row
+            return Failure(0, "retry")
+        attempts, position = int(attempts_row[0]), int(attempts_row[1])
         # The policy acts on one event: a failed batch is retried one event at a time, so
         # the failing batch held one event if an earlier attempt failed too (or if batches
         # hold one event). Until then the failure only counts.
         isolated = attempts >= 2 or subscription.batch_size == 1
         if attempts < subscription.max_attempts or not isolated:
-            return int(attempts)
+            return Failure(attempts, "retry")
         if subscription.on_error == "stop":
             conn.execute(
                 query(schema, "stop_partition"), {"name": subscription.name, "partition": partition}
             )
-            return int(attempts)
+            return Failure(attempts, "stopped")
         # dead_letter: the event after the position is the failing one
         conn.execute(
             query(schema, "dead_letter"),
@@ -293,4 +302,4 @@ def record_failure(
             query(schema, "skip_event"),
             {"name": subscription.name, "partition": partition, "position": position},
         )
-        return int(attempts)
+        return Failure(attempts, "dead_lettered")

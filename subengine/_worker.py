@@ -34,6 +34,7 @@ from subengine._queries import query
 from subengine._settings import Settings
 from subengine._subscriptions import (
     BatchOutcome,
+    Failure,
     ensure_subscription,
     process_batch,
     record_failure,
@@ -57,13 +58,6 @@ def lock_key(schema: str, subscription: str, partition: int) -> int:
 def _connect_timeout(settings: Settings) -> int:
     """libpq's connect_timeout is whole seconds, at least 2 (smaller values mean 2)."""
     return max(2, math.ceil(settings.connect_timeout))
-
-
-def _policy_applied(subscription: Subscription, attempts: int) -> bool:
-    """Whether `record_failure`, having returned `attempts`, applied the error policy: at
-    the last attempt, once the failing event was isolated (its rule, repeated here)."""
-    isolated = attempts >= 2 or subscription.batch_size == 1
-    return attempts >= subscription.max_attempts and isolated
 
 
 class _Wakeup:
@@ -303,10 +297,10 @@ class Worker:
             except Exception as error:  # a handler failed: never kill the worker for it
                 if conn.broken or conn.closed:
                     raise psycopg.OperationalError("the worker's connection broke") from error
-                attempts = record_failure(
+                failure = record_failure(
                     conn, self.schema, subscription, partition, error, self.settings
                 )
-                self._batch_failed(subscription, partition, attempts, error)
+                self._batch_failed(subscription, partition, failure, error)
                 return
             if outcome is not None and outcome.handled > 0:
                 self._batch_committed(subscription, outcome, time.monotonic() - started)
@@ -338,15 +332,14 @@ class Worker:
             )
 
     def _batch_failed(
-        self, subscription: Subscription, partition: int, attempts: int, error: Exception
+        self, subscription: Subscription, partition: int, failure: Failure, error: Exception
     ) -> None:
-        gave_up = _policy_applied(subscription, attempts)
-        dead_lettered = gave_up and subscription.on_error == "dead_letter"
+        dead_lettered = failure.action == "dead_lettered"
         self.metrics.batch_failed(subscription.name, dead_lettered)
         fields = self._fields(
             subscription=subscription.name,
             partition=partition,
-            attempts=attempts,
+            attempts=failure.attempts,
             max_attempts=subscription.max_attempts,
             error=f"{type(error).__name__}: {error}",
         )
@@ -354,12 +347,12 @@ class Worker:
             "subscription %s partition %s: batch failed (attempt %s of %s): %s",
             subscription.name,
             partition,
-            attempts,
+            failure.attempts,
             subscription.max_attempts,
             error,
             extra=fields,
         )
-        if gave_up:
+        if failure.action != "retry":
             log.error(
                 "subscription %s partition %s: %s",
                 subscription.name,
