@@ -564,17 +564,19 @@ def dead_letters_list(context: Context, name: str | None, everything: bool, as_j
 def dead_letters_show(context: Context, name: str, partition: int, position: int) -> None:
     """Show one dead letter with its event, as JSON."""
     engine = context.engine()
-    [row] = [
-        r
-        for r in engine.dead_letters(name, everything=True)
-        if (r["partition"], r["position"]) == (partition, position)
-    ] or [None]
+    row = next(
+        (
+            r
+            for r in engine.dead_letters(name, everything=True)
+            if (r["partition"], r["position"]) == (partition, position)
+        ),
+        None,
+    )
     if row is None:
         raise subengine.InvalidInput(
             f"subscription {name!r} has no dead letter at partition {partition} position {position}"
         )
-    stream_name = next(s["stream"] for s in engine.subscriptions() if s["name"] == name)
-    events = engine.read(stream_name, partition, position - 1, 1)
+    events = engine.read(row["stream"], partition, position - 1, 1)
     row["event"] = _event_json(events[0]) if events else None
     _status.print_json([row])
 

@@ -78,6 +78,10 @@ def discard_dead_letter(
         _resolve(conn, schema, name, partition, position, "discarded")
 
 
+class _HandlerFailed(Exception):
+    """A dead letter's handlers failed again (rolls its retry back)."""
+
+
 def retry_dead_letter(
     conn: psycopg.Connection[Any],
     schema: str,
@@ -87,11 +91,12 @@ def retry_dead_letter(
 ) -> str | None:
     """Run a dead-lettered event through the subscription's handlers again.
 
-    Transactional subscriptions: the handlers' writes and the resolution commit together.
-    At-least-once ones: the handlers run outside it, then the resolution commits. Returns
-    None on success; on failure the error, which is recorded (retries + 1, error).
+    One transaction holds the dead letter's row, the handlers' writes (at-least-once
+    handlers get no connection) and its resolution. Returns None on success; when the
+    handlers fail, their error, which is recorded (retries + 1, error). Bad arguments raise
+    InvalidInput and record nothing.
     """
-    transactional = subscription.ack == "transactional"
+    connection = conn if subscription.ack == "transactional" else None
     try:
         with conn.transaction():
             stream = _lock_dead_letter(conn, schema, subscription.name, partition, position)
@@ -105,12 +110,13 @@ def retry_dead_letter(
                 raise InvalidInput(
                     f"the event at position {position} of partition {partition} is no longer stored"
                 )
-            subscription.handle(events, conn if transactional else None)
+            try:
+                subscription.handle(events, connection)
+            except Exception as error:
+                raise _HandlerFailed(error_text(error)) from error
             _resolve(conn, schema, subscription.name, partition, position, "retried")
-    except InvalidInput:
-        raise
-    except Exception as error:  # the handler failed again: record it, say so
-        text = error_text(error)
+    except _HandlerFailed as failed:
+        text = str(failed)
         with conn.transaction():
             conn.execute(
                 query(schema, "dead_letter_retry_failed"),

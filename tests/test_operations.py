@@ -191,3 +191,28 @@ def test_dead_letters_list_show_retry_and_discard(fast_engine, cli_env, sql, let
     assert json_lines(run(cli_env, "dead-letters", "list", "--json").stdout) == []
     resolved = json_lines(run(cli_env, "dead-letters", "list", "--all", "--json").stdout)
     assert sorted(r["resolution"] for r in resolved) == ["discarded", "retried"]
+
+
+def test_a_retry_whose_handler_raises_invalid_input_is_recorded_as_a_failure(fast_engine, sql):
+    # InvalidInput from a handler (e.g. a typed payload that does not fit) is the handler
+    # failing again, not a bad argument to the retry
+    stored = fast_engine.append("orders", [NewEvent("k", "T", {"poison": True})])
+    letters = subengine.App().subscription("letters", stream="orders")
+
+    @letters.handler()
+    def refuse(event, conn):
+        raise subengine.InvalidInput("still not a valid order")
+
+    fast_engine.ensure_subscription(letters)
+    sql.execute(
+        "INSERT INTO subengine.dead_letters"
+        " (subscription, partition, position, event_id, error, attempts)"
+        " VALUES ('letters', %s, %s, %s, 'ValueError: first', 5)",
+        (stored[0].partition, stored[0].position, stored[0].id),
+    )
+    error = fast_engine.retry_dead_letter(letters, stored[0].partition, stored[0].position)
+    assert error == "InvalidInput: still not a valid order"
+    [row] = fast_engine.dead_letters("letters")
+    assert (row["retries"], row["resolution"], row["error"]) == (1, None, error)
+    with pytest.raises(subengine.InvalidInput, match="no unresolved dead letter"):
+        fast_engine.retry_dead_letter(letters, stored[0].partition, stored[0].position + 1)

@@ -247,7 +247,7 @@ SELECT * FROM {schema}.workers_status ORDER BY started_at
 
 -- name: list_dead_letters
 -- Dead letters, unresolved ones only unless %(all)s.
-SELECT d.subscription, d.partition, d.position, d.event_id, e.key, e.type, d.error,
+SELECT d.subscription, s.stream, d.partition, d.position, d.event_id, e.key, e.type, d.error,
        d.attempts, d.retries, d.resolution, d.created_at, d.resolved_at
   FROM {schema}.dead_letters d
   JOIN {schema}.subscriptions s ON s.name = d.subscription
