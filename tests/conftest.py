@@ -145,14 +145,58 @@ def subengine_command() -> str:
 
 
 def run_subengine(
-    env: dict[str, str], *args: str, stdin: str | None = None, timeout: float = 120
+    env: dict[str, str],
+    *args: str,
+    stdin: str | None = None,
+    timeout: float = 120,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run the `subengine` command as a process and capture what it prints."""
     return subprocess.run(
         [subengine_command(), *args],
         env=env,
+        cwd=cwd,
         input=stdin,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+APPS = Path(__file__).parent / "apps"
+README = Path(__file__).parent.parent / "README.md"
+
+
+def write_readme_app(directory: Path) -> None:
+    """The README's example app, as written, as the package `myproject` in `directory`."""
+    readme = README.read_text()
+    [source] = [
+        block.split("```", 1)[0]
+        for block in readme.split("```python\n")
+        if block.startswith("# myproject/consumers.py")
+    ]
+    (directory / "myproject").mkdir()
+    (directory / "myproject" / "__init__.py").write_text("")
+    (directory / "myproject" / "consumers.py").write_text(source)
+
+
+@pytest.fixture
+def worker_app_env(cli_env: dict[str, str], sql: psycopg.Connection[Any]) -> dict[str, str]:
+    """The table `tests/apps/worker_app.py` writes its effects to (no unique constraint),
+    and an environment for the `subengine` command with short intervals."""
+    sql.execute("CREATE SEQUENCE effect_order")
+    sql.execute(
+        "CREATE TABLE effects (event_id uuid, key text, key_version bigint, partition int,"
+        " position bigint, seq bigint)"
+    )
+    env = dict(
+        cli_env,
+        SUBENGINE_POLL_INTERVAL="0.5",
+        SUBENGINE_RETRY_DELAY="0.1",
+        SUBENGINE_RETRY_DELAY_MAX="0.5",
+        SUBENGINE_HEARTBEAT_INTERVAL="1",
+        SUBENGINE_PROGRESS_INTERVAL="0.2",
+    )
+    for name in ("WORKER_APP_SLEEP", "WORKER_APP_MARKS", "WORKER_APP_BATCH"):
+        env.pop(name, None)
+    return env

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import subengine_command
+from conftest import run_subengine, subengine_command, write_readme_app
 
 import subengine
 from subengine import NewEvent
@@ -23,19 +23,11 @@ def blocks(text, language):
     return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
 
 
-def readme_app(directory):
-    readme = (ROOT / "README.md").read_text()
-    [source] = [b for b in blocks(readme, "python") if b.startswith("# myproject/consumers.py")]
-    (directory / "myproject").mkdir()
-    (directory / "myproject" / "__init__.py").write_text("")
-    (directory / "myproject" / "consumers.py").write_text(source)
-
-
 @pytest.fixture
 def operated(engine, sql, tmp_path):
     """Stream orders (8 partitions) with 20 events in partition 3, subscription billing
     (the README's app), and two dead letters at partition 3, positions 17 and 18."""
-    readme_app(tmp_path)
+    write_readme_app(tmp_path)
     sql.execute("CREATE TABLE invoices (order_id text, total int)")
     engine.create_stream("orders", partitions=8)
     key = next(f"order-{n}" for n in range(99) if subengine.partition_for(f"order-{n}", 8) == 3)
@@ -95,14 +87,7 @@ def test_every_command_of_the_operations_page_runs(operated, cli_env, sql):
             _, err = watcher.communicate(timeout=30)
             assert watcher.returncode == 0, (command, err)
             continue
-        result = subprocess.run(
-            [subengine_command(), *command[1:]],
-            env=cli_env,
-            cwd=operated,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = run_subengine(cli_env, *command[1:], cwd=operated)
         assert result.returncode == 0, (command, result.stderr)
     # what the commands did: paused and resumed, reset to the end, one letter retried
     # (the README handler wrote its invoice) and one discarded

@@ -11,10 +11,9 @@ import socket
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
-from conftest import subengine_command
+from conftest import APPS, subengine_command
 from prometheus_client.parser import text_string_to_metric_families
 from test_worker import Running, record
 
@@ -22,8 +21,6 @@ import subengine
 from subengine import NewEvent, _metrics
 from subengine._logging import JsonFormatter
 from subengine._metrics import PartitionLag, Progress
-
-APPS = Path(__file__).parent / "apps"
 
 
 @pytest.fixture
@@ -398,25 +395,6 @@ def test_stopped_or_paused_partitions_are_not_remaining_work():
 
 
 # the command
-
-
-@pytest.fixture
-def worker_app_env(cli_env, sql):
-    """The table `tests/apps/worker_app.py` writes its effects to, and short intervals."""
-    sql.execute("CREATE SEQUENCE effect_order")
-    sql.execute(
-        "CREATE TABLE effects (event_id uuid, key text, key_version bigint, partition int,"
-        " position bigint, seq bigint)"
-    )
-    env = dict(
-        cli_env,
-        SUBENGINE_POLL_INTERVAL="0.5",
-        SUBENGINE_HEARTBEAT_INTERVAL="1",
-        SUBENGINE_PROGRESS_INTERVAL="0.2",
-    )
-    for name in ("WORKER_APP_SLEEP", "WORKER_APP_MARKS", "WORKER_APP_BATCH"):
-        env.pop(name, None)
-    return env
 
 
 def test_the_worker_command_serves_metrics_and_logs_json_lines(worker_app_env, engine, sql):

@@ -8,30 +8,17 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import run_subengine, subengine_command
+from conftest import APPS, run_subengine, subengine_command
 from test_worker import Running, wait_for
 
 import subengine
 from subengine import NewEvent
 
-APPS = Path(__file__).parent / "apps"
-
 
 def run(env, *args, ok=True, cwd=None):
-    if cwd is None:
-        result = run_subengine(env, *args)
-    else:
-        result = subprocess.run(
-            [subengine_command(), *args],
-            env=env,
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+    result = run_subengine(env, *args, cwd=cwd)
     if ok:
         assert result.returncode == 0, result.stderr
     return result

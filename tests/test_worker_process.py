@@ -17,32 +17,16 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import run_subengine, subengine_command
+from conftest import APPS, README, run_subengine, subengine_command, write_readme_app
 
 import subengine
 from subengine import NewEvent
 
-APPS = Path(__file__).parent / "apps"
-
 
 @pytest.fixture
-def app_env(cli_env, sql, tmp_path):
-    """The `effects` table and sequence, and an environment with short intervals."""
-    sql.execute("CREATE SEQUENCE effect_order")
-    sql.execute(
-        "CREATE TABLE effects (event_id uuid, key text, key_version bigint, partition int,"
-        " position bigint, seq bigint)"
-    )
-    env = dict(
-        cli_env,
-        SUBENGINE_POLL_INTERVAL="0.5",
-        SUBENGINE_RETRY_DELAY="0.1",
-        SUBENGINE_RETRY_DELAY_MAX="0.5",
-        SUBENGINE_HEARTBEAT_INTERVAL="1",
-        WORKER_APP_MARKS=str(tmp_path / "marks"),
-    )
-    env.pop("WORKER_APP_SLEEP", None)
-    return env
+def app_env(worker_app_env, tmp_path):
+    """The worker app's environment, noting where each batch starts in a file."""
+    return dict(worker_app_env, WORKER_APP_MARKS=str(tmp_path / "marks"))
 
 
 @pytest.fixture
@@ -154,27 +138,15 @@ def assert_each_effect_once_in_key_order(sql, engine):
     ],
 )
 def test_a_bad_app_path_exits_with_a_clear_message(app_env, app, status, message):
-    result = subprocess.run(
-        [subengine_command(), "worker", "--app", app],
-        cwd=APPS,
-        env=app_env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_subengine(app_env, "worker", "--app", app, cwd=APPS, timeout=60)
     assert result.returncode == status
     assert message in result.stderr
 
 
 def test_an_unknown_subscription_exits_with_a_clear_message(app_env, engine_of):
     engine_of.create_stream("orders", partitions=2)
-    result = subprocess.run(
-        [subengine_command(), "worker", "--app", "worker_app:app", "--subscription", "nope"],
-        cwd=APPS,
-        env=app_env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = run_subengine(
+        app_env, "worker", "--app", "worker_app:app", "--subscription", "nope", cwd=APPS, timeout=60
     )
     assert result.returncode == 1
     assert "the app declares no subscription 'nope'" in result.stderr
@@ -187,14 +159,7 @@ def test_a_database_unreachable_at_start_exits_non_zero(app_env):
         SUBENGINE_DSN=f"postgresql://postgres@127.0.0.1:{port}/postgres",
         SUBENGINE_CONNECT_TIMEOUT="2",
     )
-    result = subprocess.run(
-        [subengine_command(), "worker", "--app", "worker_app:app"],
-        cwd=APPS,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_subengine(env, "worker", "--app", "worker_app:app", cwd=APPS, timeout=60)
     assert result.returncode == 1
     assert "could not connect to PostgreSQL within 2 s" in result.stderr
 
@@ -417,18 +382,12 @@ class _Proxy:
 
 
 def test_the_readme_example_app_runs_as_written(cli_env, engine_of, sql, tmp_path):
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    [source] = [
-        block.split("```", 1)[0]
-        for block in readme.split("```python\n")
-        if block.startswith("# myproject/consumers.py")
-    ]
+    write_readme_app(tmp_path)
     command = next(
-        line for line in readme.splitlines() if line.startswith("subengine worker --app myproject")
+        line
+        for line in README.read_text().splitlines()
+        if line.startswith("subengine worker --app myproject")
     )
-    (tmp_path / "myproject").mkdir()
-    (tmp_path / "myproject" / "__init__.py").write_text("")
-    (tmp_path / "myproject" / "consumers.py").write_text(source)
     sql.execute("CREATE TABLE invoices (order_id text, total int)")
     engine_of.create_stream("orders", partitions=8)
     engine_of.append(
