@@ -626,16 +626,25 @@ def _positions_table(positions: list[subengine.SubscriptionPosition]) -> None:
 @click.option(
     "--events",
     "event_count",
-    type=click.IntRange(1, 100_000),
-    default=400,
+    type=click.IntRange(100, 100_000),
+    default=4000,
     show_default=True,
-    help="How many events to append.",
+    help="How many order events the producer appends.",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(10, 100_000),
+    default=1000,
+    show_default=True,
+    help="Events per second the producer aims for.",
 )
 @pass_context
 @handles_errors
-def demo(context: Context, event_count: int) -> None:
-    """Show streams working: migrate, append from many keys, read back, check, print heads."""
-    ok = _demo.run(context.engine(), event_count, click.echo)
+def demo(context: Context, event_count: int, rate: float) -> None:
+    """Show the engine working: two worker processes project order events while a
+    producer appends them; one is killed half-way; the projection is then checked
+    against the events exactly (exit 0 only if it matches)."""
+    ok = _demo.run(context.engine(), event_count, rate, click.echo)
     sys.exit(0 if ok else 1)
 
 

@@ -1,0 +1,88 @@
+"""`subengine demo`: two worker processes project order events while a producer appends
+them and one worker is killed; it exits 0 only if the projection matches the events."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_subengine, snapshot
+from subengine.cli import _demo
+
+pytestmark = pytest.mark.slow
+
+
+def run_demo(env, *args):
+    return run_subengine(env, "demo", "--events", "1200", "--rate", "1500", *args, timeout=180)
+
+
+def test_the_demo_projects_every_event_once_though_a_worker_is_killed(cli_env, sql):
+    result = run_demo(cli_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "killed worker pid" in result.stdout
+    assert "check passed" in result.stdout
+    # the projection, read on its own: one row per order, one applied event per stored event
+    events, orders = sql.execute(
+        "SELECT count(*), count(*) FILTER (WHERE type = 'OrderPlaced')"
+        " FROM subengine.events WHERE stream = 'orders'"
+    ).fetchone()
+    assert events == 1200
+    assert sql.execute("SELECT count(*), sum(events) FROM subengine_demo.orders").fetchone() == (
+        orders,
+        events,
+    )
+    assert sql.execute(
+        "SELECT sum(position), sum(head) FROM subengine.subscription_status"
+        " WHERE subscription = 'order_projection'"
+    ).fetchone() == (events, events)
+    # every worker it started is gone, and holds nothing
+    assert sql.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone() == (
+        0,
+    )
+    assert sql.execute(
+        "SELECT count(*) FROM subengine.workers_status WHERE connected"
+    ).fetchone() == (0,)
+
+
+def test_running_the_demo_again_rebuilds_the_projection_from_every_event(cli_env, sql):
+    assert run_demo(cli_env).returncode == 0
+    again = run_demo(cli_env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "the projection is rebuilt from its first event" in again.stdout
+    assert "checked 2,400 events" in again.stdout
+    assert sql.execute("SELECT sum(events) FROM subengine_demo.orders").fetchone() == (2400,)
+
+
+TAMPERS = {
+    "a total": "UPDATE subengine_demo.orders SET total_cents = total_cents + 1"
+    " WHERE order_key = (SELECT min(order_key) FROM subengine_demo.orders)",
+    "a missing order": "DELETE FROM subengine_demo.orders"
+    " WHERE order_key = (SELECT max(order_key) FROM subengine_demo.orders)",
+    "an event applied twice": "UPDATE subengine_demo.orders SET events = events + 1"
+    " WHERE order_key = (SELECT min(order_key) FROM subengine_demo.orders)",
+}
+
+
+def test_the_check_fails_when_the_projection_differs_from_the_events(cli_env, engine, sql):
+    assert run_demo(cli_env).returncode == 0
+    said = []
+    assert _demo.verify(engine, said.append)  # as the demo left it
+    sql.execute("CREATE TABLE projected AS TABLE subengine_demo.orders")
+    for what, tamper in TAMPERS.items():
+        sql.execute(tamper)
+        said.clear()
+        assert not _demo.verify(engine, said.append), what
+        assert any(line.startswith("MISMATCH order-") for line in said), (what, said)
+        assert any(line.startswith("FAILED") for line in said), (what, said)
+        sql.execute("TRUNCATE subengine_demo.orders")
+        sql.execute("INSERT INTO subengine_demo.orders TABLE projected")
+
+
+def test_the_demo_refuses_an_orders_stream_of_another_shape_and_changes_nothing(
+    cli_env, engine, sql
+):
+    engine.create_stream("orders", partitions=4)
+    before = snapshot(sql)
+    result = run_demo(cli_env)
+    assert result.returncode == 1
+    assert "already exists with 4 partitions, not 8" in result.stdout
+    assert snapshot(sql) == before
+    assert sql.execute("SELECT count(*) FROM subengine.subscriptions").fetchone() == (0,)
