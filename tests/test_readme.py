@@ -1,0 +1,118 @@
+"""What the README shows runs: every `subengine` command of its shell blocks, and its
+Python example. (docs/operations.md has its own test, test_docs.py.)"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import README, run_subengine, subengine_command, write_readme_app
+
+TEXT = README.read_text()
+REFERENCE = "## The command line"
+
+
+def shell_commands():
+    """Every distinct `subengine` line of the README's shell blocks, without comments: the
+    command-line reference first (it creates what the other sections use), then the others
+    in the order they appear."""
+    reference, others = [], []
+    for match in re.finditer(r"```sh\n(.*?)```", TEXT, flags=re.DOTALL):
+        section = TEXT.rfind("\n## ", 0, match.start())
+        target = reference if TEXT.startswith(REFERENCE, section + 1) else others
+        for line in match.group(1).splitlines():
+            if line.startswith("subengine "):
+                target.append(line.split("  #")[0].strip())
+    commands = []
+    for command in reference + others:
+        if command not in commands:
+            commands.append(command)
+    return commands
+
+
+def words(command):
+    """A command line split as the shell would (the README quotes with '...' only)."""
+    return [part.strip("'") for part in re.findall(r"'[^']*'|\S+", command)]
+
+
+def wait_until_caught_up(sql, timeout=60):
+    """Until a worker is registered and no subscription that can move is behind."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        registered, behind = sql.execute(
+            "SELECT (SELECT count(*) FROM subengine.workers_status WHERE connected),"
+            " (SELECT coalesce(sum(lag), 0) FROM subengine.subscription_status"
+            "   WHERE state <> 'paused')"
+        ).fetchone()
+        if registered and not behind:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the worker did not register and catch up")
+
+
+@pytest.mark.slow
+def test_every_command_of_the_readme_runs(cli_env, sql, tmp_path):
+    commands = shell_commands()
+    assert len(commands) >= 20
+    assert commands[0] == "subengine migrate"
+    write_readme_app(tmp_path)
+    sql.execute("CREATE TABLE invoices (order_id text, total int)")
+    (tmp_path / "events.jsonl").write_text(
+        '{"key": "order-2", "type": "OrderPlaced", "data": {"total": 12}}\n'
+        '{"key": "order-2", "type": "OrderPaid", "data": {"amount": 12}}\n'
+    )
+    for command in commands:
+        argv = words(command)
+        if argv[1] == "worker" or "--watch" in argv:
+            process = subprocess.Popen(
+                [subengine_command(), *argv[1:]],
+                env=cli_env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            if argv[1] == "worker":
+                wait_until_caught_up(sql)
+            else:
+                time.sleep(1.5)
+            process.send_signal(signal.SIGTERM if argv[1] == "worker" else signal.SIGINT)
+            _, err = process.communicate(timeout=60)
+            assert process.returncode == 0, (command, err)
+            continue
+        result = run_subengine(cli_env, *argv[1:], cwd=tmp_path)
+        assert result.returncode == 0, (command, result.stderr)
+    # the workers handled both OrderPlaced events (once each, though three workers ran)
+    assert sorted(sql.execute("SELECT order_id, total FROM invoices").fetchall()) == [
+        ("order-1", 30),
+        ("order-2", 12),
+    ]
+    assert sql.execute(
+        "SELECT paused FROM subengine.subscriptions WHERE name = 'billing'"
+    ).fetchone() == (True,)
+
+
+def test_the_readme_python_example_runs(cli_env, sql, tmp_path):
+    [example] = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", TEXT, flags=re.DOTALL)
+        if "engine = subengine.Engine()" in block
+    ]
+    sql.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int)")
+    sql.execute("INSERT INTO accounts VALUES (1, 100)")
+    result = subprocess.run(
+        [sys.executable, "-c", example],
+        env=cli_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout.splitlines()
+    assert [line.split()[3] for line in printed] == ["OrderPlaced", "OrderPaid"]
+    assert sql.execute("SELECT balance FROM accounts").fetchone() == (70,)
