@@ -109,8 +109,8 @@ class WorkerMetrics:
         )
         self._failures = Counter(
             "subengine_batch_failures",
-            "Batches that failed (a handler raised); each is retried until the error "
-            "policy applies.",
+            "Batches that failed (a handler raised): a batch of several events, whose "
+            "events are then handled one by one, and every attempt of the failing event.",
             per_subscription,
             registry=self.registry,
         )

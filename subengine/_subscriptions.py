@@ -156,6 +156,17 @@ def positions(conn: psycopg.Connection[Any], schema: str, name: str) -> list[Sub
     return [SubscriptionPosition(*row) for row in rows]
 
 
+class HandlerFailed(Exception):
+    """A handler raised: nothing of the batch committed. `events` is how many the batch
+    held and `last_position` the last of them; the handler's exception is `error`."""
+
+    def __init__(self, error: Exception, events: int, last_position: int) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.events = events
+        self.last_position = last_position
+
+
 def process_batch(
     conn: psycopg.Connection[Any], schema: str, subscription: Subscription, partition: int
 ) -> BatchOutcome | None:
@@ -168,17 +179,42 @@ def process_batch(
     back and propagates; `Fenced` means the position moved under us (nothing of this
     batch was committed).
     """
+    try:
+        return handle_batch(conn, schema, subscription, partition)
+    except HandlerFailed as failed:
+        raise failed.error from None
+
+
+def handle_batch(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    subscription: Subscription,
+    partition: int,
+    size: int | None = None,
+) -> BatchOutcome | None:
+    """`process_batch` for the worker: at most `size` events (default: the subscription's
+    batch size), and a handler's exception arrives wrapped in `HandlerFailed`."""
     transactional = subscription.ack == "transactional"
     with conn.transaction():
-        batch = _next_batch(conn, schema, subscription, partition)
+        batch = _next_batch(conn, schema, subscription, partition, size)
         if batch is None:
             return None
         if transactional:
-            subscription.handle(batch.events, conn)
+            _handle(subscription, batch, conn)
             return _commit_position(conn, schema, subscription, batch)
-    subscription.handle(batch.events, None)
+    _handle(subscription, batch, None)
     with conn.transaction():
         return _commit_position(conn, schema, subscription, batch)
+
+
+def _handle(
+    subscription: Subscription, batch: _Batch, conn: psycopg.Connection[Any] | None
+) -> None:
+    try:
+        subscription.handle(batch.events, conn)
+    except Exception as error:
+        last = batch.events[-1].position if batch.events else batch.old
+        raise HandlerFailed(error, len(batch.events), last) from error
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +231,7 @@ def _next_batch(
     schema: str,
     subscription: Subscription,
     partition: int,
+    size: int | None,
 ) -> _Batch | None:
     """Lock the position row and read the events after it; None if the partition stopped."""
     locked = conn.execute(
@@ -207,8 +244,8 @@ def _next_batch(
     old, generation, stopped, attempts = locked
     if stopped:
         return None
-    # a failed batch is retried one event at a time, to find the failing one
-    size = 1 if attempts > 0 else subscription.batch_size
+    # after a failure, the failing event is retried on its own
+    size = 1 if attempts > 0 else size or subscription.batch_size
     events = read_after(conn, schema, subscription.stream, partition, old, size + 1)
     next_time = events[size].occurred_at if len(events) > size else None
     return _Batch(partition, old, generation, events[:size], next_time)
@@ -259,7 +296,9 @@ def record_failure(
     error: BaseException,
     settings: Settings,
 ) -> Failure:
-    """Count a failed batch and apply the error policy at the last attempt."""
+    """Count a failed attempt of the event after the position and apply the error policy
+    at the last one. Call it for a batch of that one event only (a failed batch of several
+    is first handled one event at a time, to find the failing one)."""
     text = error_text(error)
     with conn.transaction():
         attempts_row = conn.execute(
@@ -275,11 +314,7 @@ def record_failure(
         if attempts_row is None:
             return Failure(0, "retry")
         attempts, position = int(attempts_row[0]), int(attempts_row[1])
-        # The policy acts on one event: a failed batch is retried one event at a time, so
-        # the failing batch held one event if an earlier attempt failed too (or if batches
-        # hold one event). Until then the failure only counts.
-        isolated = attempts >= 2 or subscription.batch_size == 1
-        if attempts < subscription.max_attempts or not isolated:
+        if attempts < subscription.max_attempts:
             return Failure(attempts, "retry")
         if subscription.on_error == "stop":
             conn.execute(

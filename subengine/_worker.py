@@ -35,8 +35,9 @@ from subengine._settings import Settings
 from subengine._subscriptions import (
     BatchOutcome,
     Failure,
+    HandlerFailed,
     ensure_subscription,
-    process_batch,
+    handle_batch,
     record_failure,
 )
 
@@ -285,27 +286,63 @@ class Worker:
         partition: int,
         stop: threading.Event,
     ) -> None:
-        """Handle batches of one partition while it has work and the worker runs."""
+        """Handle batches of one partition while it has work and the worker runs.
+
+        When a batch of several events fails, its events are handled again at once, one
+        per batch: those before the failing one commit, and the failing one meets the
+        retry delay and the error policy alone.
+        """
         where = self._fields(subscription=subscription.name, partition=partition)
+        one_by_one_through = 0  # the last position of a failed batch of several events
         while not stop.is_set():
             started = time.monotonic()
+            size = 1 if one_by_one_through else None
             try:
-                outcome = process_batch(conn, self.schema, subscription, partition)
+                outcome = handle_batch(conn, self.schema, subscription, partition, size)
             except Fenced as fenced:
                 log.info("%s", fenced, extra=where)
                 return
-            except Exception as error:  # a handler failed: never kill the worker for it
+            except Exception as raised:  # a handler failed: never kill the worker for it
                 if conn.broken or conn.closed:
-                    raise psycopg.OperationalError("the worker's connection broke") from error
+                    raise psycopg.OperationalError("the worker's connection broke") from raised
+                failed = raised if isinstance(raised, HandlerFailed) else None
+                if failed is not None and failed.events > 1:
+                    one_by_one_through = failed.last_position
+                    self._batch_split(subscription, partition, failed)
+                    continue
+                error = raised if failed is None else failed.error
                 failure = record_failure(
                     conn, self.schema, subscription, partition, error, self.settings
                 )
                 self._batch_failed(subscription, partition, failure, error)
                 return
+            if outcome is not None and outcome.position >= one_by_one_through:
+                one_by_one_through = 0
             if outcome is not None and outcome.handled > 0:
                 self._batch_committed(subscription, outcome, time.monotonic() - started)
             if outcome is None or outcome.handled == 0 or outcome.next_time is None:
                 return
+
+    def _batch_split(
+        self, subscription: Subscription, partition: int, failed: HandlerFailed
+    ) -> None:
+        self.metrics.batch_failed(subscription.name, False)
+        log.warning(
+            "subscription %s partition %s: a batch of %s events failed (%s: %s); handling "
+            "them one at a time to find the failing one",
+            subscription.name,
+            partition,
+            failed.events,
+            type(failed.error).__name__,
+            failed.error,
+            extra=self._fields(
+                subscription=subscription.name,
+                partition=partition,
+                events=failed.events,
+                to_position=failed.last_position,
+                error=f"{type(failed.error).__name__}: {failed.error}",
+            ),
+        )
 
     def _batch_committed(
         self, subscription: Subscription, outcome: BatchOutcome, seconds: float

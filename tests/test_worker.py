@@ -174,6 +174,37 @@ def test_a_single_attempt_dead_letters_the_failing_event_not_the_batch_head(fast
     assert [p for (p,) in handled] == [p for p in range(1, 11) if p != poison.position]
 
 
+def test_a_failing_event_deep_in_a_batch_waits_for_no_retry_delay_of_the_events_before_it(dsn, sql):
+    # With retries an hour apart, reaching the poison (40th of a batch of 50) and sending
+    # it to the dead letters in time means the 39 events before it were handled at once,
+    # one by one, and the failure was counted against the poison alone.
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    settings = subengine.Settings(
+        dsn=dsn, poll_interval=0.2, retry_delay=3600, retry_delay_max=3600
+    )
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("single", partitions=1)
+        stored = engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(50)])
+        poison = stored[39]
+        app = subengine.App()
+        sub = app.subscription(
+            "billing", stream="single", batch_size=50, max_attempts=1, on_error="dead_letter"
+        )
+
+        @sub.handler()
+        def handle(event, conn):
+            if event.id == poison.id:
+                raise ValueError("poison")
+            record(event, conn)
+
+        with Running(app, engine):
+            wait_for(lambda: count(sql) == 49 and count(sql, "subengine.dead_letters") == 1)
+        [position] = engine.subscription_positions("billing")
+    dead = sql.execute("SELECT event_id, position, attempts FROM subengine.dead_letters").fetchall()
+    assert dead == [(poison.id, poison.position, 1)]
+    assert (position.position, position.attempts, position.stopped) == (50, 0, False)
+
+
 def test_the_partition_with_the_oldest_next_event_goes_first(fast_engine):
     # Invariant 7: keys in two partitions; the later-appended partition holds older events.
     new_key = next(f"n{i}" for i in range(100) if subengine.partition_for(f"n{i}", 4) == 0)
