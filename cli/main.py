@@ -354,7 +354,14 @@ class StartPoint(click.ParamType):
     "--metrics-port",
     type=click.IntRange(1, 65535),
     metavar="PORT",
-    help="Serve Prometheus metrics over HTTP on this port (all interfaces).",
+    help="Serve Prometheus metrics over HTTP on this port.",
+)
+@click.option(
+    "--metrics-address",
+    default="0.0.0.0",
+    show_default=True,
+    metavar="ADDRESS",
+    help="The address the metrics are served on (127.0.0.1: this host only).",
 )
 @pass_context
 @handles_errors
@@ -366,6 +373,7 @@ def worker(
     log_level: str,
     log_format: LogFormat,
     metrics_port: int | None,
+    metrics_address: str,
 ) -> None:
     """Consume subscriptions of an app until SIGTERM/SIGINT (a second one exits at once)."""
     configure_logging(log_level, log_format)
@@ -378,6 +386,7 @@ def worker(
             concurrency=concurrency,
             stop=stop,
             metrics_port=metrics_port,
+            metrics_address=metrics_address,
         )
     )
 

@@ -200,12 +200,14 @@ class App:
         stop: threading.Event | None = None,
         listen: bool = True,
         metrics_port: int | None = None,
+        metrics_address: str = "0.0.0.0",
     ) -> None:
         """Run a worker for some (default: all) of the app's subscriptions until `stop`.
 
         Blocks; run it in a thread to embed it. The current batches finish and every lock
         is released before it returns. With `metrics_port`, the worker serves Prometheus
-        metrics over HTTP on that port while it runs.
+        metrics over HTTP on that port of `metrics_address` (every interface by default)
+        while it runs.
         """
         from subengine._worker import Worker
 
@@ -223,6 +225,7 @@ class App:
             concurrency=concurrency,
             listen=listen,
             metrics_port=metrics_port,
+            metrics_address=metrics_address,
         )
         worker.run(stop or threading.Event())
 

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from subengine._errors import ConfigurationError
 from subengine._queries import query
 
+ALL_INTERFACES = "0.0.0.0"
 _BATCH_SIZE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000)
 _BATCH_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -193,7 +194,7 @@ class WorkerMetrics:
     def serving(self) -> bool:
         return self._server is not None
 
-    def serve(self, port: int, address: str = "0.0.0.0") -> None:
+    def serve(self, port: int, address: str = ALL_INTERFACES) -> None:
         """Serve the metrics over HTTP at /metrics (any path, in fact) until `close`."""
         from prometheus_client import start_http_server
 
@@ -201,8 +202,8 @@ class WorkerMetrics:
             self._server, _thread = start_http_server(port, address, registry=self.registry)
         except OSError as error:
             raise ConfigurationError(
-                f"cannot serve metrics on port {port}: {error.strerror or error}; "
-                "choose another --metrics-port"
+                f"cannot serve metrics on port {port} of address {address!r}: "
+                f"{error.strerror or error}; choose another --metrics-port or --metrics-address"
             ) from None
 
     @property

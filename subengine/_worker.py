@@ -96,6 +96,7 @@ class Worker:
         concurrency: int = 1,
         listen: bool = True,
         metrics_port: int | None = None,
+        metrics_address: str = _metrics.ALL_INTERFACES,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -110,6 +111,7 @@ class Worker:
         self.wakeup = _Wakeup()
         self.metrics = _metrics.WorkerMetrics(list(self.subscriptions))
         self.metrics_port = metrics_port
+        self.metrics_address = metrics_address
         # every connection of the worker carries it: the status views find the worker's
         # connections, and the holder of each partition lock, by it
         self.application_name = f"subengine worker {self.id}"
@@ -135,7 +137,7 @@ class Worker:
             )
         if self.metrics_port is not None:
             try:
-                self.metrics.serve(self.metrics_port)
+                self.metrics.serve(self.metrics_port, self.metrics_address)
             except Exception:
                 self._unregister()
                 raise

@@ -246,6 +246,17 @@ def test_a_metrics_port_in_use_is_a_clear_error_and_leaves_no_worker_registered(
     assert count(sql, "subengine.workers") == 0
 
 
+def test_metrics_are_served_on_the_address_asked_for(metered_engine, sql):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(record)
+    port = free_port()
+    with Running(app, metered_engine, metrics_port=port, metrics_address="127.0.0.1"):
+        wait_for(lambda: scrape(port), what="the endpoint on 127.0.0.1")
+    with pytest.raises(subengine.ConfigurationError, match=r"address 'no-such-host\.invalid'"):
+        app.run_worker(metered_engine, metrics_port=port, metrics_address="no-such-host.invalid")
+    assert count(sql, "subengine.workers") == 0
+
+
 # the lag query's cost
 
 
