@@ -46,15 +46,10 @@ WORKER_APP = "subengine.cli.demo_app:app"
 
 Say = Callable[[str], None]
 Row = dict[str, Any]
-COLUMNS: _status.Columns = (  # narrow enough for an 80-column terminal
-    ("partition", "partition"),
-    ("position", "position"),
-    ("head", "head"),
-    ("lag", "lag"),
-    ("lag_seconds", "lag s"),
-    ("state", "state"),
-    ("worker_pid", "worker pid"),
-    ("last_error", "last error"),
+COLUMNS: _status.Columns = tuple(  # one subscription's: narrow enough for 80 columns
+    column
+    for column in _status.PARTITION_COLUMNS
+    if column[0] not in ("subscription", "attempts", "worker_host")
 )
 
 CATALOGUE = (

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,31 @@ def run_subengine(
         text=True,
         timeout=timeout,
     )
+
+
+def run_subengine_until(
+    env: dict[str, str],
+    *args: str,
+    ready: Callable[[], object],
+    signum: int,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Start the `subengine` command, call `ready()` (it waits for whatever the command
+    should have done), then send it `signum` and collect what it printed."""
+    process = subprocess.Popen(
+        [subengine_command(), *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready()
+    finally:
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 APPS = Path(__file__).parent / "apps"

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run_subengine, subengine_command, write_readme_app
+from conftest import run_subengine, run_subengine_until, write_readme_app
 
 import subengine
 from subengine import NewEvent
@@ -74,20 +73,15 @@ def test_every_command_of_the_operations_page_runs(operated, cli_env, sql):
     assert len(commands) >= 14
     for command in commands:
         if "--watch" in command:
-            watcher = subprocess.Popen(
-                [subengine_command(), *command[1:]],
-                env=cli_env,
+            result = run_subengine_until(
+                cli_env,
+                *command[1:],
+                ready=lambda: time.sleep(1.5),
+                signum=signal.SIGINT,
                 cwd=operated,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
             )
-            time.sleep(1.5)
-            watcher.send_signal(signal.SIGINT)
-            _, err = watcher.communicate(timeout=30)
-            assert watcher.returncode == 0, (command, err)
-            continue
-        result = run_subengine(cli_env, *command[1:], cwd=operated)
+        else:
+            result = run_subengine(cli_env, *command[1:], cwd=operated)
         assert result.returncode == 0, (command, result.stderr)
     # what the commands did: paused and resumed, reset to the end, one letter retried
     # (the README handler wrote its invoice) and one discarded

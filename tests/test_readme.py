@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import README, run_subengine, subengine_command, write_readme_app
+from conftest import README, run_subengine, run_subengine_until, write_readme_app
 
 TEXT = README.read_text()
 REFERENCE = "## The command line"
@@ -67,24 +67,24 @@ def test_every_command_of_the_readme_runs(cli_env, sql, tmp_path):
     )
     for command in commands:
         argv = words(command)
-        if argv[1] == "worker" or "--watch" in argv:
-            process = subprocess.Popen(
-                [subengine_command(), *argv[1:]],
-                env=cli_env,
+        if argv[1] == "worker":
+            result = run_subengine_until(
+                cli_env,
+                *argv[1:],
+                ready=lambda: wait_until_caught_up(sql),
+                signum=signal.SIGTERM,
                 cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
             )
-            if argv[1] == "worker":
-                wait_until_caught_up(sql)
-            else:
-                time.sleep(1.5)
-            process.send_signal(signal.SIGTERM if argv[1] == "worker" else signal.SIGINT)
-            _, err = process.communicate(timeout=60)
-            assert process.returncode == 0, (command, err)
-            continue
-        result = run_subengine(cli_env, *argv[1:], cwd=tmp_path)
+        elif "--watch" in argv:
+            result = run_subengine_until(
+                cli_env,
+                *argv[1:],
+                ready=lambda: time.sleep(1.5),
+                signum=signal.SIGINT,
+                cwd=tmp_path,
+            )
+        else:
+            result = run_subengine(cli_env, *argv[1:], cwd=tmp_path)
         assert result.returncode == 0, (command, result.stderr)
     # the workers handled both OrderPlaced events (once each, though three workers ran)
     assert sorted(sql.execute("SELECT order_id, total FROM invoices").fetchall()) == [
