@@ -67,6 +67,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import psycopg
+from _scratch import reset_scratch_schema
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
@@ -326,22 +327,9 @@ def rotated(items: Sequence[T], by: int) -> list[T]:
 
 def reset_schema(engine: subengine.Engine, partitions: int) -> None:
     """Drop the scratch schema (only one this script made) and build it again."""
+    reset_scratch_schema(engine, SCHEMA_MARKER, "bench/append.py")
     schema = sql.Identifier(engine.schema)
     with psycopg.connect(engine.dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT coalesce(obj_description(oid, 'pg_namespace'), '')"
-            " FROM pg_namespace WHERE nspname = %s",
-            (engine.schema,),
-        ).fetchone()
-        if row is not None and row[0] != SCHEMA_MARKER:
-            raise SystemExit(
-                f"bench/append.py: schema {engine.schema!r} exists and was not made by this "
-                "benchmark; refusing to drop it. Pick another one with --schema."
-            )
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(schema))
-    engine.migrate()
-    with psycopg.connect(engine.dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("COMMENT ON SCHEMA {} IS {}").format(schema, SCHEMA_MARKER))
         for table in (PLAIN_TABLE, COPY_TABLE):
             conn.execute(
                 sql.SQL("CREATE TABLE {}.{} (LIKE {}.events INCLUDING ALL)").format(
