@@ -127,7 +127,8 @@ class Producer(threading.Thread):
             self._orders[key] = _Order("placed", 0, total)
             self._open.append(key)
             customer = f"customer-{rng.randrange(500):03d}"
-            return key, "OrderPlaced", {"customer": customer, "items": lines, "currency": "EUR"}
+            data = {"customer": customer, "items": lines, "currency": "EUR", "total": total / 100}
+            return key, "OrderPlaced", data
         key = rng.choice(self._open)
         order = self._orders[key]
         roll = rng.random()
