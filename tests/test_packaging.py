@@ -34,6 +34,7 @@ def test_wheel_maps_cli_and_migrations_under_the_package(wheel):
     for expected in (
         "subengine/__init__.py",
         "subengine/sql/queries.sql",
+        "subengine/spark/__init__.py",
         "subengine/cli/main.py",
         "subengine/migrations/env.py",
         "subengine/migrations/versions/0001_streams.py",

@@ -277,3 +277,51 @@ UPDATE {schema}.dead_letters
    SET retries = retries + 1, error = %(error)s
  WHERE subscription = %(name)s AND partition = %(partition)s AND position = %(position)s
    AND resolution IS NULL
+
+-- name: spark_partitions
+-- Head and floor of every partition of a stream, with its partition count: the Spark
+-- source plans reads and offsets from them (heads are gap-free, DESIGN.md invariant 1).
+SELECT s.partitions, p.partition, p.head, p.floor
+  FROM {schema}.streams s
+  LEFT JOIN {schema}.partitions p ON p.stream = s.name
+ WHERE s.name = %(stream)s
+ ORDER BY p.partition
+
+-- name: spark_read_plan
+-- For the rest of a range read's transaction: walk the primary key, which yields positions
+-- in order, rather than sort a bitmap scan's rows (measured: about twice as fast), and
+-- leave the cores to Spark's own parallel tasks.
+SELECT set_config('enable_sort', 'off', true),
+       set_config('max_parallel_workers_per_gather', '0', true)
+
+-- name: spark_read_range
+-- The events of one partition in positions (after, upto], in position order, as CSV for
+-- Arrow's parser. stream and partition are constant and added by the reader; times go as
+-- microseconds since the epoch, which need no parsing of zones.
+COPY (
+    SELECT e.position, e.id, e.key, e.key_version, e.type, e.data, e.metadata,
+           (extract(epoch FROM e.occurred_at) * 1000000)::bigint,
+           (extract(epoch FROM e.recorded_at) * 1000000)::bigint
+      FROM {schema}.events e
+     WHERE e.stream = %(stream)s AND e.partition = %(partition)s
+       AND e.position > %(after)s AND e.position <= %(upto)s
+       AND e.recorded_at >= %(since)s AND e.recorded_at < %(until)s
+     ORDER BY e.position
+) TO STDOUT (FORMAT csv)
+
+-- name: spark_subscription
+-- The stream a subscription reads and its position in every partition.
+SELECT s.stream, sp.partition, sp.position
+  FROM {schema}.subscriptions s
+  LEFT JOIN {schema}.subscription_positions sp ON sp.subscription = s.name
+ WHERE s.name = %(name)s
+ ORDER BY sp.partition
+
+-- name: spark_advance_subscription
+-- Move a subscription forward to the end of a committed Spark micro-batch, so that lag and
+-- retention see Spark's progress. Never moves a position back; the generation is kept.
+UPDATE {schema}.subscription_positions sp
+   SET position = x.position, next_time = NULL, attempts = 0, last_error = NULL,
+       retry_at = NULL, updated_at = now()
+  FROM unnest(%(partitions)s::integer[], %(positions)s::bigint[]) AS x(partition, position)
+ WHERE sp.subscription = %(name)s AND sp.partition = x.partition AND sp.position < x.position

@@ -1,0 +1,446 @@
+"""The PySpark Python Data Source `subengine`: batch and streaming reads, and writes.
+
+Where each part runs: `DataSource.schema`, the readers' planning methods (offsets,
+`partitions`, `commit`) and the writers' `commit`/`abort` run on the driver; `read` and
+`write` run in tasks on the executors. Both find the DSN in the environment variable the
+`dsnEnv` option names; the driver checks it is set before any job starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark import TaskContext
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamReader,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.pandas.types import from_arrow_schema
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    DataType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+from subengine._errors import ConfigurationError, InvalidInput
+from subengine._settings import Settings
+from subengine.spark import _offsets, _options, _store
+from subengine.spark._offsets import Positions
+from subengine.spark._rows import OPTIONAL_COLUMNS, REQUIRED_COLUMNS, TaskAppender
+
+log = logging.getLogger("subengine.spark")
+
+ON_DRIVER = "on the Spark driver"
+ON_EXECUTOR = "on this Spark executor"
+
+EVENT_SCHEMA = from_arrow_schema(_store.ARROW_SCHEMA)
+
+
+@dataclass(frozen=True)
+class EventRange(InputPartition):
+    """Positions (after, upto] of one partition of the stream: one Spark task's read."""
+
+    partition: int
+    after: int
+    upto: int
+
+
+def _ranges(positions: Sequence[tuple[int, int, int]], rows_per_split: int) -> list[InputPartition]:
+    """(partition, after, upto) ranges cut into tasks of at most `rows_per_split` events,
+    in partition and position order."""
+    ranges: list[InputPartition] = []
+    for partition, after, upto in positions:
+        for low in range(after, upto, rows_per_split):
+            ranges.append(EventRange(partition, low, min(low + rows_per_split, upto)))
+    return ranges
+
+
+def _event_range(partition: InputPartition) -> EventRange:
+    if not isinstance(partition, EventRange):
+        raise TypeError(f"the subengine source reads EventRange partitions, not {partition!r}")
+    return partition
+
+
+def _check_read_schema(schema: StructType) -> None:
+    if [f.name for f in schema.fields] != EVENT_SCHEMA.fieldNames() or any(
+        type(f.dataType) is not type(e.dataType)
+        for f, e in zip(schema.fields, EVENT_SCHEMA.fields, strict=True)
+    ):
+        raise InvalidInput(
+            "the subengine data source reads events with its own schema; leave out .schema(...) "
+            f"(its columns are {', '.join(EVENT_SCHEMA.fieldNames())})"
+        )
+
+
+class SubengineDataSource(DataSource):
+    """Events of a subengine stream as a Spark DataFrame, and DataFrames as events.
+
+    Register it with `subengine.spark.register(spark)`; docs/spark.md lists its options.
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return "subengine"
+
+    def schema(self) -> StructType:
+        # Called by load(), on the driver: check everything a read needs before any job.
+        options = _options.read_options(self.options, "read")
+        _check_source(options)
+        return EVENT_SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        _check_read_schema(schema)
+        options = _options.read_options(self.options, "batch read")
+        return BatchReader(options)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        _check_read_schema(schema)
+        options = _options.read_options(self.options, "stream read")
+        return StreamReader(options)
+
+    def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:
+        options = _prepare_write(self.options, schema, overwrite)
+        identity = f"write:{options.write_id or uuid.uuid4()}"
+        return BatchWriter(options.target, identity, "expected_version" in schema.fieldNames())
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> StreamWriter:
+        options = _prepare_write(self.options, schema, overwrite)
+        if options.write_id is not None:
+            raise InvalidInput(
+                "option writeId is for batch writes; a streaming write derives its event ids "
+                "from the query's id and the micro-batch id"
+            )
+        return StreamWriter(options.target, "expected_version" in schema.fieldNames())
+
+
+def _check_source(options: _options.ReadOptions) -> None:
+    """Connect from the driver and check the stream, the partitions, the starting
+    positions and the subscription exist and fit."""
+    target = options.target
+    with _store.connect(target.dsn(ON_DRIVER)) as conn:
+        bounds = _store.partition_bounds(conn, target.schema, target.stream)
+        chosen = _store.chosen(bounds, target.stream, options.partitions)
+        _starting_positions(conn, options, bounds, chosen)
+        if options.subscription is not None:
+            _store.subscription_positions(conn, target.schema, options.subscription, target.stream)
+
+
+def _starting_positions(
+    conn: Any,
+    options: _options.ReadOptions,
+    bounds: dict[int, _store.PartitionBounds],
+    chosen: tuple[int, ...],
+) -> Positions:
+    """The positions a new streaming query starts after."""
+    target = options.target
+    starting = _options.parse_starting_positions(options.starting_positions)
+    if starting == "earliest":
+        return {p: bounds[p].floor - 1 for p in chosen}
+    if starting == "latest":
+        return {p: bounds[p].head for p in chosen}
+    if isinstance(starting, str):
+        name = starting.removeprefix(_options.SUBSCRIPTION_PREFIX)
+        positions = _store.subscription_positions(conn, target.schema, name, target.stream)
+        return {p: positions.get(p, 0) for p in chosen}
+    for partition, position in starting.items():
+        if partition not in chosen:
+            raise InvalidInput(
+                f"startingPositions names partition {partition}, which this query does not "
+                f"read (partitions {list(chosen)})"
+            )
+        if position > bounds[partition].head:
+            raise InvalidInput(
+                f"startingPositions gives partition {partition} the position {position}, past "
+                f"its head {bounds[partition].head}"
+            )
+    return {p: starting.get(p, 0) for p in chosen}
+
+
+class BatchReader(DataSourceReader):
+    """Every stored event of the chosen partitions, up to the heads when the query is
+    planned; one Spark partition per stream partition, split every `rowsPerSplit` events."""
+
+    def __init__(self, options: _options.ReadOptions) -> None:
+        self.options = options
+
+    def partitions(self) -> list[InputPartition]:
+        target = self.options.target
+        with _store.connect(target.dsn(ON_DRIVER)) as conn:
+            bounds = _store.partition_bounds(conn, target.schema, target.stream)
+        chosen = _store.chosen(bounds, target.stream, self.options.partitions)
+        ranges = [(p, bounds[p].floor - 1, bounds[p].head) for p in chosen]
+        return _ranges(ranges, self.options.rows_per_split) or [EventRange(chosen[0], 0, 0)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        partition = _event_range(partition)
+        target = self.options.target
+        return _store.read_range(
+            target.dsn(ON_EXECUTOR),
+            target.schema,
+            target.stream,
+            partition.partition,
+            partition.after,
+            partition.upto,
+            self.options.since,
+            self.options.until,
+        )
+
+
+class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """New events of the chosen partitions, micro-batch by micro-batch.
+
+    An offset holds the last position read of every partition; a micro-batch reads the
+    positions between two offsets, which are the same events however often it runs.
+    """
+
+    def __init__(self, options: _options.ReadOptions) -> None:
+        if options.since is not None or options.until is not None:
+            raise InvalidInput("options since and until are for batch reads, not streaming ones")
+        self.options = options
+        self.target = options.target
+        # Set by prepareForTriggerAvailableNow: the heads the query must stop at.
+        self.available_now: Positions | None = None
+
+    def _bounds(self) -> tuple[dict[int, _store.PartitionBounds], tuple[int, ...]]:
+        with _store.connect(self.target.dsn(ON_DRIVER)) as conn:
+            bounds = _store.partition_bounds(conn, self.target.schema, self.target.stream)
+        return bounds, _store.chosen(bounds, self.target.stream, self.options.partitions)
+
+    def _heads(self) -> Positions:
+        bounds, chosen = self._bounds()
+        return {p: bounds[p].head for p in chosen}
+
+    def initialOffset(self) -> dict[str, int]:
+        with _store.connect(self.target.dsn(ON_DRIVER)) as conn:
+            bounds = _store.partition_bounds(conn, self.target.schema, self.target.stream)
+            chosen = _store.chosen(bounds, self.target.stream, self.options.partitions)
+            return _offsets.to_offset(_starting_positions(conn, self.options, bounds, chosen))
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        limit = self.options.max_records_per_trigger
+        return ReadAllAvailable() if limit is None else ReadMaxRows(limit)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        bounds, chosen = self._bounds()
+        self.available_now = {p: bounds[p].head for p in chosen}
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        heads = self._heads()
+        begin = _offsets.from_offset(start, tuple(heads))
+        for partition, position in begin.items():
+            if position > heads[partition]:
+                raise InvalidInput(
+                    f"the query has read partition {partition} of stream "
+                    f"{self.target.stream!r} up to position {position}, past its head "
+                    f"{heads[partition]}: is the checkpoint from another database?"
+                )
+        if self.available_now is not None:
+            heads = {p: min(heads[p], self.available_now[p]) for p in heads}
+        if isinstance(limit, ReadMaxRows):
+            return _offsets.to_offset(_offsets.admit(begin, heads, limit.max_rows))
+        if isinstance(limit, ReadAllAvailable):
+            return _offsets.to_offset({p: max(begin[p], heads[p]) for p in begin})
+        raise InvalidInput(f"the subengine source cannot limit a micro-batch by {limit!r}")
+
+    def reportLatestOffset(self) -> dict[str, int]:
+        return _offsets.to_offset(self._heads())
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
+        bounds, chosen = self._bounds()
+        begin = _offsets.from_offset(start, chosen)
+        finish = _offsets.from_offset(end, chosen)
+        for p in chosen:
+            _store.check_stored(self.target.stream, bounds[p], begin[p], finish[p])
+        ranges = [(p, begin[p], finish[p]) for p in chosen if finish[p] > begin[p]]
+        return _ranges(ranges, self.options.rows_per_split)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        partition = _event_range(partition)
+        return _store.read_range(
+            self.target.dsn(ON_EXECUTOR),
+            self.target.schema,
+            self.target.stream,
+            partition.partition,
+            partition.after,
+            partition.upto,
+        )
+
+    def commit(self, end: dict[str, Any]) -> None:
+        # Spark's checkpoint is the source of truth; the subscription only mirrors it.
+        if self.options.subscription is None:
+            return
+        positions = _offsets.from_offset(end, tuple(sorted(int(p) for p in end)))
+        _store.advance_subscription(
+            self.target.dsn(ON_DRIVER), self.target.schema, self.options.subscription, positions
+        )
+
+
+# writing
+
+_JSON_TYPES = (StringType, StructType, MapType)
+_COLUMN_TYPES: dict[str, tuple[type[DataType], ...]] = {
+    "key": (StringType,),
+    "type": (StringType,),
+    "data": _JSON_TYPES,
+    "metadata": _JSON_TYPES,
+    "id": (StringType,),
+    "occurred_at": (TimestampType, TimestampNTZType),
+    "expected_version": (IntegerType, LongType),
+}
+
+
+def _prepare_write(options: Any, schema: StructType, overwrite: bool) -> _options.WriteOptions:
+    """Check a write's options and columns, and that its stream exists, on the driver."""
+    if overwrite:
+        raise InvalidInput("a subengine stream is append-only: write with mode('append')")
+    parsed = _options.write_options(options)
+    names = schema.fieldNames()
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
+    if missing:
+        raise InvalidInput(
+            f"the DataFrame to write lacks column(s) {', '.join(missing)}; it needs key, type "
+            f"and data, and may have {', '.join(OPTIONAL_COLUMNS)}"
+        )
+    for field in schema.fields:
+        allowed = _COLUMN_TYPES.get(field.name)
+        if allowed is None:
+            raise InvalidInput(
+                f"the DataFrame to write has column {field.name!r}, which is not an event field: "
+                f"select key, type, data and any of {', '.join(OPTIONAL_COLUMNS)}"
+            )
+        if not isinstance(field.dataType, allowed):
+            raise InvalidInput(
+                f"column {field.name!r} is of type {field.dataType.simpleString()}; it must be "
+                + " or ".join(t.typeName() for t in allowed)
+            )
+        if isinstance(field.dataType, TimestampNTZType):
+            raise InvalidInput(
+                "column 'occurred_at' is a timestamp without a time zone; convert it to a "
+                "timestamp (with the session's zone) so that the instant is unambiguous"
+            )
+    target = parsed.target
+    with _store.connect(target.dsn(ON_DRIVER)) as conn:
+        _store.partition_bounds(conn, target.schema, target.stream)
+    return parsed
+
+
+@dataclass
+class WriteCommit(WriterCommitMessage):
+    """One task's result: its Spark partition, events stored and duplicates skipped."""
+
+    spark_partition: int
+    stored: int
+    duplicates: int
+
+
+def _write_task(
+    target: _options.Target, identity: str, whole_task: bool, batches: Iterator[pa.RecordBatch]
+) -> WriteCommit:
+    context = TaskContext.get()
+    if context is None:
+        raise ConfigurationError("the subengine writer runs only inside a Spark task")
+    partition = context.partitionId()
+    settings = Settings.from_env(schema=target.schema)
+    with _store.connect(target.dsn(ON_EXECUTOR)) as conn:
+        appender = TaskAppender(conn, settings, target.stream, identity, partition)
+        counts = appender.write(batches, whole_task=whole_task)
+    return WriteCommit(partition, counts.stored, counts.duplicates)
+
+
+def _totals(messages: Sequence[WriterCommitMessage | None]) -> tuple[int, int]:
+    commits = [m for m in messages if isinstance(m, WriteCommit)]
+    return sum(m.stored for m in commits), sum(m.duplicates for m in commits)
+
+
+class BatchWriter(DataSourceArrowWriter):
+    """Appends a DataFrame's rows; each task appends its rows in one transaction."""
+
+    def __init__(self, target: _options.Target, identity: str, whole_task: bool) -> None:
+        self.target = target
+        self.identity = identity
+        self.whole_task = whole_task
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
+        return _write_task(self.target, self.identity, self.whole_task, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        stored, duplicates = _totals(messages)
+        log.info(
+            "appended %d events to stream %s (%d stored by an earlier run)",
+            stored,
+            self.target.stream,
+            duplicates,
+            extra={"stream": self.target.stream, "stored": stored, "duplicates": duplicates},
+        )
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        stored, _ = _totals(messages)
+        log.warning(
+            "a write to stream %s failed; %d events of its finished tasks are stored and "
+            "stay (run it again with the same writeId to complete it without duplicates)",
+            self.target.stream,
+            stored,
+            extra={"stream": self.target.stream, "stored": stored},
+        )
+
+
+class StreamWriter(DataSourceStreamArrowWriter):
+    """Appends every micro-batch's rows; a replayed micro-batch stores nothing twice."""
+
+    def __init__(self, target: _options.Target, whole_task: bool) -> None:
+        self.target = target
+        self.whole_task = whole_task
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
+        context = TaskContext.get()
+        query_id = context.getLocalProperty("sql.streaming.queryId") if context else None
+        batch_id = context.getLocalProperty("streaming.sql.batchId") if context else None
+        if not query_id or batch_id is None:
+            raise ConfigurationError(
+                "the subengine stream writer found no streaming query id or micro-batch id "
+                "in its task; it runs only in a Structured Streaming micro-batch query"
+            )
+        identity = f"query:{query_id}:batch:{batch_id}"
+        return _write_task(self.target, identity, self.whole_task, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        stored, duplicates = _totals(messages)
+        log.info(
+            "micro-batch %d appended %d events to stream %s (%d stored by an earlier run)",
+            batchId,
+            stored,
+            self.target.stream,
+            duplicates,
+            extra={"stream": self.target.stream, "batch": batchId, "stored": stored},
+        )
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        stored, _ = _totals(messages)
+        log.warning(
+            "micro-batch %d failed; %d events of its finished tasks are stored and stay "
+            "(the replayed micro-batch completes it without duplicates)",
+            batchId,
+            stored,
+            extra={"stream": self.target.stream, "batch": batchId, "stored": stored},
+        )

@@ -1,0 +1,262 @@
+"""The Spark data source's database work: partition heads, ranges of events as Arrow
+batches, a subscription's positions, and appends.
+
+Reads come out of PostgreSQL through `COPY ... TO STDOUT (FORMAT csv)`, the server's
+fastest way out, and are parsed by Arrow's CSV reader in native code; building Python
+objects per row would cost more than everything else together. Every range read runs in
+one REPEATABLE READ transaction that first checks the partition still stores the range,
+so a read either returns exactly the events of its positions or fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+from psycopg import pq
+
+from subengine._append import EARLIEST, LATEST
+from subengine._errors import (
+    InvalidInput,
+    PartitionNotFound,
+    StreamNotFound,
+    SubengineError,
+    SubscriptionMismatch,
+    SubscriptionNotFound,
+)
+from subengine._queries import query
+from subengine.spark._offsets import Positions
+
+log = logging.getLogger("subengine.spark")
+
+TIMESTAMP = pa.timestamp("us", tz="UTC")
+# The columns of every row the source produces, in order (the Spark schema derives from it).
+ARROW_SCHEMA = pa.schema(
+    [
+        pa.field(name, kind, nullable=False)
+        for name, kind in (
+            ("stream", pa.string()),
+            ("partition", pa.int32()),
+            ("position", pa.int64()),
+            ("id", pa.string()),
+            ("key", pa.string()),
+            ("key_version", pa.int64()),
+            ("type", pa.string()),
+            ("data", pa.string()),
+            ("metadata", pa.string()),
+            ("occurred_at", TIMESTAMP),
+            ("recorded_at", TIMESTAMP),
+        )
+    ]
+)
+# What spark_read_range sends: everything but the constant stream and partition, with
+# the times as microseconds since the epoch.
+_COPIED = ARROW_SCHEMA.names[2:]
+_COPIED_TYPES = {name: ARROW_SCHEMA.field(name).type for name in _COPIED}
+_COPIED_TYPES.update(occurred_at=pa.int64(), recorded_at=pa.int64())
+_CSV_READ = pa_csv.ReadOptions(column_names=list(_COPIED), block_size=8 << 20)
+# No value can hold a line break: keys and types are printable, jsonb escapes its own,
+# so the parser may split the input anywhere at a newline and work in parallel.
+_CSV_PARSE = pa_csv.ParseOptions(newlines_in_values=False)
+_CSV_CONVERT = pa_csv.ConvertOptions(
+    column_types=_COPIED_TYPES, strings_can_be_null=False, quoted_strings_can_be_null=False
+)
+# Positions per COPY statement of a range: bounds the memory of one read.
+COPY_POSITIONS = 100_000
+
+
+class RetentionGap(SubengineError, LookupError):
+    """A read asked for positions that retention has removed (DESIGN.md invariant 6)."""
+
+    def __init__(self, stream: str, partition: int, first_wanted: int, floor: int) -> None:
+        super().__init__(
+            f"partition {partition} of stream {stream!r} keeps positions from {floor} on "
+            f"(retention removed the ones before), but this read needs position "
+            f"{first_wanted}: the events in between are gone. Start from a later position "
+            "(startingPositions) or from a new checkpoint"
+        )
+        self.stream = stream
+        self.partition = partition
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionBounds:
+    """A partition's head (last committed position) and floor (first stored one)."""
+
+    partition: int
+    head: int
+    floor: int
+
+
+def connect(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
+    """A new connection; the data source opens one per task or driver call."""
+    return psycopg.connect(dsn, application_name="subengine-spark")
+
+
+def partition_bounds(
+    conn: psycopg.Connection[Any], schema: str, stream: str
+) -> dict[int, PartitionBounds]:
+    """Head and floor of every partition of `stream`; StreamNotFound if there is none."""
+    rows = conn.execute(query(schema, "spark_partitions"), {"stream": stream}).fetchall()
+    if not rows:
+        raise StreamNotFound(stream)
+    return {row[1]: PartitionBounds(row[1], row[2], row[3]) for row in rows if row[1] is not None}
+
+
+def chosen(
+    bounds: dict[int, PartitionBounds], stream: str, wanted: Sequence[int] | None
+) -> tuple[int, ...]:
+    """The partitions a read covers: all, or the `wanted` ones, which must exist."""
+    if wanted is None:
+        return tuple(sorted(bounds))
+    for partition in wanted:
+        if partition not in bounds:
+            raise PartitionNotFound(stream, partition, len(bounds))
+    return tuple(wanted)
+
+
+def check_stored(stream: str, bounds: PartitionBounds, after: int, upto: int) -> None:
+    """Raise unless positions (after, upto] of the partition are all still stored."""
+    if upto > bounds.head:
+        raise InvalidInput(
+            f"positions up to {upto} of partition {bounds.partition} of stream {stream!r} "
+            f"were asked for, but its head is {bounds.head}: is the checkpoint or the "
+            "startingPositions option from another database or stream?"
+        )
+    if upto > after and after + 1 < bounds.floor:
+        raise RetentionGap(stream, bounds.partition, after + 1, bounds.floor)
+
+
+def read_range(
+    dsn: str,
+    schema: str,
+    stream: str,
+    partition: int,
+    after: int,
+    upto: int,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """The events of positions (after, upto] of one partition, in position order, as
+    Arrow batches of ARROW_SCHEMA. The same range always gives the same rows."""
+    with connect(dsn) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        bounds = partition_bounds(conn, schema, stream).get(partition)
+        if bounds is None:
+            raise PartitionNotFound(stream, partition, 0)
+        check_stored(stream, bounds, after, upto)
+        conn.execute(query(schema, "spark_read_plan"))
+        filtered = since is not None or until is not None
+        statement = query(schema, "spark_read_range")
+        for low in range(after, upto, COPY_POSITIONS):
+            high = min(low + COPY_POSITIONS, upto)
+            params = {
+                "stream": stream,
+                "partition": partition,
+                "after": low,
+                "upto": high,
+                "since": since or EARLIEST,
+                "until": until or LATEST,
+            }
+            table = _parse(_copy_out(conn, statement, params))
+            if not filtered and table.num_rows != high - low:
+                # Dense positions under a checked floor: anything else is a broken invariant.
+                raise SubengineError(
+                    f"positions ({low}, {high}] of partition {partition} of stream {stream!r} "
+                    f"hold {table.num_rows} events, not {high - low}: positions must be dense"
+                )
+            yield from _batches(table, stream, partition)
+
+
+def _copy_out(conn: psycopg.Connection[Any], statement: bytes, params: dict[str, Any]) -> bytes:
+    """Everything a `COPY ... TO STDOUT` statement sends, in one buffer.
+
+    PostgreSQL sends a message per row. psycopg's Copy object takes each through a Python
+    generator, which costs about twice what libpq's own call does, and a read's client time
+    is mostly that; so this drives libpq directly. Parameters are bound on the client, as
+    psycopg binds them for COPY (the server takes none there).
+    """
+    text = psycopg.ClientCursor(conn).mogrify(statement, params)
+    pgconn = conn.pgconn
+    pgconn.send_query(text.encode(conn.info.encoding))
+    result = pgconn.get_result()
+    chunks: list[memoryview] = []
+    if result is not None and result.status == pq.ExecStatus.COPY_OUT:
+        receive = pgconn.get_copy_data
+        while True:
+            size, data = receive(0)  # 0: wait for the next row
+            if size < 0:
+                break
+            chunks.append(data)
+        result = pgconn.get_result()
+    error = None
+    while result is not None:  # the COPY's outcome, then the end of the results
+        if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.COPY_OUT):
+            error = error or psycopg.errors.error_from_result(result, conn.info.encoding)
+        result = pgconn.get_result()
+    if error is not None:
+        raise error
+    return b"".join(chunks)
+
+
+def _parse(text: bytes) -> pa.Table:
+    if not text:
+        return pa.table({name: pa.array([], _COPIED_TYPES[name]) for name in _COPIED})
+    return pa_csv.read_csv(
+        pa.py_buffer(text),
+        read_options=_CSV_READ,
+        parse_options=_CSV_PARSE,
+        convert_options=_CSV_CONVERT,
+    )
+
+
+def _batches(table: pa.Table, stream: str, partition: int) -> Iterator[pa.RecordBatch]:
+    rows = table.num_rows
+    if rows == 0:
+        return
+    columns = [
+        pa.repeat(pa.scalar(stream, pa.string()), rows),
+        pa.repeat(pa.scalar(partition, pa.int32()), rows),
+    ]
+    for name in _COPIED:
+        column = table.column(name).combine_chunks()
+        if name in ("occurred_at", "recorded_at"):
+            column = column.view(TIMESTAMP)
+        columns.append(column)
+    yield from pa.Table.from_arrays(columns, schema=ARROW_SCHEMA).to_batches()
+
+
+# subscriptions
+
+
+def subscription_positions(
+    conn: psycopg.Connection[Any], schema: str, name: str, stream: str
+) -> Positions:
+    """The positions of subscription `name`, which must read `stream`."""
+    rows = conn.execute(query(schema, "spark_subscription"), {"name": name}).fetchall()
+    if not rows:
+        raise SubscriptionNotFound(
+            f"no subscription named {name!r}; create it with "
+            f"`subengine subscription create {name} --stream {stream}`"
+        )
+    if rows[0][0] != stream:
+        raise SubscriptionMismatch(
+            f"subscription {name!r} reads stream {rows[0][0]!r}, not {stream!r}"
+        )
+    return {partition: position for _, partition, position in rows if partition is not None}
+
+
+def advance_subscription(dsn: str, schema: str, name: str, positions: Positions) -> None:
+    """Move subscription `name` forward to `positions` (never back)."""
+    with connect(dsn) as conn:
+        conn.execute(
+            query(schema, "spark_advance_subscription"),
+            {"name": name, "partitions": list(positions), "positions": list(positions.values())},
+        )

@@ -1,0 +1,749 @@
+"""The PySpark data source `subengine`: batch and streaming reads, writes, exactly once.
+
+How the tests reach a database: Spark's Python workers inherit the environment of the
+JVM, which is fixed when the SparkSession starts, so the per-test databases of conftest.py
+cannot reach them. These tests instead create one database of their own, once, on the same
+server (`subengine_spark_tests`, dropped and migrated afresh), put its DSN in the variable
+SUBENGINE_SPARK_TEST_DSN before the session starts, and pass that name as the `dsnEnv`
+option. Every test uses streams of its own, with unique names. The one SparkSession,
+local[2] with up to 2 attempts per task, is shared by every test of the session.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+from psycopg.sql import SQL, Identifier
+
+import subengine
+from subengine import NewEvent, _migrate
+
+pyspark = pytest.importorskip(
+    "pyspark", reason="PySpark is not installed: pip install -e '.[spark]'"
+)
+if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+    pytest.skip("Spark needs Java 17 or later: none found", allow_module_level=True)
+
+from pyspark import TaskContext  # noqa: E402
+from pyspark.cloudpickle import register_pickle_by_value  # noqa: E402
+from pyspark.errors import PySparkException  # noqa: E402
+from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
+from pyspark.sql.streaming import StreamingQueryException  # noqa: E402
+
+import subengine.spark  # noqa: E402
+from subengine.spark import _offsets  # noqa: E402
+from subengine.spark._source import StreamWriter, SubengineDataSource  # noqa: E402
+
+ROOT = Path(__file__).parent.parent
+DSN_ENV = "SUBENGINE_SPARK_TEST_DSN"
+DATABASE = "subengine_spark_tests"
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+# The injected-failure data sources below are pickled by value: Spark's Python workers
+# cannot import this test module.
+register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="session")
+def spark_dsn(postgresql_migrated_server):
+    server = postgresql_migrated_server
+    params = dict(
+        host=server.host, port=server.port, user=server.user, password=server.password or ""
+    )
+    maintenance = make_conninfo(**params, dbname="postgres")
+    drop = SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(Identifier(DATABASE))
+    with psycopg.connect(maintenance, autocommit=True) as conn:
+        conn.execute(drop)
+        conn.execute(SQL("CREATE DATABASE {}").format(Identifier(DATABASE)))
+    dsn = make_conninfo(**params, dbname=DATABASE)
+    _migrate.upgrade(dsn, "subengine")
+    yield dsn
+    with psycopg.connect(maintenance, autocommit=True) as conn:
+        conn.execute(drop)
+
+
+@pytest.fixture(scope="session")
+def spark(spark_dsn):
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ[DSN_ENV] = spark_dsn
+    session = (
+        SparkSession.builder.master("local[2,2]")
+        .appName("subengine-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.streaming.stopTimeout", "30s")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    subengine.spark.register(session)
+    session.dataSource.register(FlakyWrites)
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def db(spark_dsn):
+    with subengine.Engine(spark_dsn) as engine:
+        yield engine
+
+
+@pytest.fixture
+def sql(spark_dsn):
+    with psycopg.connect(spark_dsn, autocommit=True) as conn:
+        yield conn
+
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def new_stream(db):
+    """Makes a stream with a name no other test uses."""
+
+    def make(partitions=3):
+        name = f"spark-{next(_names)}-{uuid.uuid4().hex[:8]}"
+        db.create_stream(name, partitions)
+        return name
+
+    return make
+
+
+def read(spark, stream, **options):
+    reader = spark.read.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def read_stream(spark, stream, **options):
+    reader = spark.readStream.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def micros(moment):
+    return (moment - EPOCH) // timedelta(microseconds=1)
+
+
+def orders(count, prefix="order"):
+    """Events over many keys with awkward JSON: quotes, commas, line breaks, unicode."""
+    return [
+        NewEvent(
+            f"{prefix}-{n % 17}",
+            "OrderPlaced" if n % 3 else 'Order, "quoted"',
+            {"n": n, "total": n * 1.5, "note": 'a "b", c\nd ✓', "items": [{"sku": f"s{n}"}]},
+            metadata={"source": "test", "n": n},
+            occurred_at=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=7 * n),
+        )
+        for n in range(count)
+    ]
+
+
+def sql_rows(sql, stream):
+    rows = sql.execute(
+        "SELECT stream, partition, position, id::text, key, key_version, type, data::text,"
+        " metadata::text, occurred_at, recorded_at FROM subengine.events WHERE stream = %s"
+        " ORDER BY partition, position",
+        (stream,),
+    ).fetchall()
+    return [(*row[:9], micros(row[9]), micros(row[10])) for row in rows]
+
+
+def spark_rows(frame):
+    columns = [c for c in frame.columns if c not in ("occurred_at", "recorded_at")]
+    selected = frame.select(
+        *columns, F.unix_micros("occurred_at").alias("o"), F.unix_micros("recorded_at").alias("r")
+    )
+    return sorted(tuple(row) for row in selected.collect())
+
+
+def no_jobs_ran(spark, group):
+    return list(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == []
+
+
+class Collector:
+    """A foreachBatch sink that keeps every row it is given, with its micro-batch id.
+
+    `fail_on` makes the first call for that micro-batch raise after the rows are kept,
+    as a query that dies before Spark records the batch as done."""
+
+    def __init__(self, fail_on=None):
+        self.calls = []
+        self.fail_on = fail_on
+
+    def __call__(self, frame, batch_id):
+        rows = [(r.partition, r.position, r.id) for r in frame.collect()]
+        self.calls.append((batch_id, rows))
+        if batch_id == self.fail_on:
+            self.fail_on = None
+            raise RuntimeError(f"injected failure in micro-batch {batch_id}")
+
+    def delivered(self):
+        """The rows of every micro-batch, the last delivery of each batch id only."""
+        last = dict(self.calls)
+        return [row for batch_id in sorted(last) for row in last[batch_id]]
+
+
+def run_available_now(frame, sink, checkpoint):
+    query = (
+        frame.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return query
+
+
+def stored_events(sql, stream):
+    """(partition, position, id) of every stored event of the stream."""
+    return [row[1:4] for row in sql_rows(sql, stream)]
+
+
+def start_live(frame, sink, checkpoint):
+    """A query that looks for new events every 200 ms until it is stopped."""
+    return (
+        frame.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+
+
+def assert_each_event_once_in_order(sql, stream, rows):
+    stored = set(stored_events(sql, stream))
+    assert sorted(rows) == sorted(stored)
+    assert len(rows) == len(set(rows))
+    for partition in {p for p, _, _ in rows}:
+        positions = [pos for p, pos, _ in rows if p == partition]
+        assert positions == sorted(positions)
+
+
+# offsets, without Spark
+
+
+def test_offsets_have_one_canonical_json_form():
+    assert _offsets.offset_json({10: 4, 2: 7, 0: 1}) == '{"0":1,"10":4,"2":7}'
+    assert list(_offsets.to_offset({10: 4, 2: 7, 0: 1})) == ["0", "10", "2"]
+    with pytest.raises(subengine.InvalidInput, match="does not fit this query"):
+        _offsets.from_offset({"0": 1, "1": 2}, (0, 1, 2))
+
+
+def test_admission_shares_the_limit_by_what_each_partition_has_waiting():
+    start = {0: 0, 1: 10, 2: 5}
+    heads = {0: 90, 1: 20, 2: 5}
+    admitted = _offsets.admit(start, heads, 10)
+    assert sum(admitted[p] - start[p] for p in start) == 10
+    assert admitted == {0: 9, 1: 11, 2: 5}
+    assert _offsets.admit(start, heads, 1000) == heads
+    assert sum(_offsets.admit({0: 0, 1: 0, 2: 0}, {0: 1, 1: 1, 2: 1}, 1).values()) == 1
+
+
+# batch reads
+
+
+def test_batch_read_equals_the_sql_read_of_the_stream(spark, db, sql, new_stream):
+    stream = new_stream(partitions=3)
+    db.append(stream, orders(400))
+    frame = read(spark, stream, rowsPerSplit="60")
+    heads = db.heads(stream)
+    assert frame.rdd.getNumPartitions() == sum(-(-h // 60) for h in heads.values())
+    assert spark_rows(frame) == sql_rows(sql, stream)
+
+
+def test_batch_read_takes_chosen_partitions_and_a_time_window(spark, db, sql, new_stream):
+    stream = new_stream(partitions=3)
+    db.append(stream, orders(60))
+    middle = sql.execute("SELECT clock_timestamp()").fetchone()[0]
+    db.append(stream, orders(60, prefix="late"))
+    end = sql.execute("SELECT clock_timestamp()").fetchone()[0]
+    db.append(stream, orders(10, prefix="last"))
+    frame = read(spark, stream, partitions="0,2", since=middle.isoformat(), until=end.isoformat())
+    expected = [
+        row
+        for row in sql_rows(sql, stream)
+        if row[1] in (0, 2) and micros(middle) <= row[10] < micros(end)
+    ]
+    assert {row[4].split("-")[0] for row in expected} == {"late"}
+    assert spark_rows(frame) == expected
+
+
+# streaming reads
+
+
+def test_appends_between_micro_batches_arrive_once_in_position_order(
+    spark, db, sql, new_stream, tmp_path
+):
+    stream = new_stream(partitions=3)
+    db.append(stream, orders(50))
+    sink = Collector()
+    query = start_live(read_stream(spark, stream), sink, tmp_path / "checkpoint")
+    try:
+        query.processAllAvailable()
+        for round_ in range(3):
+            db.append(stream, orders(20, prefix=f"round{round_}"))
+            query.processAllAvailable()
+    finally:
+        query.stop()
+    assert len([batch for batch, rows in sink.calls if rows]) >= 4
+    assert [batch for batch, _ in sink.calls] == sorted({batch for batch, _ in sink.calls})
+    assert_each_event_once_in_order(sql, stream, sink.delivered())
+
+
+def test_restart_after_a_failed_micro_batch_replays_it_exactly(
+    spark, db, sql, new_stream, tmp_path
+):
+    stream = new_stream(partitions=3)
+    checkpoint = tmp_path / "checkpoint"
+    db.append(stream, orders(30))
+    first = Collector()
+    run_available_now(read_stream(spark, stream), first, checkpoint)
+    assert len(first.delivered()) == 30
+
+    db.append(stream, orders(20, prefix="second"))
+    failing = Collector(fail_on=1)
+    with pytest.raises(StreamingQueryException, match="injected failure in micro-batch 1"):
+        run_available_now(read_stream(spark, stream), failing, checkpoint)
+    [(batch_id, failed_rows)] = failing.calls
+    assert (batch_id, len(failed_rows)) == (1, 20)
+
+    db.append(stream, orders(10, prefix="third"))
+    resumed = Collector()
+    run_available_now(read_stream(spark, stream), resumed, checkpoint)
+    # Batch 1 again, with the very rows of the failed attempt, then the newer events.
+    assert resumed.calls[0] == (1, failed_rows)
+    rows = first.delivered() + resumed.delivered()
+    assert len(rows) == 60
+    assert_each_event_once_in_order(sql, stream, rows)
+
+
+def test_max_records_per_trigger_bounds_every_micro_batch(spark, db, sql, new_stream, tmp_path):
+    stream = new_stream(partitions=3)
+    db.append(stream, orders(100))
+    sink = Collector()
+    frame = read_stream(spark, stream, maxRecordsPerTrigger="15")
+    run_available_now(frame, sink, tmp_path / "checkpoint")
+    sizes = [len(rows) for _, rows in sink.calls if rows]
+    assert sizes == [15] * 6 + [10]
+    assert_each_event_once_in_order(sql, stream, sink.delivered())
+
+
+def test_available_now_stops_at_the_heads_it_found_when_the_query_started(
+    spark, db, sql, new_stream, tmp_path
+):
+    stream = new_stream(partitions=3)
+    before = db.append(stream, orders(30))
+    checkpoint = tmp_path / "checkpoint"
+
+    class AppendingSink(Collector):
+        def __call__(self, frame, batch_id):
+            super().__call__(frame, batch_id)
+            if batch_id == 0:
+                db.append(stream, orders(5, prefix="during"))
+
+    sink = AppendingSink()
+    run_available_now(read_stream(spark, stream, maxRecordsPerTrigger="10"), sink, checkpoint)
+    assert sorted(sink.delivered()) == sorted((a.partition, a.position, str(a.id)) for a in before)
+    later = Collector()
+    run_available_now(read_stream(spark, stream), later, checkpoint)
+    assert len(later.delivered()) == 5
+    assert_each_event_once_in_order(sql, stream, sink.delivered() + later.delivered())
+
+
+def test_latest_starts_after_the_heads_at_the_first_micro_batch(spark, db, new_stream, tmp_path):
+    stream = new_stream(partitions=3)
+    db.append(stream, orders(25))
+    sink = Collector()
+    frame = read_stream(spark, stream, startingPositions="latest")
+    query = start_live(frame, sink, tmp_path / "checkpoint")
+    try:
+        query.processAllAvailable()
+        new = db.append(stream, orders(5, prefix="new"))
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    assert sorted(sink.delivered()) == sorted((a.partition, a.position, str(a.id)) for a in new)
+
+
+def test_a_subscription_gives_the_start_and_follows_the_commits(
+    spark, db, sql, new_stream, tmp_path
+):
+    stream = new_stream(partitions=3)
+    db.append(stream, orders(40))
+    name = f"{stream}-spark"
+    db.ensure_subscription(subengine.Subscription(name, stream))
+    start = {0: 2, 1: 0, 2: 5}
+    db.reset_subscription(name, start)
+    heads = db.heads(stream)
+    sink = Collector()
+    checkpoint = tmp_path / "checkpoint"
+    options = {"startingPositions": f"subscription:{name}", "subscription": name}
+    run_available_now(
+        read_stream(spark, stream, maxRecordsPerTrigger="10", **options), sink, checkpoint
+    )
+    rows = sink.delivered()
+    assert sorted(rows) == sorted(
+        (p, pos, i) for p, pos, i in stored_events(sql, stream) if pos > start[p]
+    )
+    # Spark confirms a micro-batch when it plans the next one: the positions trail by one.
+    moved = {p.partition: p.position for p in db.subscription_positions(name)}
+    assert sum(moved.values()) == sum(start.values()) + len(rows) - len(sink.calls[-1][1])
+
+    db.append(stream, orders(3, prefix="more"))
+    run_available_now(read_stream(spark, stream, **options), Collector(), checkpoint)
+    moved = {p.partition: p.position for p in db.subscription_positions(name)}
+    assert all(moved[p] >= heads[p] for p in heads)
+
+
+def test_reading_positions_that_retention_removed_fails_clearly(
+    spark, db, sql, new_stream, tmp_path
+):
+    stream = new_stream(partitions=1)
+    db.append(stream, orders(10))
+    sql.execute("DELETE FROM subengine.events WHERE stream = %s AND position < 4", (stream,))
+    sql.execute("UPDATE subengine.partitions SET floor = 4 WHERE stream = %s", (stream,))
+    assert [row.position for row in read(spark, stream).collect()] == list(range(4, 11))
+    frame = read_stream(spark, stream, startingPositions='{"0": 1}')
+    with pytest.raises(StreamingQueryException, match="retention removed the ones before"):
+        run_available_now(frame, Collector(), tmp_path / "checkpoint")
+
+
+# writes
+
+
+class FlakyWrites(SubengineDataSource):
+    """The subengine source, whose writers fail once after their work committed: a batch
+    write's task 0 on its first attempt, a streaming write's driver-side commit of
+    micro-batch 0. Each failure is recorded in the table `injected_failures`."""
+
+    @classmethod
+    def name(cls):
+        return "subengine_flaky"
+
+    def writer(self, schema, overwrite):
+        writer = super().writer(schema, overwrite)
+        return FlakyBatchWriter(writer.target, writer.identity, writer.whole_task)
+
+    def streamWriter(self, schema, overwrite):
+        writer = super().streamWriter(schema, overwrite)
+        return FlakyStreamWriter(writer.target, writer.whole_task)
+
+
+def record_failure(target, what):
+    with psycopg.connect(os.environ[target.dsn_env], autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS injected_failures (stream text, what text)")
+        done = conn.execute(
+            "SELECT 1 FROM injected_failures WHERE stream = %s AND what = %s", (target.stream, what)
+        ).fetchone()
+        if done is None:
+            conn.execute("INSERT INTO injected_failures VALUES (%s, %s)", (target.stream, what))
+            raise RuntimeError(f"injected failure: {what}")
+
+
+class FlakyBatchWriter(subengine.spark._source.BatchWriter):
+    def write(self, iterator):
+        message = super().write(iterator)
+        context = TaskContext.get()
+        if context.partitionId() == 0 and context.attemptNumber() == 0:
+            record_failure(self.target, "task 0 after its commit")
+        return message
+
+
+class FlakyStreamWriter(StreamWriter):
+    def commit(self, messages, batchId):
+        if batchId == 0:
+            record_failure(self.target, "micro-batch 0 after its tasks")
+        super().commit(messages, batchId)
+
+
+def injected(sql, stream):
+    return [
+        r[0] for r in sql.execute("SELECT what FROM injected_failures WHERE stream = %s", (stream,))
+    ]
+
+
+def test_a_retried_write_task_stores_each_row_once(spark, db, sql, new_stream):
+    stream = new_stream(partitions=3)
+    rows = [(f"k{n % 7}", "Computed", json.dumps({"n": n})) for n in range(200)]
+    rows += [("same", "Twin", '{"x": 1}')] * 3  # identical rows are all stored
+    frame = spark.createDataFrame(rows, "key string, type string, data string").repartition(2)
+    frame.write.format("subengine_flaky").option("stream", stream).option("dsnEnv", DSN_ENV).mode(
+        "append"
+    ).save()
+    assert injected(sql, stream) == ["task 0 after its commit"]
+    stored = sql.execute(
+        "SELECT key, type, data::text FROM subengine.events WHERE stream = %s", (stream,)
+    ).fetchall()
+    assert sorted(stored) == sorted((k, t, json.dumps(json.loads(d))) for k, t, d in rows)
+
+
+def test_a_replayed_micro_batch_of_a_streaming_write_stores_nothing_twice(
+    spark, db, sql, new_stream, tmp_path
+):
+    source, target = new_stream(partitions=3), new_stream(partitions=2)
+    db.append(source, orders(40))
+    checkpoint = tmp_path / "checkpoint"
+
+    def run():
+        derived = read_stream(spark, source).select(
+            "key", F.lit("Seen").alias("type"), F.to_json(F.struct("position", "id")).alias("data")
+        )
+        query = (
+            derived.writeStream.format("subengine_flaky")
+            .option("stream", target)
+            .option("dsnEnv", DSN_ENV)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    with pytest.raises(StreamingQueryException, match="injected failure"):
+        run()
+    assert injected(sql, target) == ["micro-batch 0 after its tasks"]
+    assert (
+        sql.execute(
+            "SELECT count(*) FROM subengine.events WHERE stream = %s", (target,)
+        ).fetchone()[0]
+        == 40
+    )
+    db.append(source, orders(5, prefix="after"))
+    run()
+    seen = sql.execute(
+        "SELECT data->>'id' FROM subengine.events WHERE stream = %s", (target,)
+    ).fetchall()
+    source_ids = sql.execute(
+        "SELECT id::text FROM subengine.events WHERE stream = %s", (source,)
+    ).fetchall()
+    assert sorted(seen) == sorted(source_ids)
+
+
+def test_expected_version_is_checked_per_key_and_task(spark, db, sql, new_stream):
+    stream = new_stream(partitions=1)
+    db.append(stream, [NewEvent("a", "T", {}), NewEvent("a", "T", {})])
+
+    def write(rows):
+        frame = spark.createDataFrame(
+            rows, "key string, type string, data string, expected_version long"
+        )
+        frame.coalesce(1).write.format("subengine").option("stream", stream).option(
+            "dsnEnv", DSN_ENV
+        ).mode("append").save()
+
+    write([("a", "T", "{}", 2), ("a", "T", "{}", None), ("b", "T", "{}", 0)])
+    assert db.heads(stream) == {0: 5}
+    with pytest.raises(
+        PySparkException, match="is at version 4, but the append expected version 2"
+    ):
+        write([("a", "T", '{"late": true}', 2), ("c", "T", "{}", None)])
+    assert db.heads(stream) == {0: 5}
+
+
+def test_a_bad_row_fails_the_write_naming_the_row(spark, new_stream):
+    stream = new_stream()
+    frame = spark.createDataFrame(
+        [("k", "T", "{}"), ("k", "T", "{not json")], "key string, type string, data string"
+    )
+    with pytest.raises(
+        PySparkException, match=r"row 1 of Spark partition 0 \(key 'k'\): data is not valid JSON"
+    ):
+        frame.coalesce(1).write.format("subengine").option("stream", stream).option(
+            "dsnEnv", DSN_ENV
+        ).mode("append").save()
+
+
+# bad options
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "message"),
+    [
+        ("stream", {"stream": "no-such-stream"}, "stream 'no-such-stream' does not exist"),
+        ("batch", {"stream": "no-such-stream"}, "stream 'no-such-stream' does not exist"),
+        (
+            "stream",
+            {"dsnEnv": "SUBENGINE_SPARK_TEST_UNSET"},
+            "environment variable SUBENGINE_SPARK_TEST_UNSET is not set on the Spark driver",
+        ),
+        (
+            "batch",
+            {"dsnEnv": "SUBENGINE_SPARK_TEST_UNSET"},
+            "environment variable SUBENGINE_SPARK_TEST_UNSET is not set on the Spark driver",
+        ),
+        ("stream", {"startingPositions": '{"0": 3,'}, "is not valid JSON"),
+        ("stream", {"startingPositions": '{"0": -1}'}, "a position is a whole number from 0"),
+        ("stream", {"startingPositions": "subscription:nobody"}, "no subscription named 'nobody'"),
+        ("stream", {"partitions": "0,9"}, "there is no partition 9"),
+        ("batch", {"since": "yesterday"}, "option since must be an ISO 8601 time with a zone"),
+        ("stream", {"dsn": "postgresql://secret"}, "would put connection settings into the query"),
+        ("stream", {"startingPosition": "latest"}, "has no option 'startingposition'"),
+    ],
+)
+def test_bad_read_options_fail_before_any_job(spark, new_stream, kind, options, message):
+    stream = new_stream()
+    group = f"bad-options-{uuid.uuid4().hex}"
+    spark.sparkContext.setJobGroup(group, "bad options")
+    try:
+        reader = spark.readStream if kind == "stream" else spark.read
+        reader = reader.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV)
+        for key, value in options.items():
+            reader = reader.option(key, value)
+        with pytest.raises(PySparkException, match=message):
+            reader.load()
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert no_jobs_ran(spark, group)
+
+
+def test_a_write_without_the_event_columns_fails_before_any_job(spark, new_stream):
+    stream = new_stream()
+    group = f"bad-write-{uuid.uuid4().hex}"
+    spark.sparkContext.setJobGroup(group, "bad write")
+    frame = spark.createDataFrame([("k", "{}")], "key string, data string")
+    try:
+        with pytest.raises(PySparkException, match="lacks column"):
+            frame.write.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV).mode(
+                "append"
+            ).save()
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert no_jobs_ran(spark, group)
+
+
+# packaging
+
+
+def test_the_core_imports_without_pyspark_and_the_extra_says_how_to_install_it():
+    blocker = (
+        "import sys; sys.modules['pyspark'] = None; import subengine; "
+        "assert 'pyspark' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "try:\n    import subengine.spark\nexcept ImportError as e:\n    print(e)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", blocker], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'subengine[spark]'" in result.stdout
+
+
+# the example pipeline
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location(
+        "spark_revenue", ROOT / "examples" / "spark_revenue.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_revenue_example_writes_closed_hours_to_parquet_and_closed_days_as_events(
+    spark, db, sql, new_stream, tmp_path
+):
+    example = load_example()
+    source, target = new_stream(partitions=2), new_stream(partitions=1)
+    day = datetime(2026, 3, 1, tzinfo=UTC)
+    placed = [
+        (day + timedelta(hours=10, minutes=5), 10.50),
+        (day + timedelta(hours=10, minutes=40), 4.25),
+        (day + timedelta(hours=11, minutes=1), 7),
+        (day + timedelta(days=1, hours=9, minutes=30), 100),
+        (day + timedelta(days=1, hours=23, minutes=59), 1),
+        (day + timedelta(days=2, hours=5, minutes=30), 50),  # moves the watermark to 04:30
+    ]
+    db.append(
+        source,
+        [
+            NewEvent(f"order-{n}", "OrderPlaced", {"total": total}, occurred_at=moment)
+            for n, (moment, total) in enumerate(placed)
+        ]
+        + [NewEvent("order-0", "OrderPaid", {"total": 999}, occurred_at=day)],
+    )
+
+    def run():
+        queries = example.start_queries(
+            spark,
+            output=tmp_path / "hourly",
+            checkpoints=tmp_path / "checkpoints",
+            source=source,
+            target=target,
+            dsn_env=DSN_ENV,
+            once=True,
+        )
+        for query in queries:
+            query.awaitTermination()
+
+    run()
+    hourly = spark.read.parquet(str(tmp_path / "hourly"))
+    got = sorted(
+        (row.hour.hour, row.hour.day, float(row.revenue), row.orders) for row in hourly.collect()
+    )
+    assert got == [(9, 2, 100.0, 1), (10, 1, 14.75, 2), (11, 1, 7.0, 1), (23, 2, 1.0, 1)]
+    events = sql.execute(
+        "SELECT key, type, data, occurred_at FROM subengine.events WHERE stream = %s ORDER BY key",
+        (target,),
+    ).fetchall()
+    assert events == [
+        (
+            "revenue-2026-03-01",
+            "DailyRevenueComputed",
+            {"day": "2026-03-01", "revenue": 21.75, "orders": 3},
+            day + timedelta(days=1),
+        ),
+        (
+            "revenue-2026-03-02",
+            "DailyRevenueComputed",
+            {"day": "2026-03-02", "revenue": 101.0, "orders": 2},
+            day + timedelta(days=2),
+        ),
+    ]
+
+
+def test_the_example_runs_as_the_spark_page_shows(dsn, tmp_path):
+    # docs/spark.md's commands, as written, in a directory holding this checkout's .venv
+    # and examples/, against a database of this test's own (the job starts its own Spark).
+    page = (ROOT / "docs" / "spark.md").read_text()
+    [commands] = [
+        block
+        for block in re.findall(r"```sh\n(.*?)```", page, flags=re.DOTALL)
+        if "examples/spark_revenue.py" in block
+    ]
+    assert commands in (ROOT / "README.md").read_text()  # the README shows the same
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = dict(os.environ, SUBENGINE_DSN=dsn, PYSPARK_PYTHON=sys.executable)
+    env.pop(DSN_ENV, None)
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", commands],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((tmp_path / "revenue" / "hourly").rglob("*.parquet"))
+    with psycopg.connect(dsn) as conn:
+        placed, days = conn.execute(
+            "SELECT count(*) FILTER (WHERE type = 'OrderPlaced'),"
+            " count(*) FILTER (WHERE type = 'DailyRevenueComputed') FROM subengine.events"
+        ).fetchone()
+    assert placed == 500
+    assert days >= 2  # the made-up orders span three days; all but the last are closed
