@@ -18,6 +18,20 @@ def record(event, conn):
     )
 
 
+def poisoned_app(stream, poison, **options):
+    """Subscription billing of `stream`, recording every event but `poison`, which raises."""
+    app = subengine.App()
+    sub = app.subscription("billing", stream=stream, **options)
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.id == poison.id:
+            raise ValueError("cannot handle this one")
+        record(event, conn)
+
+    return app
+
+
 class Running:
     """A worker in a thread, stopped (and joined) on exit; `error` is what it raised."""
 
@@ -110,15 +124,7 @@ def test_a_poison_event_is_retried_then_handled_by_policy(fast_engine, sql, poli
     keys = [f"k{n}" for n in range(12)]
     stored = fast_engine.append("orders", [NewEvent(k, "T", {"n": n}) for n, k in enumerate(keys)])
     poison = stored[5]
-    app = subengine.App()
-    sub = app.subscription("billing", stream="orders", max_attempts=3, on_error=policy)
-
-    @sub.handler()
-    def handle(event, conn):
-        if event.id == poison.id:
-            raise ValueError("cannot handle this one")
-        record(event, conn)
-
+    app = poisoned_app("orders", poison, max_attempts=3, on_error=policy)
     with Running(app, fast_engine):
         if policy == "stop":
             # the poison's partition halts at it; the other partitions go on
@@ -155,17 +161,7 @@ def test_a_single_attempt_dead_letters_the_failing_event_not_the_batch_head(fast
     fast_engine.create_stream("single", partitions=1)
     stored = fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(10)])
     poison = stored[6]
-    app = subengine.App()
-    sub = app.subscription(
-        "billing", stream="single", batch_size=10, max_attempts=1, on_error="dead_letter"
-    )
-
-    @sub.handler()
-    def handle(event, conn):
-        if event.id == poison.id:
-            raise ValueError("poison")
-        record(event, conn)
-
+    app = poisoned_app("single", poison, batch_size=10, max_attempts=1, on_error="dead_letter")
     with Running(app, fast_engine):
         wait_for(lambda: count(sql) == 9 and count(sql, "subengine.dead_letters") == 1)
     dead = sql.execute("SELECT event_id, position FROM subengine.dead_letters").fetchall()
@@ -186,17 +182,7 @@ def test_a_failing_event_deep_in_a_batch_waits_for_no_retry_delay_of_the_events_
         engine.create_stream("single", partitions=1)
         stored = engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(50)])
         poison = stored[39]
-        app = subengine.App()
-        sub = app.subscription(
-            "billing", stream="single", batch_size=50, max_attempts=1, on_error="dead_letter"
-        )
-
-        @sub.handler()
-        def handle(event, conn):
-            if event.id == poison.id:
-                raise ValueError("poison")
-            record(event, conn)
-
+        app = poisoned_app("single", poison, batch_size=50, max_attempts=1, on_error="dead_letter")
         with Running(app, engine):
             wait_for(lambda: count(sql) == 49 and count(sql, "subengine.dead_letters") == 1)
         [position] = engine.subscription_positions("billing")
