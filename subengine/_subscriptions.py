@@ -156,9 +156,11 @@ def positions(conn: psycopg.Connection[Any], schema: str, name: str) -> list[Sub
     return [SubscriptionPosition(*row) for row in rows]
 
 
-class HandlerFailed(Exception):
-    """A handler raised: nothing of the batch committed. `events` is how many the batch
-    held and `last_position` the last of them; the handler's exception is `error`."""
+class BatchFailed(Exception):
+    """The events of a batch failed: a handler raised, or the transaction of a
+    transactional batch failed to commit (a deferred constraint its writes broke, say).
+    Nothing of the batch committed. `events` is how many it held, `last_position` the last
+    of them, and `error` what was raised."""
 
     def __init__(self, error: Exception, events: int, last_position: int) -> None:
         super().__init__(str(error))
@@ -181,7 +183,7 @@ def process_batch(
     """
     try:
         return handle_batch(conn, schema, subscription, partition)
-    except HandlerFailed as failed:
+    except BatchFailed as failed:
         raise failed.error from None
 
 
@@ -193,28 +195,37 @@ def handle_batch(
     size: int | None = None,
 ) -> BatchOutcome | None:
     """`process_batch` for the worker: at most `size` events (default: the subscription's
-    batch size), and a handler's exception arrives wrapped in `HandlerFailed`."""
-    transactional = subscription.ack == "transactional"
+    batch size), and a failure of the batch's events arrives as `BatchFailed`."""
+    batch: _Batch | None = None
+    if subscription.ack == "transactional":
+        try:
+            with conn.transaction():
+                batch = _next_batch(conn, schema, subscription, partition, size)
+                if batch is None:
+                    return None
+                subscription.handle(batch.events, conn)
+                return _commit_position(conn, schema, subscription, batch)
+        except Fenced:
+            raise
+        except Exception as error:
+            if batch is None:  # reading the batch failed, not its events
+                raise
+            raise _failed(error, batch) from error
     with conn.transaction():
         batch = _next_batch(conn, schema, subscription, partition, size)
-        if batch is None:
-            return None
-        if transactional:
-            _handle(subscription, batch, conn)
-            return _commit_position(conn, schema, subscription, batch)
-    _handle(subscription, batch, None)
+    if batch is None:
+        return None
+    try:
+        subscription.handle(batch.events, None)
+    except Exception as error:
+        raise _failed(error, batch) from error
     with conn.transaction():
         return _commit_position(conn, schema, subscription, batch)
 
 
-def _handle(
-    subscription: Subscription, batch: _Batch, conn: psycopg.Connection[Any] | None
-) -> None:
-    try:
-        subscription.handle(batch.events, conn)
-    except Exception as error:
-        last = batch.events[-1].position if batch.events else batch.old
-        raise HandlerFailed(error, len(batch.events), last) from error
+def _failed(error: Exception, batch: _Batch) -> BatchFailed:
+    last = batch.events[-1].position if batch.events else batch.old
+    return BatchFailed(error, len(batch.events), last)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,9 +33,9 @@ from subengine._errors import DatabaseUnavailable, Fenced
 from subengine._queries import query
 from subengine._settings import Settings
 from subengine._subscriptions import (
+    BatchFailed,
     BatchOutcome,
     Failure,
-    HandlerFailed,
     ensure_subscription,
     handle_batch,
     record_failure,
@@ -304,15 +304,14 @@ class Worker:
             except Fenced as fenced:
                 log.info("%s", fenced, extra=where)
                 return
-            except Exception as raised:  # a handler failed: never kill the worker for it
+            except Exception as raised:  # a batch failed: never kill the worker for it
                 if conn.broken or conn.closed:
                     raise psycopg.OperationalError("the worker's connection broke") from raised
-                failed = raised if isinstance(raised, HandlerFailed) else None
-                if failed is not None and failed.events > 1:
-                    one_by_one_through = failed.last_position
-                    self._batch_split(subscription, partition, failed)
+                if isinstance(raised, BatchFailed) and raised.events > 1:
+                    one_by_one_through = raised.last_position
+                    self._batch_split(subscription, partition, raised)
                     continue
-                error = raised if failed is None else failed.error
+                error = raised.error if isinstance(raised, BatchFailed) else raised
                 failure = record_failure(
                     conn, self.schema, subscription, partition, error, self.settings
                 )
@@ -325,9 +324,7 @@ class Worker:
             if outcome is None or outcome.handled == 0 or outcome.next_time is None:
                 return
 
-    def _batch_split(
-        self, subscription: Subscription, partition: int, failed: HandlerFailed
-    ) -> None:
+    def _batch_split(self, subscription: Subscription, partition: int, failed: BatchFailed) -> None:
         self.metrics.batch_failed(subscription.name, False)
         log.warning(
             "subscription %s partition %s: a batch of %s events failed (%s: %s); handling "

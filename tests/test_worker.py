@@ -191,6 +191,36 @@ def test_a_failing_event_deep_in_a_batch_waits_for_no_retry_delay_of_the_events_
     assert (position.position, position.attempts, position.stopped) == (50, 0, False)
 
 
+def test_a_batch_whose_commit_fails_is_split_like_one_whose_handler_raises(dsn, sql):
+    # The poison's write breaks a deferred unique constraint, so its batch fails only at
+    # commit. With retries an hour apart, it reaches the dead letters in time only if the
+    # commit failure splits the batch too, and is pinned on the poison, not the batch head.
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    sql.execute("CREATE TABLE numbers (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    sql.execute("INSERT INTO numbers VALUES (-1)")
+    settings = subengine.Settings(
+        dsn=dsn, poll_interval=0.2, retry_delay=3600, retry_delay_max=3600
+    )
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("single", partitions=1)
+        numbers = [-1 if n == 39 else n for n in range(50)]
+        stored = engine.append("single", [NewEvent("k", "T", {"n": n}) for n in numbers])
+        app = subengine.App()
+        sub = app.subscription(
+            "billing", stream="single", batch_size=50, max_attempts=1, on_error="dead_letter"
+        )
+
+        @sub.handler()
+        def handle(event, conn):
+            conn.execute("INSERT INTO numbers VALUES (%s)", (event.data["n"],))
+            record(event, conn)
+
+        with Running(app, engine):
+            wait_for(lambda: count(sql) == 49 and count(sql, "subengine.dead_letters") == 1)
+    dead = sql.execute("SELECT event_id, position, attempts FROM subengine.dead_letters").fetchall()
+    assert dead == [(stored[39].id, stored[39].position, 1)]
+
+
 def test_the_partition_with_the_oldest_next_event_goes_first(fast_engine):
     # Invariant 7: keys in two partitions; the later-appended partition holds older events.
     new_key = next(f"n{i}" for i in range(100) if subengine.partition_for(f"n{i}", 4) == 0)
