@@ -358,10 +358,9 @@ class StartPoint(click.ParamType):
 )
 @click.option(
     "--metrics-address",
-    default="0.0.0.0",
-    show_default=True,
     metavar="ADDRESS",
-    help="The address the metrics are served on (127.0.0.1: this host only).",
+    help="The address the metrics are served on (default: every interface; "
+    "127.0.0.1: this host only).",
 )
 @pass_context
 @handles_errors
@@ -373,7 +372,7 @@ def worker(
     log_level: str,
     log_format: LogFormat,
     metrics_port: int | None,
-    metrics_address: str,
+    metrics_address: str | None,
 ) -> None:
     """Consume subscriptions of an app until SIGTERM/SIGINT (a second one exits at once)."""
     configure_logging(log_level, log_format)

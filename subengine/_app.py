@@ -200,7 +200,7 @@ class App:
         stop: threading.Event | None = None,
         listen: bool = True,
         metrics_port: int | None = None,
-        metrics_address: str = "0.0.0.0",
+        metrics_address: str | None = None,
     ) -> None:
         """Run a worker for some (default: all) of the app's subscriptions until `stop`.
 

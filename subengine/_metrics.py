@@ -194,10 +194,12 @@ class WorkerMetrics:
     def serving(self) -> bool:
         return self._server is not None
 
-    def serve(self, port: int, address: str = ALL_INTERFACES) -> None:
-        """Serve the metrics over HTTP at /metrics (any path, in fact) until `close`."""
+    def serve(self, port: int, address: str | None = None) -> None:
+        """Serve the metrics over HTTP at /metrics (any path, in fact) until `close`, on
+        `address` (default: every interface)."""
         from prometheus_client import start_http_server
 
+        address = address or ALL_INTERFACES
         try:
             self._server, _thread = start_http_server(port, address, registry=self.registry)
         except OSError as error:

@@ -96,7 +96,7 @@ class Worker:
         concurrency: int = 1,
         listen: bool = True,
         metrics_port: int | None = None,
-        metrics_address: str = _metrics.ALL_INTERFACES,
+        metrics_address: str | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
