@@ -44,6 +44,7 @@ from pyspark.sql.types import (
 )
 
 from subengine._errors import ConfigurationError, InvalidInput
+from subengine._events import PartitionState
 from subengine._settings import Settings
 from subengine.spark import _offsets, _options, _store
 from subengine.spark._offsets import Positions
@@ -149,7 +150,7 @@ def _check_source(options: _options.ReadOptions) -> None:
 def _starting_positions(
     conn: Any,
     options: _options.ReadOptions,
-    bounds: dict[int, _store.PartitionBounds],
+    bounds: dict[int, PartitionState],
     chosen: tuple[int, ...],
 ) -> Positions:
     """The positions a new streaming query starts after."""
@@ -222,7 +223,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Set by prepareForTriggerAvailableNow: the heads the query must stop at.
         self.available_now: Positions | None = None
 
-    def _bounds(self) -> tuple[dict[int, _store.PartitionBounds], tuple[int, ...]]:
+    def _bounds(self) -> tuple[dict[int, PartitionState], tuple[int, ...]]:
         with _store.connect(self.target.dsn(ON_DRIVER)) as conn:
             bounds = _store.partition_bounds(conn, self.target.schema, self.target.stream)
         return bounds, _store.chosen(bounds, self.target.stream, self.options.partitions)

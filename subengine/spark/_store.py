@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -25,12 +24,13 @@ from subengine._append import EARLIEST, LATEST
 from subengine._errors import (
     InvalidInput,
     PartitionNotFound,
-    StreamNotFound,
     SubengineError,
     SubscriptionMismatch,
     SubscriptionNotFound,
 )
+from subengine._events import PartitionState
 from subengine._queries import query
+from subengine._read import partition_states
 from subengine.spark._offsets import Positions
 
 log = logging.getLogger("subengine.spark")
@@ -85,15 +85,6 @@ class RetentionGap(SubengineError, LookupError):
         self.partition = partition
 
 
-@dataclass(frozen=True, slots=True)
-class PartitionBounds:
-    """A partition's head (last committed position) and floor (first stored one)."""
-
-    partition: int
-    head: int
-    floor: int
-
-
 def connect(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
     """A new connection; the data source opens one per task or driver call."""
     return psycopg.connect(dsn, application_name="subengine-spark")
@@ -101,16 +92,13 @@ def connect(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
 
 def partition_bounds(
     conn: psycopg.Connection[Any], schema: str, stream: str
-) -> dict[int, PartitionBounds]:
+) -> dict[int, PartitionState]:
     """Head and floor of every partition of `stream`; StreamNotFound if there is none."""
-    rows = conn.execute(query(schema, "spark_partitions"), {"stream": stream}).fetchall()
-    if not rows:
-        raise StreamNotFound(stream)
-    return {row[1]: PartitionBounds(row[1], row[2], row[3]) for row in rows if row[1] is not None}
+    return {state.partition: state for state in partition_states(conn, schema, stream)}
 
 
 def chosen(
-    bounds: dict[int, PartitionBounds], stream: str, wanted: Sequence[int] | None
+    bounds: dict[int, PartitionState], stream: str, wanted: Sequence[int] | None
 ) -> tuple[int, ...]:
     """The partitions a read covers: all, or the `wanted` ones, which must exist."""
     if wanted is None:
@@ -121,7 +109,7 @@ def chosen(
     return tuple(wanted)
 
 
-def check_stored(stream: str, bounds: PartitionBounds, after: int, upto: int) -> None:
+def check_stored(stream: str, bounds: PartitionState, after: int, upto: int) -> None:
     """Raise unless positions (after, upto] of the partition are all still stored."""
     if upto > bounds.head:
         raise InvalidInput(

@@ -278,15 +278,6 @@ UPDATE {schema}.dead_letters
  WHERE subscription = %(name)s AND partition = %(partition)s AND position = %(position)s
    AND resolution IS NULL
 
--- name: spark_partitions
--- Head and floor of every partition of a stream, with its partition count: the Spark
--- source plans reads and offsets from them (heads are gap-free, DESIGN.md invariant 1).
-SELECT s.partitions, p.partition, p.head, p.floor
-  FROM {schema}.streams s
-  LEFT JOIN {schema}.partitions p ON p.stream = s.name
- WHERE s.name = %(stream)s
- ORDER BY p.partition
-
 -- name: spark_read_plan
 -- For the rest of a range read's transaction: walk the primary key, which yields positions
 -- in order, rather than sort a bitmap scan's rows (measured: about twice as fast), and
