@@ -294,11 +294,9 @@ def _prepare(engine: subengine.Engine, say: Say) -> bool:
         say(f"stream {STREAM!r} exists: the projection is rebuilt from its first event")
     engine.ensure_subscription(projection)
     engine.resume_subscription(SUBSCRIPTION)
-    moved = any(p.position > 0 for p in engine.subscription_positions(SUBSCRIPTION))
     with engine.connection() as conn, conn.transaction():
         conn.execute(PROJECTION_DDL)
-        if moved:  # a new subscription is at the beginning already, in generation 1
-            _subscriptions.reset_subscription(conn, engine.schema, SUBSCRIPTION, "beginning")
+        _subscriptions.reset_subscription(conn, engine.schema, SUBSCRIPTION, "beginning")
         conn.execute("TRUNCATE subengine_demo.orders")
     say(f"subscription {SUBSCRIPTION!r} projects orders into table subengine_demo.orders")
     return True
