@@ -1,4 +1,8 @@
-"""Finding the psycopg connection behind what the caller hands us.
+"""Opening connections, and finding the psycopg connection behind what the caller hands us.
+
+`connect` is the one place subengine opens a connection of its own: every one carries a
+connect timeout (an unreachable host fails instead of hanging) and an application name
+(the status views and `pg_stat_activity` tell subengine's connections apart).
 
 `append` runs in the caller's transaction, whether the caller holds a psycopg connection,
 a SQLAlchemy `Connection` or a SQLAlchemy `Session` (on the psycopg driver).
@@ -6,6 +10,7 @@ a SQLAlchemy `Connection` or a SQLAlchemy `Session` (on the psycopg driver).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import psycopg
@@ -13,6 +18,30 @@ import psycopg
 from subengine._errors import InvalidInput
 
 PgConnection = psycopg.Connection[Any]
+
+APPLICATION_NAME = "subengine"
+
+
+def connect_options(connect_timeout: float, application_name: str) -> dict[str, Any]:
+    """The libpq options every connection of subengine carries (a pool's `kwargs`)."""
+    # libpq's connect_timeout is whole seconds, at least 2 (smaller values mean 2)
+    return {
+        "connect_timeout": max(2, math.ceil(connect_timeout)),
+        "application_name": application_name,
+    }
+
+
+def connect(
+    dsn: str,
+    connect_timeout: float,
+    *,
+    application_name: str = APPLICATION_NAME,
+    autocommit: bool = False,
+) -> PgConnection:
+    """A new connection to `dsn` that gives up after `connect_timeout` seconds."""
+    return psycopg.connect(
+        dsn, autocommit=autocommit, **connect_options(connect_timeout, application_name)
+    )
 
 
 def psycopg_connection(conn: object) -> PgConnection:

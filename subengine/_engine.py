@@ -24,6 +24,7 @@ from subengine._append import (
     schema_not_ready,
     subengine_errors,
 )
+from subengine._connection import APPLICATION_NAME, connect, connect_options
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
 from subengine._names import validate_partition_count, validate_stream_name
@@ -76,6 +77,7 @@ class Engine:
             min_size=self.settings.pool_min_size,
             max_size=self.settings.pool_max_size,
             timeout=self.settings.connect_timeout,
+            kwargs=connect_options(self.settings.connect_timeout, APPLICATION_NAME),
             name="subengine",
             open=True,
         )
@@ -116,9 +118,21 @@ class Engine:
                 raise
             raise missing from error
 
+    def connect(
+        self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False
+    ) -> psycopg.Connection[Any]:
+        """A new connection of its own (not from the pool), with the engine's connect
+        timeout; the caller closes it."""
+        return connect(
+            self.dsn,
+            self.settings.connect_timeout,
+            application_name=application_name,
+            autocommit=autocommit,
+        )
+
     def _unavailable(self) -> DatabaseUnavailable:
         try:
-            psycopg.connect(self.dsn, connect_timeout=_DIAGNOSIS_TIMEOUT_SECONDS).close()
+            connect(self.dsn, _DIAGNOSIS_TIMEOUT_SECONDS).close()
             reason = "the pool had no free connection in time"
         except psycopg.Error as error:
             reason = str(error).strip()
@@ -131,13 +145,13 @@ class Engine:
     def migrate(self) -> None:
         """Create or upgrade subengine's schema (safe from many processes at once)."""
         try:
-            _migrate.upgrade(self.dsn, self.schema)
+            _migrate.upgrade(self.dsn, self.schema, self.settings.connect_timeout)
         except psycopg.OperationalError as error:
             raise DatabaseUnavailable(f"could not migrate: {str(error).strip()}") from None
 
     def schema_revision(self) -> str | None:
         """The migration revision the database is at (None: never migrated)."""
-        return _migrate.current_revision(self.dsn, self.schema)
+        return _migrate.current_revision(self.dsn, self.schema, self.settings.connect_timeout)
 
     # streams
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from subengine._connection import connect
+
 if TYPE_CHECKING:
     from alembic.config import Config
 
@@ -33,16 +35,21 @@ def _config(schema: str) -> Config:
     return config
 
 
-def connect_factory(dsn: str) -> Callable[[], psycopg.Connection[tuple[object, ...]]]:
+APPLICATION_NAME = "subengine migrate"
+
+
+def connect_factory(
+    dsn: str, connect_timeout: float
+) -> Callable[[], psycopg.Connection[tuple[object, ...]]]:
     """A connection factory SQLAlchemy can use, for any DSN psycopg accepts."""
 
-    def connect() -> psycopg.Connection[tuple[object, ...]]:
-        return psycopg.connect(dsn)
+    def factory() -> psycopg.Connection[tuple[object, ...]]:
+        return connect(dsn, connect_timeout, application_name=APPLICATION_NAME)
 
-    return connect
+    return factory
 
 
-def upgrade(dsn: str, schema: str) -> None:
+def upgrade(dsn: str, schema: str, connect_timeout: float) -> None:
     """Upgrade the schema to the newest revision (creating it when missing)."""
     from alembic import command
     from sqlalchemy import create_engine
@@ -51,7 +58,7 @@ def upgrade(dsn: str, schema: str) -> None:
 
     config = _config(schema)
     engine = create_engine(
-        "postgresql+psycopg://", creator=connect_factory(dsn), poolclass=NullPool
+        "postgresql+psycopg://", creator=connect_factory(dsn, connect_timeout), poolclass=NullPool
     )
     try:
         with engine.connect() as connection:
@@ -77,10 +84,10 @@ def upgrade_sql(schema: str) -> str:
     return buffer.getvalue()
 
 
-def current_revision(dsn: str, schema: str) -> str | None:
+def current_revision(dsn: str, schema: str, connect_timeout: float) -> str | None:
     """The revision the schema is at, or None when it has never been migrated."""
     table = psycopg.sql.SQL("{}.alembic_version").format(psycopg.sql.Identifier(schema))
-    with psycopg.connect(dsn) as conn:
+    with connect(dsn, connect_timeout, application_name=APPLICATION_NAME) as conn:
         found = conn.execute(
             "SELECT to_regclass(%s) IS NOT NULL", (table.as_string(conn),)
         ).fetchone()

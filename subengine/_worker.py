@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import socket
 import threading
@@ -31,7 +30,6 @@ from subengine._app import Subscription
 from subengine._engine import Engine
 from subengine._errors import DatabaseUnavailable, Fenced
 from subengine._queries import query
-from subengine._settings import Settings
 from subengine._subscriptions import (
     BatchFailed,
     BatchOutcome,
@@ -54,11 +52,6 @@ def lock_key(schema: str, subscription: str, partition: int) -> int:
     31 bits of MD5 of "schema.subscription", shifted left 32 bits, or'ed with the partition."""
     digest = hashlib.md5(f"{schema}.{subscription}".encode(), usedforsecurity=False).digest()
     return (int.from_bytes(digest[:4], "big") & 0x7FFFFFFF) << 32 | partition
-
-
-def _connect_timeout(settings: Settings) -> int:
-    """libpq's connect_timeout is whole seconds, at least 2 (smaller values mean 2)."""
-    return max(2, math.ceil(settings.connect_timeout))
 
 
 class _Wakeup:
@@ -185,9 +178,7 @@ class Worker:
 
     def _unregister(self) -> None:
         try:
-            with psycopg.connect(
-                self.engine.dsn, connect_timeout=_connect_timeout(self.settings)
-            ) as conn:
+            with self.engine.connect(application_name=self.application_name) as conn:
                 conn.execute(query(self.schema, "unregister_worker"), {"id": self.id})
         except psycopg.OperationalError as error:  # the row is for inspection only
             log.warning("could not unregister the worker: %s", error, extra=self._fields())
@@ -196,11 +187,8 @@ class Worker:
         import pals
         from sqlalchemy import create_engine
 
-        dsn = self.engine.dsn
-        application_name = self.application_name
-
         def connect() -> psycopg.Connection[Any]:
-            return psycopg.connect(dsn, application_name=application_name)
+            return self.engine.connect(application_name=self.application_name)
 
         def create() -> Any:
             # pals unlocks everything on check-in; on its own autocommit engine that leaves
@@ -228,11 +216,7 @@ class Worker:
         outage_since: float | None = None
         while not stop.is_set():
             try:
-                with psycopg.connect(
-                    self.engine.dsn,
-                    connect_timeout=_connect_timeout(self.settings),
-                    application_name=self.application_name,
-                ) as conn:
+                with self.engine.connect(application_name=self.application_name) as conn:
                     outage_since = None
                     while not stop.is_set():
                         seen = self.wakeup.count()
@@ -405,8 +389,8 @@ class Worker:
         channel = sql.Identifier(self.schema)
         while not stop.is_set():
             try:
-                with psycopg.connect(
-                    self.engine.dsn, autocommit=True, application_name=self.application_name
+                with self.engine.connect(
+                    application_name=self.application_name, autocommit=True
                 ) as conn:
                     conn.execute(sql.SQL("LISTEN {}").format(channel))
                     self.wakeup.notify()  # whatever came while we were not listening

@@ -9,9 +9,11 @@ subengine's migrations have already been applied to.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -55,7 +57,7 @@ def migrate_template(
     host: str, port: int, user: str, dbname: str, password: str | None, **_: Any
 ) -> None:
     dsn = make_conninfo(host=host, port=port, user=user, dbname=dbname, password=password or "")
-    _migrate.upgrade(dsn, "subengine")
+    _migrate.upgrade(dsn, "subengine", subengine.Settings().connect_timeout)
 
 
 postgresql_migrated_server = factories.postgresql_noproc(
@@ -225,3 +227,73 @@ def worker_app_env(cli_env: dict[str, str], sql: psycopg.Connection[Any]) -> dic
     for name in ("WORKER_APP_SLEEP", "WORKER_APP_MARKS", "WORKER_APP_BATCH"):
         env.pop(name, None)
     return env
+
+
+class Proxy:
+    """A TCP proxy to PostgreSQL; leaving the `with` block closes it and every connection
+    through it, as a network outage would. While `silent` is set, new connections are
+    accepted and then never answered, as a host that drops packets would."""
+
+    def __init__(self, host, port):
+        self.target = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        self.lock = threading.Lock()
+        self.silent = False
+
+    def __enter__(self):
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        with self.lock:
+            for s in self.sockets:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+            self.sockets.clear()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.silent:
+                with self.lock:
+                    self.sockets.append(client)
+                continue
+            server = self._connect()
+            with self.lock:
+                self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def dsn(self, dsn):
+        """`dsn` through the proxy."""
+        return make_conninfo(dsn, host="127.0.0.1", port=self.port)
+
+    def _connect(self):
+        host, port = self.target
+        if host.startswith("/"):  # a Unix-domain socket directory, as libpq names it
+            server = socket.socket(socket.AF_UNIX)
+            server.connect(f"{host}/.s.PGSQL.{port}")
+            return server
+        return socket.create_connection(self.target)
+
+    @staticmethod
+    def _pipe(source, sink):
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

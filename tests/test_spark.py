@@ -70,7 +70,7 @@ def spark_dsn(postgresql_migrated_server):
         conn.execute(drop)
         conn.execute(SQL("CREATE DATABASE {}").format(Identifier(DATABASE)))
     dsn = make_conninfo(**params, dbname=DATABASE)
-    _migrate.upgrade(dsn, "subengine")
+    _migrate.upgrade(dsn, "subengine", subengine.Settings().connect_timeout)
     yield dsn
     with psycopg.connect(maintenance, autocommit=True) as conn:
         conn.execute(drop)

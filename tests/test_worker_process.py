@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import APPS, README, run_subengine, subengine_command, write_readme_app
+from conftest import APPS, README, Proxy, run_subengine, subengine_command, write_readme_app
 
 import subengine
 from subengine import NewEvent
@@ -169,18 +169,59 @@ def test_a_database_lost_for_longer_than_the_outage_timeout_exits_non_zero(
 ):
     engine_of.create_stream("orders", partitions=2)
     engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
-    params = psycopg.conninfo.conninfo_to_dict(app_env["SUBENGINE_DSN"])
-    with _Proxy(params.get("host") or "localhost", int(params.get("port") or 5432)) as proxy:
-        through_proxy = psycopg.conninfo.make_conninfo(
-            app_env["SUBENGINE_DSN"], host="127.0.0.1", port=proxy.port
-        )
+    with proxy_to(app_env["SUBENGINE_DSN"]) as proxy:
         worker = workers.start(
-            SUBENGINE_DSN=through_proxy, SUBENGINE_OUTAGE_TIMEOUT="3", SUBENGINE_CONNECT_TIMEOUT="2"
+            SUBENGINE_DSN=proxy.dsn(app_env["SUBENGINE_DSN"]),
+            SUBENGINE_OUTAGE_TIMEOUT="3",
+            SUBENGINE_CONNECT_TIMEOUT="2",
         )
         wait_for(lambda: effect_count(sql) == 10, what="the events to be handled")
     # the proxy is gone: every connection of the worker broke and none can be made
     assert worker.wait(timeout=60) == 1
     assert "the database was unreachable for 3 s" in workers.log(worker)
+
+
+def proxy_to(dsn):
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    return Proxy(params.get("host") or "localhost", int(params.get("port") or 5432))
+
+
+def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
+    app_env, engine_of, sql, workers
+):
+    # Every connection the worker opens must give up after SUBENGINE_CONNECT_TIMEOUT: its
+    # partition locks take a connection of their own only when a partition has work, and
+    # that connection is opened after the host went silent.
+    engine_of.create_stream("orders", partitions=2)
+    with proxy_to(app_env["SUBENGINE_DSN"]) as proxy:
+        worker = workers.start(
+            SUBENGINE_DSN=proxy.dsn(app_env["SUBENGINE_DSN"]),
+            SUBENGINE_OUTAGE_TIMEOUT="3",
+            SUBENGINE_CONNECT_TIMEOUT="2",
+        )
+        wait_for(
+            lambda: sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 1,
+            what="the worker to register",
+        )
+        proxy.silent = True
+        engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
+        assert worker.wait(timeout=90) == 1
+    assert "the database was unreachable for 3 s" in workers.log(worker)
+    assert effect_count(sql) == 0
+
+
+def test_migrate_gives_up_on_a_host_that_never_answers(cli_env):
+    with proxy_to(cli_env["SUBENGINE_DSN"]) as proxy:
+        proxy.silent = True
+        env = dict(
+            cli_env,
+            SUBENGINE_DSN=proxy.dsn(cli_env["SUBENGINE_DSN"]),
+            SUBENGINE_CONNECT_TIMEOUT="2",
+        )
+        result = run_subengine(env, "migrate", timeout=90)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: ")
 
 
 # signals
@@ -319,66 +360,6 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class _Proxy:
-    """A TCP proxy to PostgreSQL; leaving the `with` block closes it and every connection
-    through it, as a network outage would."""
-
-    def __init__(self, host, port):
-        self.target = (host, port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.sockets: list[socket.socket] = [self.listener]
-        self.lock = threading.Lock()
-
-    def __enter__(self):
-        threading.Thread(target=self._accept, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        with self.lock:
-            for s in self.sockets:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
-            self.sockets.clear()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = self._connect()
-            with self.lock:
-                self.sockets += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    def _connect(self):
-        host, port = self.target
-        if host.startswith("/"):  # a Unix-domain socket directory, as libpq names it
-            server = socket.socket(socket.AF_UNIX)
-            server.connect(f"{host}/.s.PGSQL.{port}")
-            return server
-        return socket.create_connection(self.target)
-
-    @staticmethod
-    def _pipe(source, sink):
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
 
 def test_the_readme_example_app_runs_as_written(cli_env, engine_of, sql, tmp_path):

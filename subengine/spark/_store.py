@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 from psycopg import pq
 
+from subengine import _connection
 from subengine._append import EARLIEST, LATEST
 from subengine._errors import (
     InvalidInput,
@@ -31,6 +32,7 @@ from subengine._errors import (
 from subengine._events import PartitionState
 from subengine._queries import query
 from subengine._read import partition_states
+from subengine._settings import Settings
 from subengine.spark._offsets import Positions
 
 log = logging.getLogger("subengine.spark")
@@ -87,7 +89,9 @@ class RetentionGap(SubengineError, LookupError):
 
 def connect(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
     """A new connection; the data source opens one per task or driver call."""
-    return psycopg.connect(dsn, application_name="subengine-spark")
+    return _connection.connect(
+        dsn, Settings.from_env().connect_timeout, application_name="subengine-spark"
+    )
 
 
 def partition_bounds(
