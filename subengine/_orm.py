@@ -16,15 +16,19 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
-import sqlalchemy
-from sqlalchemy.orm import Session
-from sqlalchemy.pool import StaticPool
+
+# SQLAlchemy is imported on first use: `import subengine` should not pay for its ORM.
+if TYPE_CHECKING:
+    import sqlalchemy
+    from sqlalchemy.orm import Session
 
 # One SQLAlchemy engine per worker connection, made on first use: making one runs the
-# dialect's first-connect queries, which a batch should not pay for every time.
+# dialect's first-connect queries, which a batch should not pay for every time. Nothing
+# the engine holds refers to its connection strongly, so the entry goes with the
+# connection.
 _engines: weakref.WeakKeyDictionary[psycopg.Connection[Any], sqlalchemy.Engine] = (
     weakref.WeakKeyDictionary()
 )
@@ -35,10 +39,13 @@ class _Borrowed:
     transaction, or the connection, which stay the worker's to do."""
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        self._conn = conn
+        self._conn = weakref.ref(conn)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
+        conn = self._conn()
+        if conn is None:
+            raise psycopg.InterfaceError("the handler's connection is gone")
+        return getattr(conn, name)
 
     def commit(self) -> None:
         pass
@@ -53,6 +60,9 @@ class _Borrowed:
 def _engine_for(conn: psycopg.Connection[Any]) -> sqlalchemy.Engine:
     engine = _engines.get(conn)
     if engine is None:
+        import sqlalchemy
+        from sqlalchemy.pool import StaticPool
+
         borrowed = _Borrowed(conn)
         engine = sqlalchemy.create_engine(
             "postgresql+psycopg://",
@@ -77,6 +87,8 @@ def sqlalchemy_session(conn: psycopg.Connection[Any], **options: Any) -> Iterato
             "sqlalchemy_session needs the handler's connection; at-least-once handlers "
             "have none (their work is not in the batch's transaction)"
         )
+    from sqlalchemy.orm import Session
+
     with Session(bind=_engine_for(conn), **options) as session:
         yield session
         session.flush()

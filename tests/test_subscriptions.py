@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import psycopg
 import pytest
+import sqlalchemy
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import subengine
@@ -311,3 +314,21 @@ def test_a_sqlalchemy_session_writes_in_the_batch_transaction(engine, projection
     fail_at.clear()
     assert engine.process_batch(sub, 0).position == 6
     assert effects(projections) == [(0, p) for p in range(1, 7)]
+
+
+def test_sqlalchemy_sessions_keep_nothing_alive_after_their_connections_close(dsn):
+    def live_engines():
+        return sum(isinstance(o, sqlalchemy.Engine) for o in gc.get_objects())
+
+    gc.collect()
+    engines_before = live_engines()
+    closed = []
+    for _ in range(30):
+        with psycopg.connect(dsn) as conn:
+            with subengine.sqlalchemy_session(conn) as session:
+                assert session.execute(sqlalchemy.text("SELECT 1")).scalar() == 1
+            closed.append(weakref.ref(conn))
+        del conn, session
+    gc.collect()
+    assert [ref for ref in closed if ref() is not None] == []
+    assert live_engines() <= engines_before  # one per connection would leave 30 more
