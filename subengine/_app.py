@@ -14,6 +14,7 @@ handler instead receives every event of a batch (one partition's, in position or
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -120,6 +121,7 @@ class Subscription:
         """
 
         def register(function: EventHandler) -> EventHandler:
+            _check_runnable(function, "(event, conn)", f"subscription {self.name!r}")
             registered = function if payload is None else _with_payload(function, payload)
             if self.batch is not None:
                 raise InvalidInput(
@@ -144,6 +146,7 @@ class Subscription:
         """Register `handler(events, conn)`, called once per batch with all its events."""
 
         def register(function: BatchHandler) -> BatchHandler:
+            _check_runnable(function, "(events, conn)", f"subscription {self.name!r}")
             if self.handlers or self.catch_all is not None or self.batch is not None:
                 raise InvalidInput(
                     f"subscription {self.name!r} has handlers already: a batch handler "
@@ -159,12 +162,59 @@ class Subscription:
         if not events:
             return
         if self.batch is not None:
-            self.batch(events, conn)
+            _returned(self.batch, self.batch(events, conn))
             return
         for event in events:
             function = self.handlers.get(event.type, self.catch_all)
             if function is not None:
-                function(event, conn)
+                _returned(function, function(event, conn))
+
+
+def _check_runnable(function: object, arguments: str, owner: str) -> None:
+    """Refuse, when it is registered, a handler the worker cannot run correctly
+    (DESIGN.md invariant 8): not callable, an `async def`, or one that cannot be called
+    with two positional arguments."""
+    name = getattr(function, "__qualname__", None) or repr(function)
+    if not callable(function):
+        raise InvalidInput(f"{owner}: a handler must be callable, not {type(function).__name__}")
+    if _is_async(function):
+        raise InvalidInput(
+            f"{owner}: handler {name} is an async function; the worker calls handlers "
+            "synchronously in the batch's transaction, so it would never run: make it a "
+            "plain def"
+        )
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # some builtins have none to read: trust them
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise InvalidInput(
+            f"{owner}: handler {name}{signature} cannot be called as handler{arguments}"
+        ) from None
+
+
+def _is_async(function: object) -> bool:
+    call = getattr(function, "__call__", None)  # noqa: B004 - an object with async __call__
+    return (
+        inspect.iscoroutinefunction(function)
+        or inspect.isasyncgenfunction(function)
+        or (not inspect.isroutine(function) and inspect.iscoroutinefunction(call))
+    )
+
+
+def _returned(function: object, value: object) -> None:
+    """A handler that returned an awaitable did not do its work: fail the batch."""
+    if inspect.isawaitable(value):
+        close = getattr(value, "close", None)
+        if close is not None:
+            close()  # no "never awaited" warning: the error says it
+        name = getattr(function, "__qualname__", None) or repr(function)
+        raise InvalidInput(
+            f"handler {name} returned an awaitable instead of doing its work; the worker "
+            "runs handlers synchronously"
+        )
 
 
 def _with_payload(function: EventHandler, payload: Callable[..., Any]) -> EventHandler:

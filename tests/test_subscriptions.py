@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -117,6 +118,84 @@ def test_a_batch_handler_gets_the_whole_batch_and_must_be_alone():
 def test_invalid_declarations_are_refused(options, message):
     with pytest.raises(subengine.InvalidInput, match=message):
         subengine.App().subscription("billing", **{"stream": "orders", **options})
+
+
+async def async_handler(event, conn):
+    pass
+
+
+async def async_generator_handler(event, conn):
+    yield
+
+
+class AsyncCallable:
+    async def __call__(self, event, conn):
+        pass
+
+
+@pytest.mark.parametrize(
+    "function",
+    [async_handler, async_generator_handler, AsyncCallable(), functools.partial(async_handler)],
+    ids=["async def", "async generator", "async __call__", "partial of async def"],
+)
+@pytest.mark.parametrize("register", ["handler", "catch-all", "batch handler"])
+def test_an_async_handler_is_refused_when_registered(function, register):
+    sub = subengine.App().subscription("billing", stream="orders")
+    decorator = {
+        "handler": lambda: sub.handler("OrderPlaced"),
+        "catch-all": lambda: sub.handler(),
+        "batch handler": lambda: sub.batch_handler(),
+    }[register]()
+    with pytest.raises(
+        subengine.InvalidInput, match=r"is an async function; .* make it a plain def"
+    ):
+        decorator(function)
+    assert (sub.handlers, sub.catch_all, sub.batch) == ({}, None, None)
+
+
+@pytest.mark.parametrize(
+    "function",
+    [lambda: None, lambda event: None, lambda event, conn, extra: None, lambda e, *, conn: None],
+    ids=["no argument", "one argument", "three arguments", "keyword-only conn"],
+)
+def test_a_handler_that_cannot_take_event_and_conn_is_refused(function):
+    sub = subengine.App().subscription("billing", stream="orders")
+    with pytest.raises(subengine.InvalidInput, match=r"cannot be called as handler\(event, conn\)"):
+        sub.handler("OrderPlaced")(function)
+    with pytest.raises(
+        subengine.InvalidInput, match=r"cannot be called as handler\(events, conn\)"
+    ):
+        sub.batch_handler()(function)
+    with pytest.raises(subengine.InvalidInput, match="must be callable"):
+        sub.handler()("not a function")
+    assert (sub.handlers, sub.catch_all, sub.batch) == ({}, None, None)
+
+
+@pytest.mark.parametrize(
+    "function",
+    [
+        lambda event, conn: None,
+        lambda *args: None,
+        lambda event, conn, extra=1: None,
+        functools.partial(lambda prefix, event, conn: None, "x"),
+        print,
+    ],
+    ids=["two arguments", "varargs", "a default", "partial", "a builtin"],
+)
+def test_handlers_that_take_event_and_conn_are_accepted(function):
+    sub = subengine.App().subscription("billing", stream="orders")
+    sub.handler("OrderPlaced")(function)
+    assert sub.handlers == {"OrderPlaced": function}
+
+
+def test_a_handler_that_returns_an_awaitable_fails_its_batch(engine, projections):
+    one_partition_stream(engine, events=3)
+    sub = subengine.App().subscription("billing", stream="orders")
+    sub.handler()(lambda event, conn: async_handler(event, conn))  # a coroutine, unawaited
+    engine.ensure_subscription(sub)
+    with pytest.raises(subengine.InvalidInput, match="returned an awaitable"):
+        engine.process_batch(sub, 0)
+    assert engine.subscription_positions("billing")[0].position == 0
 
 
 def test_a_name_is_declared_once_and_a_type_handled_once():
