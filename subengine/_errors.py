@@ -111,3 +111,28 @@ class DatabaseUnavailable(SubengineError):
 
 class SchemaNotReady(SubengineError):
     """The database schema is missing or older than this code; run the migrations."""
+
+
+class PositionsMissing(SubengineError, LookupError):
+    """Events a subscription has not handled are no longer stored: positions `first` to
+    `last` of a partition are gone. The partition stops before them; nothing is skipped."""
+
+    def __init__(
+        self, subscription: str, stream: str, partition: int, first: int, last: int
+    ) -> None:
+        span, them = (
+            (f"position {first}", "it")
+            if first == last
+            else (f"positions {first} to {last}", "them")
+        )
+        super().__init__(
+            f"partition {partition} of stream {stream!r} no longer stores {span}, which "
+            f"subscription {subscription!r} has not handled; it stopped before {them}. To go "
+            f"on without {them}: subengine subscription reset {subscription} "
+            f"--to '{{\"{partition}\": {last}}}'"
+        )
+        self.subscription = subscription
+        self.stream = stream
+        self.partition = partition
+        self.first = first
+        self.last = last

@@ -121,6 +121,19 @@ class WorkerMetrics:
             per_subscription,
             registry=self.registry,
         )
+        self._database_errors = Counter(
+            "subengine_database_errors",
+            "Batches that met a database error (a timeout, a cancelled query, a lost "
+            "connection) or an unexpected one: retried after a backoff, never counted as "
+            "an attempt of their events.",
+            per_subscription,
+            registry=self.registry,
+        )
+        self._listener_failures = Counter(
+            "subengine_listener_failures",
+            "Times the listening connection failed and was opened again.",
+            registry=self.registry,
+        )
         self._notifications = Counter(
             "subengine_notifications_received",
             "Notifications of appends to the worker's streams.",
@@ -147,6 +160,7 @@ class WorkerMetrics:
                 self._batch_events,
                 self._failures,
                 self._dead_letters,
+                self._database_errors,
             ):
                 metric.labels(name)
         for cause in ("notification", "timer"):
@@ -170,6 +184,12 @@ class WorkerMetrics:
         self._failures.labels(subscription).inc()
         if dead_lettered:
             self._dead_letters.labels(subscription).inc()
+
+    def database_error(self, subscription: str) -> None:
+        self._database_errors.labels(subscription).inc()
+
+    def listener_failed(self) -> None:
+        self._listener_failures.inc()
 
     def notification_received(self) -> None:
         self._notifications.inc()

@@ -22,6 +22,7 @@ from subengine._app import Start, Subscription, describe_start, start_to_json
 from subengine._errors import (
     Fenced,
     InvalidInput,
+    PositionsMissing,
     SubscriptionMismatch,
     SubscriptionNotFound,
 )
@@ -158,15 +159,21 @@ def positions(conn: psycopg.Connection[Any], schema: str, name: str) -> list[Sub
 
 class BatchFailed(Exception):
     """The events of a batch failed: a handler raised, or the transaction of a
-    transactional batch failed to commit (a deferred constraint its writes broke, say).
-    Nothing of the batch committed. `events` is how many it held, `last_position` the last
-    of them, and `error` what was raised."""
+    transactional batch failed to commit because of what the handlers wrote (a deferred
+    constraint they broke, say). Nothing of the batch committed. `events` is how many it
+    held, `last_position` the last of them, `error` what was raised, and `position` and
+    `generation` where the subscription stood when the batch read it (failures are
+    recorded only if it still stands there)."""
 
-    def __init__(self, error: Exception, events: int, last_position: int) -> None:
+    def __init__(
+        self, error: Exception, events: int, last_position: int, position: int, generation: int
+    ) -> None:
         super().__init__(str(error))
         self.error = error
         self.events = events
         self.last_position = last_position
+        self.position = position
+        self.generation = generation
 
 
 def process_batch(
@@ -179,7 +186,8 @@ def process_batch(
     transactions, without a connection; a crash before the second repeats the batch.
     Returns None when the partition is stopped. A handler's exception rolls the batch
     back and propagates; `Fenced` means the position moved under us (nothing of this
-    batch was committed).
+    batch was committed); `PositionsMissing` means events after the position are no longer
+    stored (the partition is then stopped before them).
     """
     try:
         return handle_batch(conn, schema, subscription, partition)
@@ -195,37 +203,70 @@ def handle_batch(
     size: int | None = None,
 ) -> BatchOutcome | None:
     """`process_batch` for the worker: at most `size` events (default: the subscription's
-    batch size), and a failure of the batch's events arrives as `BatchFailed`."""
-    batch: _Batch | None = None
+    batch size), and a failure of the batch's events arrives as `BatchFailed`.
+
+    Only the handlers' own exceptions, and a commit that fails because of their writes,
+    are the events' failures. Any other error (reading the batch, moving the position,
+    the connection) propagates as it is: it says nothing about the events.
+    """
     if subscription.ack == "transactional":
-        try:
-            with conn.transaction():
-                batch = _next_batch(conn, schema, subscription, partition, size)
-                if batch is None:
-                    return None
-                subscription.handle(batch.events, conn)
-                return _commit_position(conn, schema, subscription, batch)
-        except Fenced:
-            raise
-        except Exception as error:
-            if batch is None:  # reading the batch failed, not its events
-                raise
-            raise _failed(error, batch) from error
+        return _transactional_batch(conn, schema, subscription, partition, size)
     with conn.transaction():
         batch = _next_batch(conn, schema, subscription, partition, size)
     if batch is None:
         return None
-    try:
-        subscription.handle(batch.events, None)
-    except Exception as error:
-        raise _failed(error, batch) from error
+    if batch.missing is not None:
+        raise batch.missing
+    _run_handlers(subscription, batch, None)
     with conn.transaction():
         return _commit_position(conn, schema, subscription, batch)
 
 
+def _transactional_batch(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    subscription: Subscription,
+    partition: int,
+    size: int | None,
+) -> BatchOutcome | None:
+    batch: _Batch | None = None
+    outcome: BatchOutcome | None = None
+    try:
+        with conn.transaction():
+            batch = _next_batch(conn, schema, subscription, partition, size)
+            if batch is not None and batch.missing is None:
+                _run_handlers(subscription, batch, conn)
+                outcome = _commit_position(conn, schema, subscription, batch)
+    except psycopg.Error as error:
+        # With the position moved, only the COMMIT remained: an error there that is not
+        # the database's own trouble came from what the handlers wrote.
+        if batch is not None and outcome is not None and not database_trouble(error):
+            raise _failed(error, batch) from error
+        raise
+    if batch is not None and batch.missing is not None:
+        raise batch.missing  # the partition's stop committed
+    return outcome
+
+
+def _run_handlers(
+    subscription: Subscription, batch: _Batch, conn: psycopg.Connection[Any] | None
+) -> None:
+    try:
+        subscription.handle(batch.events, conn)
+    except Exception as error:
+        raise _failed(error, batch) from error
+
+
+def database_trouble(error: BaseException) -> bool:
+    """Whether a database error is the database's trouble (a lost connection, a timeout,
+    a cancelled query, a serialization failure or deadlock, a shutdown, a lack of
+    resources), which a retry may cure and which says nothing about the events."""
+    return isinstance(error, psycopg.OperationalError | psycopg.InterfaceError)
+
+
 def _failed(error: Exception, batch: _Batch) -> BatchFailed:
     last = batch.events[-1].position if batch.events else batch.old
-    return BatchFailed(error, len(batch.events), last)
+    return BatchFailed(error, len(batch.events), last, batch.old, batch.generation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +276,7 @@ class _Batch:
     generation: int
     events: list[Event]
     next_time: datetime | None
+    missing: PositionsMissing | None = None
 
 
 def _next_batch(
@@ -244,7 +286,14 @@ def _next_batch(
     partition: int,
     size: int | None,
 ) -> _Batch | None:
-    """Lock the position row and read the events after it; None if the partition stopped."""
+    """Lock the position row and read the events after it; None if the partition stopped.
+
+    Positions are dense and commit in order (invariant 1), so the first event after the
+    position is position + 1, and the head's events are all committed: a batch that finds
+    otherwise finds events no longer stored. It then stops the partition before them (in
+    this transaction) and returns a batch of no events that names them (`missing`); it
+    never skips them.
+    """
     locked = conn.execute(
         query(schema, "lock_position"), {"name": subscription.name, "partition": partition}
     ).fetchone()
@@ -252,12 +301,19 @@ def _next_batch(
         raise InvalidInput(
             f"subscription {subscription.name!r} is not stored or has no partition {partition}"
         )
-    old, generation, stopped, attempts = locked
+    old, generation, stopped, attempts, head = locked
     if stopped:
         return None
     # after a failure, the failing event is retried on its own
     size = 1 if attempts > 0 else size or subscription.batch_size
     events = read_after(conn, schema, subscription.stream, partition, old, size + 1)
+    first_found = events[0].position if events else head + 1
+    if first_found > old + 1 and head > old:
+        missing = PositionsMissing(
+            subscription.name, subscription.stream, partition, old + 1, first_found - 1
+        )
+        stop_partition(conn, schema, subscription.name, partition, old, generation, missing)
+        return _Batch(partition, old, generation, [], None, missing)
     next_time = events[size].occurred_at if len(events) > size else None
     return _Batch(partition, old, generation, events[:size], next_time)
 
@@ -285,6 +341,30 @@ def _commit_position(
     return BatchOutcome(batch.partition, len(batch.events), new, batch.next_time)
 
 
+def stop_partition(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    name: str,
+    partition: int,
+    position: int,
+    generation: int,
+    error: BaseException | None = None,
+) -> bool:
+    """Halt a partition of a subscription still at (position, generation), recording
+    `error` as its last error when given; False when the position moved (fenced)."""
+    stopped = conn.execute(
+        query(schema, "stop_partition"),
+        {
+            "name": name,
+            "partition": partition,
+            "position": position,
+            "generation": generation,
+            "error": None if error is None else error_text(error),
+        },
+    )
+    return stopped.rowcount == 1
+
+
 def error_text(error: BaseException) -> str:
     """An exception as stored in last_error and dead_letters.error."""
     return f"{type(error).__name__}: {error}"[:_MAX_ERROR_LENGTH]
@@ -293,10 +373,12 @@ def error_text(error: BaseException) -> str:
 @dataclass(frozen=True, slots=True)
 class Failure:
     """A failed batch as recorded: its attempt, and what the error policy did (`retry`:
-    nothing yet; `stopped`; `dead_lettered`: the failing event was recorded and skipped)."""
+    nothing yet; `stopped`; `dead_lettered`: the failing event was recorded and skipped;
+    `missing`: the failing event is no longer stored, so the partition stopped before it;
+    `fenced`: nothing, because the position moved since the batch read it)."""
 
     attempts: int
-    action: Literal["retry", "stopped", "dead_lettered"]
+    action: Literal["retry", "stopped", "dead_lettered", "missing", "fenced"]
 
 
 def record_failure(
@@ -304,48 +386,71 @@ def record_failure(
     schema: str,
     subscription: Subscription,
     partition: int,
-    error: BaseException,
+    failed: BatchFailed,
     settings: Settings,
 ) -> Failure:
     """Count a failed attempt of the event after the position and apply the error policy
     at the last one. Call it for a batch of that one event only (a failed batch of several
-    is first handled one event at a time, to find the failing one)."""
-    text = error_text(error)
+    is first handled one event at a time, to find the failing one).
+
+    Every write is fenced like the position (invariant 3): when a reset or another worker
+    moved the position since the batch read it, nothing is recorded, so a failure is never
+    charged to an event of another generation.
+    """
+    text = error_text(failed.error)
+    where = {
+        "name": subscription.name,
+        "partition": partition,
+        "position": failed.position,
+        "generation": failed.generation,
+    }
     with conn.transaction():
         attempts_row = conn.execute(
             query(schema, "record_failure"),
             {
-                "name": subscription.name,
-                "partition": partition,
+                **where,
                 "error": text,
                 "delay": settings.retry_delay,
                 "delay_max": settings.retry_delay_max,
             },
         ).fetchone()
         if attempts_row is None:
-            return Failure(0, "retry")
-        attempts, position = int(attempts_row[0]), int(attempts_row[1])
+            return Failure(0, "fenced")
+        # the row is locked from here on: the writes below cannot be fenced
+        attempts = int(attempts_row[0])
         if attempts < subscription.max_attempts:
             return Failure(attempts, "retry")
         if subscription.on_error == "stop":
-            conn.execute(
-                query(schema, "stop_partition"), {"name": subscription.name, "partition": partition}
+            stop_partition(
+                conn, schema, subscription.name, partition, failed.position, failed.generation
             )
             return Failure(attempts, "stopped")
         # dead_letter: the event after the position is the failing one
-        conn.execute(
+        failing = failed.position + 1
+        conn.execute(query(schema, "supersede_dead_letters"), {**where, "position": failing})
+        recorded = conn.execute(
             query(schema, "dead_letter"),
             {
-                "name": subscription.name,
+                **where,
                 "stream": subscription.stream,
-                "partition": partition,
-                "position": position + 1,
+                "position": failing,
                 "error": text,
                 "attempts": attempts,
             },
-        )
-        conn.execute(
-            query(schema, "skip_event"),
-            {"name": subscription.name, "partition": partition, "position": position},
-        )
+        ).fetchone()
+        if recorded is None:
+            missing = PositionsMissing(
+                subscription.name, subscription.stream, partition, failing, failing
+            )
+            stop_partition(
+                conn,
+                schema,
+                subscription.name,
+                partition,
+                failed.position,
+                failed.generation,
+                missing,
+            )
+            return Failure(attempts, "missing")
+        conn.execute(query(schema, "skip_event"), where)
         return Failure(attempts, "dead_lettered")

@@ -13,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -28,13 +31,15 @@ from psycopg import sql
 from subengine import _metrics
 from subengine._app import Subscription
 from subengine._engine import Engine
-from subengine._errors import DatabaseUnavailable, Fenced
+from subengine._errors import DatabaseUnavailable, Fenced, PositionsMissing
 from subengine._queries import query
+from subengine._settings import Settings
 from subengine._subscriptions import (
     BatchFailed,
     BatchOutcome,
     Failure,
     ensure_subscription,
+    error_text,
     handle_batch,
     record_failure,
 )
@@ -45,6 +50,8 @@ log = logging.getLogger("subengine.worker")
 # workers do not hide the free ones.
 _CANDIDATES_PER_SLOT = 4
 _RECONNECT_DELAY_SECONDS = 1.0
+# How often the listener, between notifications, checks whether the worker is stopping.
+_LISTEN_CHECK_SECONDS = 0.25
 
 
 def lock_key(schema: str, subscription: str, partition: int) -> int:
@@ -79,6 +86,76 @@ class _Wakeup:
             return self._count != seen
 
 
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """A (subscription, partition) with work, and the time of its next event."""
+
+    key: tuple[str, int]
+    next_time: datetime | None
+
+
+class _Held:
+    """The partition lock a slot holds between batches, and whether that partition had
+    work left after the last one."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, int] | None = None
+        self.has_work = False
+        self._lock: Any = None
+
+    def take(self, key: tuple[str, int], lock: Any) -> None:
+        self.release()
+        self.key, self._lock, self.has_work = key, lock, True
+
+    def release(self) -> None:
+        if self._lock is not None:
+            lock, self._lock, self.key = self._lock, None, None
+            lock.release()
+
+
+class _Backoff:
+    """Partitions that met a database error (or an unexpected one) and wait before the
+    next try: `retry_delay` doubled per consecutive error, at most `retry_delay_max`.
+    Kept in memory: such errors say nothing about the events, so nothing is recorded."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._until: dict[tuple[str, int], tuple[float, float]] = {}
+
+    def failed(self, key: tuple[str, int]) -> float:
+        """Note an error; the seconds to wait before the next try."""
+        with self._lock:
+            _, last = self._until.get(key, (0.0, 0.0))
+            delay = min(
+                self._settings.retry_delay if last == 0 else last * 2,
+                self._settings.retry_delay_max,
+            )
+            self._until[key] = (time.monotonic() + delay, delay)
+            return delay
+
+    def succeeded(self, key: tuple[str, int]) -> None:
+        if key in self._until:
+            with self._lock:
+                self._until.pop(key, None)
+
+    def waiting(self, key: tuple[str, int]) -> bool:
+        with self._lock:
+            until = self._until.get(key)
+            return until is not None and until[0] > time.monotonic()
+
+    def next_retry_in(self) -> float:
+        """Seconds until the first waiting partition may be tried (infinity: none)."""
+        now = time.monotonic()
+        with self._lock:
+            ahead = [until - now for until, _ in self._until.values() if until > now]
+        return min(ahead, default=math.inf)
+
+
+class _ConnectionLost(psycopg.OperationalError):
+    """A slot's connection broke during a batch; the slot reconnects."""
+
+
 class Worker:
     """Runs the handlers of some subscriptions until `stop` is set."""
 
@@ -109,6 +186,7 @@ class Worker:
         # connections, and the holder of each partition lock, by it
         self.application_name = f"subengine worker {self.id}"
         self._locker: Any = None
+        self._backoff = _Backoff(self.settings)
         # set by a slot that gave up on the database; run() raises it
         self.fatal: Exception | None = None
 
@@ -170,6 +248,8 @@ class Worker:
             self.wakeup.notify()
             for slot in slots:
                 slot.join()
+            for thread in threads:  # each notices `stop` soon, unless a connect hangs
+                thread.join(timeout=_RECONNECT_DELAY_SECONDS)
             self._locker.engine.dispose()
             self._unregister()
             self.metrics.close()
@@ -214,17 +294,12 @@ class Worker:
 
     def _slot(self, stop: threading.Event) -> None:
         outage_since: float | None = None
+        held = _Held()
         while not stop.is_set():
             try:
                 with self.engine.connect(application_name=self.application_name) as conn:
                     outage_since = None
-                    while not stop.is_set():
-                        seen = self.wakeup.count()
-                        found = self._work_once(conn, stop)
-                        self.metrics.looked_for_work(found)
-                        if not found:
-                            notified = self.wakeup.wait(seen, self.settings.poll_interval)
-                            self.metrics.woke(by_notification=notified)
+                    self._work(conn, held, stop)
             except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
                 now = time.monotonic()
                 outage_since = now if outage_since is None else outage_since
@@ -239,74 +314,175 @@ class Worker:
                     "database connection lost: %s; reconnecting", error, extra=self._fields()
                 )
                 stop.wait(_RECONNECT_DELAY_SECONDS)
-            except Exception as error:  # a bug of ours (handler errors never reach here)
+            except Exception as error:  # looking for work failed: not one partition's fault
                 log.exception("worker slot failed; stopping the worker")
                 self.fatal = error
                 stop.set()
                 return
+            finally:
+                held.release()
 
-    def _work_once(self, conn: psycopg.Connection[Any], stop: threading.Event) -> bool:
-        """Take one free partition with work and drain it; False when there was none."""
-        candidates = conn.execute(
+    def _work(self, conn: psycopg.Connection[Any], held: _Held, stop: threading.Event) -> None:
+        """Look for work, take the partition whose next event is oldest and handle its
+        batches, looking again whenever the choice may have changed (invariant 7): after
+        a notification, after a poll interval, or once the partition's next event is
+        younger than another candidate's. Wait when nothing can be taken."""
+        while not stop.is_set():
+            seen = self.wakeup.count()
+            candidates = self._candidates(conn)
+            chosen = self._choose(candidates, held)
+            self.metrics.looked_for_work(chosen is not None)
+            if chosen is None:
+                wait = min(self.settings.poll_interval, self._backoff.next_retry_in())
+                notified = self.wakeup.wait(seen, wait)
+                self.metrics.woke(by_notification=notified)
+                continue
+            looked_at = time.monotonic()
+            oldest_other = min(
+                (c.next_time for c in candidates if c.key != chosen and c.next_time is not None),
+                default=None,
+            )
+            name, partition = chosen
+            while not stop.is_set():
+                next_time = self._take_turn(conn, self.subscriptions[name], partition, stop)
+                held.has_work = next_time is not None
+                if (
+                    next_time is None
+                    or self.wakeup.count() != seen
+                    or time.monotonic() - looked_at >= self.settings.poll_interval
+                    or (oldest_other is not None and oldest_other < next_time)
+                ):
+                    break
+
+    def _candidates(self, conn: psycopg.Connection[Any]) -> list[_Candidate]:
+        rows = conn.execute(
             query(self.schema, "partitions_with_work"),
             {"names": list(self.subscriptions), "limit": self.concurrency * _CANDIDATES_PER_SLOT},
         ).fetchall()
         conn.commit()
-        for name, partition, _next_time in candidates:
-            lock = self._lock(name, partition)
-            if not lock.acquire():
-                lock.conn.close()  # pals keeps the connection of a failed try: give it back
-                lock.conn = None
-                continue
-            try:
-                self._drain(conn, self.subscriptions[name], partition, stop)
-            finally:
-                lock.release()
-            return True
-        return False
+        return [_Candidate((name, partition), next_time) for name, partition, next_time in rows]
 
-    def _drain(
+    def _choose(self, candidates: list[_Candidate], held: _Held) -> tuple[str, int] | None:
+        """The first candidate this slot holds or can lock, skipping partitions that wait
+        out a database error; else the held partition if it still has work (older ones
+        are all held by others); else None, with nothing held."""
+        for candidate in candidates:
+            if self._backoff.waiting(candidate.key):
+                continue
+            if candidate.key == held.key:
+                return held.key
+            lock = self._lock(*candidate.key)
+            if lock.acquire():
+                held.take(candidate.key, lock)
+                return candidate.key
+            lock.conn.close()  # pals keeps the connection of a failed try: give it back
+            lock.conn = None
+        if held.key is not None and held.has_work and not self._backoff.waiting(held.key):
+            return held.key
+        held.release()
+        return None
+
+    def _take_turn(
         self,
         conn: psycopg.Connection[Any],
         subscription: Subscription,
         partition: int,
         stop: threading.Event,
-    ) -> None:
-        """Handle batches of one partition while it has work and the worker runs.
+    ) -> datetime | None:
+        """Handle one batch of a partition; the time of its next event, or None when it
+        has no more work for now.
 
         When a batch of several events fails, its events are handled again at once, one
-        per batch: those before the failing one commit, and the failing one meets the
-        retry delay and the error policy alone.
+        per batch, within this turn: those before the failing one commit, and the failing
+        one meets the retry delay and the error policy alone. Any other error is kept to
+        this partition: it is logged and the partition is tried again after a backoff,
+        without counting an attempt; only a lost connection leaves the turn.
         """
-        where = self._fields(subscription=subscription.name, partition=partition)
+        key = (subscription.name, partition)
         one_by_one_through = 0  # the last position of a failed batch of several events
         while not stop.is_set():
             started = time.monotonic()
             size = 1 if one_by_one_through else None
             try:
-                outcome = handle_batch(conn, self.schema, subscription, partition, size)
-            except Fenced as fenced:
-                log.info("%s", fenced, extra=where)
-                return
-            except Exception as raised:  # a batch failed: never kill the worker for it
+                outcome = self._batch(conn, subscription, partition, size)
+            except Exception as error:
                 if conn.broken or conn.closed:
-                    raise psycopg.OperationalError("the worker's connection broke") from raised
-                if isinstance(raised, BatchFailed) and raised.events > 1:
-                    one_by_one_through = raised.last_position
-                    self._batch_split(subscription, partition, raised)
-                    continue
-                error = raised.error if isinstance(raised, BatchFailed) else raised
-                failure = record_failure(
-                    conn, self.schema, subscription, partition, error, self.settings
-                )
-                self._batch_failed(subscription, partition, failure, error)
-                return
-            if outcome is not None and outcome.position >= one_by_one_through:
-                one_by_one_through = 0
-            if outcome is not None and outcome.handled > 0:
+                    raise _ConnectionLost(f"the worker's connection broke: {error}") from error
+                self._database_trouble(subscription, partition, error)
+                return None
+            self._backoff.succeeded(key)
+            if outcome is None:
+                return None
+            if isinstance(outcome, BatchFailed):
+                one_by_one_through = outcome.last_position
+                continue
+            if outcome.handled > 0:
                 self._batch_committed(subscription, outcome, time.monotonic() - started)
-            if outcome is None or outcome.handled == 0 or outcome.next_time is None:
-                return
+            if one_by_one_through and outcome.position < one_by_one_through:
+                continue
+            return outcome.next_time
+        return None
+
+    def _batch(
+        self,
+        conn: psycopg.Connection[Any],
+        subscription: Subscription,
+        partition: int,
+        size: int | None,
+    ) -> BatchOutcome | BatchFailed | None:
+        """One batch: its outcome; a failed batch of several events (to split); None when
+        the partition has nothing to do now (stopped, failed, fenced or missing events)."""
+        try:
+            return handle_batch(conn, self.schema, subscription, partition, size)
+        except Fenced as fenced:
+            log.info("%s", fenced, extra=self._fields(subscription=subscription.name))
+            return None
+        except PositionsMissing as missing:
+            self.metrics.batch_failed(subscription.name, False)
+            log.error(
+                "%s",
+                missing,
+                extra=self._fields(
+                    subscription=subscription.name,
+                    partition=partition,
+                    from_position=missing.first,
+                    to_position=missing.last,
+                ),
+            )
+            return None
+        except BatchFailed as failed:
+            if conn.broken or conn.closed:  # the handlers met the connection's end
+                raise
+            if failed.events > 1:
+                self._batch_split(subscription, partition, failed)
+                return failed
+            failure = record_failure(
+                conn, self.schema, subscription, partition, failed, self.settings
+            )
+            self._batch_failed(subscription, partition, failure, failed.error)
+            return None
+
+    def _database_trouble(
+        self, subscription: Subscription, partition: int, error: Exception
+    ) -> None:
+        delay = self._backoff.failed((subscription.name, partition))
+        self.metrics.database_error(subscription.name)
+        log.warning(
+            "subscription %s partition %s: %s: %s; trying again in %.1f s (no attempt of "
+            "its events is counted)",
+            subscription.name,
+            partition,
+            "database error" if isinstance(error, psycopg.Error) else "unexpected error",
+            error_text(error),
+            delay,
+            exc_info=not isinstance(error, psycopg.Error),
+            extra=self._fields(
+                subscription=subscription.name,
+                partition=partition,
+                error=error_text(error),
+                retry_in=round(delay, 3),
+            ),
+        )
 
     def _batch_split(self, subscription: Subscription, partition: int, failed: BatchFailed) -> None:
         self.metrics.batch_failed(subscription.name, False)
@@ -361,31 +537,41 @@ class Worker:
             partition=partition,
             attempts=failure.attempts,
             max_attempts=subscription.max_attempts,
-            error=f"{type(error).__name__}: {error}",
+            error=error_text(error),
         )
-        log.warning(
-            "subscription %s partition %s: batch failed (attempt %s of %s): %s",
-            subscription.name,
-            partition,
-            failure.attempts,
-            subscription.max_attempts,
-            error,
-            extra=fields,
-        )
-        if failure.action != "retry":
-            log.error(
-                "subscription %s partition %s: %s",
-                subscription.name,
-                partition,
-                "the failing event went to the dead letters; the partition goes on"
-                if dead_lettered
-                else "the partition is stopped at the failing event (on_error='stop')",
+        where = f"subscription {subscription.name} partition {partition}"
+        if failure.action == "fenced":
+            log.info(
+                "%s: a batch failed (%s), but the position moved meanwhile (a reset or "
+                "another worker): nothing was recorded",
+                where,
+                error_text(error),
                 extra=fields,
             )
+            return
+        log.warning(
+            "%s: batch failed (attempt %s of %s): %s",
+            where,
+            failure.attempts,
+            subscription.max_attempts,
+            error_text(error),
+            extra=fields,
+        )
+        outcomes = {
+            "dead_lettered": "the failing event went to the dead letters; the partition goes on",
+            "stopped": "the partition is stopped at the failing event (on_error='stop')",
+            "missing": "the failing event is no longer stored, so it cannot be dead-lettered: "
+            "the partition is stopped before it",
+        }
+        if failure.action in outcomes:
+            log.error("%s: %s", where, outcomes[failure.action], extra=fields)
 
     # around the slots
 
     def _listen(self, stop: threading.Event) -> None:
+        """Turn notifications into wake-ups. Whatever goes wrong (a lost connection, a
+        payload that breaks the parser, a bug) is logged and counted, and the listener
+        connects again: push only saves time, so it must never stop for good."""
         channel = sql.Identifier(self.schema)
         while not stop.is_set():
             try:
@@ -395,13 +581,18 @@ class Worker:
                     conn.execute(sql.SQL("LISTEN {}").format(channel))
                     self.wakeup.notify()  # whatever came while we were not listening
                     while not stop.is_set():
-                        for notification in conn.notifies(timeout=1.0):
+                        for notification in conn.notifies(timeout=_LISTEN_CHECK_SECONDS):
                             if self._wanted(notification.payload):
                                 self.metrics.notification_received()
                                 self.wakeup.notify()
-            except psycopg.OperationalError as error:
+            except Exception as error:
+                self.metrics.listener_failed()
                 log.warning(
-                    "listening connection lost: %s; reconnecting", error, extra=self._fields()
+                    "the listening connection failed (%s); reconnecting in %g s",
+                    error_text(error),
+                    _RECONNECT_DELAY_SECONDS,
+                    exc_info=not isinstance(error, psycopg.OperationalError),
+                    extra=self._fields(error=error_text(error)),
                 )
                 stop.wait(_RECONNECT_DELAY_SECONDS)
 

@@ -37,8 +37,8 @@ def operated(engine, sql, tmp_path):
     for a in stored[16:18]:
         sql.execute(
             "INSERT INTO subengine.dead_letters"
-            " (subscription, partition, position, event_id, error, attempts)"
-            " VALUES ('billing', %s, %s, %s, 'ValueError: test', 5)",
+            " (subscription, partition, position, generation, event_id, error, attempts)"
+            " VALUES ('billing', %s, %s, 1, %s, 'ValueError: test', 5)",
             (a.partition, a.position, a.id),
         )
     return tmp_path

@@ -193,8 +193,8 @@ def test_a_retry_whose_handler_raises_invalid_input_is_recorded_as_a_failure(fas
     fast_engine.ensure_subscription(letters)
     sql.execute(
         "INSERT INTO subengine.dead_letters"
-        " (subscription, partition, position, event_id, error, attempts)"
-        " VALUES ('letters', %s, %s, %s, 'ValueError: first', 5)",
+        " (subscription, partition, position, generation, event_id, error, attempts)"
+        " VALUES ('letters', %s, %s, 1, %s, 'ValueError: first', 5)",
         (stored[0].partition, stored[0].position, stored[0].id),
     )
     error = fast_engine.retry_dead_letter(letters, stored[0].partition, stored[0].position)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
+from psycopg.sql import SQL, Identifier
 
 import subengine
 from subengine import NewEvent
@@ -302,3 +305,259 @@ def test_at_least_once_handlers_run_outside_the_transaction_and_may_repeat(fast_
     assert set(calls) == {a.id for a in stored}
     assert len(calls) > len(stored)
     assert all(p.generation == 2 for p in fast_engine.subscription_positions("mailer"))
+
+
+def key_in(partition, partitions=4, prefix="k"):
+    return next(
+        f"{prefix}{n}"
+        for n in range(1000)
+        if subengine.partition_for(f"{prefix}{n}", partitions) == partition
+    )
+
+
+def worker_warned(caplog):
+    return any(
+        r.name == "subengine.worker" and r.levelno >= logging.WARNING for r in caplog.records
+    )
+
+
+@pytest.mark.parametrize("where", ["reading the batch", "moving the position"])
+def test_a_database_error_is_retried_and_never_counted_against_the_events(dsn, sql, caplog, where):
+    # Invariant 8: with one attempt allowed and on_error="stop", counting a database error
+    # as the events' failure would stop a partition whose events no handler ever saw.
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    role = f"worker_{sql.info.dbname}"
+    grant = [
+        "CREATE ROLE {role}",
+        "GRANT USAGE ON SCHEMA subengine TO {role}",
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA subengine TO {role}",
+        "GRANT INSERT ON effects TO {role}",
+    ]
+    if where == "reading the batch":
+        # the worker may read what choosing a partition needs, but no event's data
+        grant += [
+            "REVOKE SELECT ON subengine.events FROM {role}",
+            "GRANT SELECT (stream, partition, position, occurred_at) ON subengine.events TO {role}",
+        ]
+        repair = "GRANT SELECT ON subengine.events TO {role}"
+    else:
+        # moving the position takes longer than the worker's statement timeout
+        grant += [
+            "CREATE FUNCTION slow_move() RETURNS trigger LANGUAGE plpgsql"
+            " AS $$ BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$",
+            "CREATE TRIGGER slow_move BEFORE UPDATE ON subengine.subscription_positions"
+            " FOR EACH ROW WHEN (OLD.position <> NEW.position) EXECUTE FUNCTION slow_move()",
+        ]
+        repair = "DROP TRIGGER slow_move ON subengine.subscription_positions"
+    for statement in grant:
+        sql.execute(SQL(statement).format(role=Identifier(role)))
+    worker_dsn = psycopg.conninfo.make_conninfo(
+        dsn, options=f"-c role={role} -c statement_timeout=500"
+    )
+    settings = subengine.Settings(
+        dsn=worker_dsn, poll_interval=0.2, retry_delay=0.05, retry_delay_max=0.2
+    )
+    try:
+        with subengine.Engine(dsn) as admin, subengine.Engine(settings=settings) as engine:
+            admin.create_stream("orders", partitions=2)
+            stored = admin.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(6)])
+            app = subengine.App()
+            app.subscription("billing", stream="orders", max_attempts=1).handler()(record)
+            with Running(app, engine):
+                wait_for(lambda: worker_warned(caplog))
+                sql.execute(SQL(repair).format(role=Identifier(role)))
+                wait_for(lambda: count(sql) == len(stored))
+            rows = engine.subscription_positions("billing")
+        assert [(p.stopped, p.attempts, p.last_error) for p in rows] == [(False, 0, None)] * 2
+        assert count(sql, "subengine.dead_letters") == 0
+        assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 6
+    finally:
+        sql.execute(SQL("DROP OWNED BY {role}; DROP ROLE {role}").format(role=Identifier(role)))
+
+
+def test_missing_positions_stop_the_partition_with_an_error_naming_them(fast_engine, sql):
+    fast_engine.create_stream("single", partitions=1)
+    fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(10)])
+    sql.execute("DELETE FROM subengine.events WHERE stream = 'single' AND position <= 5")
+    sql.execute("UPDATE subengine.partitions SET floor = 6 WHERE stream = 'single'")
+    app = subengine.App()
+    app.subscription("billing", stream="single").handler()(record)
+    fast_engine.ensure_subscription(app.subscriptions["billing"])
+    with Running(app, fast_engine):
+        wait_for(lambda: fast_engine.subscription_positions("billing")[0].stopped)
+    [row] = fast_engine.subscription_positions("billing")
+    assert (row.position, row.attempts) == (0, 0)
+    assert "partition 0 of stream 'single' no longer stores positions 1 to 5" in row.last_error
+    assert count(sql) == 0  # the handler saw none of 6..10
+    [(state,)] = sql.execute("SELECT state FROM subengine.subscription_status").fetchall()
+    assert state == "stopped"
+
+
+def test_a_partition_whose_every_event_is_gone_stops_too(fast_engine, sql):
+    fast_engine.create_stream("single", partitions=1)
+    fast_engine.append("single", [NewEvent("k", "T", {}) for _ in range(3)])
+    sql.execute("DELETE FROM subengine.events WHERE stream = 'single'")
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single")
+    sub.handler()(record)
+    fast_engine.ensure_subscription(sub)
+    with pytest.raises(subengine.PositionsMissing, match="positions 1 to 3") as missing:
+        fast_engine.process_batch(sub, 0)
+    assert (missing.value.first, missing.value.last) == (1, 3)
+    [row] = fast_engine.subscription_positions("billing")
+    assert (row.position, row.stopped) == (0, True)
+
+
+def test_a_dead_letter_clears_the_failure_state_of_its_partition(fast_engine, sql):
+    # the poison is the partition's last event: no later batch clears the state for it
+    stored = fast_engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
+    app = poisoned_app("orders", stored[2], max_attempts=2, on_error="dead_letter")
+    with Running(app, fast_engine):
+        wait_for(lambda: count(sql) == 2 and count(sql, "subengine.dead_letters") == 1)
+    [row] = [
+        p
+        for p in fast_engine.subscription_positions("billing")
+        if p.partition == stored[0].partition
+    ]
+    assert (row.position, row.attempts, row.last_error) == (3, 0, None)
+    [(state,)] = sql.execute(
+        "SELECT state FROM subengine.subscription_status WHERE partition = %s",
+        (stored[0].partition,),
+    ).fetchall()
+    assert state == "idle"
+
+
+def test_a_failing_event_that_is_gone_is_not_skipped_by_its_dead_letter(fast_engine, sql, dsn):
+    stored = fast_engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
+    poison = stored[1]
+    app = subengine.App()
+    sub = app.subscription("billing", stream="orders", max_attempts=1, on_error="dead_letter")
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.id == poison.id:
+            with psycopg.connect(dsn, autocommit=True) as other:
+                other.execute("DELETE FROM subengine.events WHERE id = %s", (poison.id,))
+            raise ValueError("poison")
+        record(event, conn)
+
+    with Running(app, fast_engine):
+        wait_for(lambda: any(p.stopped for p in fast_engine.subscription_positions("billing")))
+    [row] = [p for p in fast_engine.subscription_positions("billing") if p.stopped]
+    assert row.position == poison.position - 1
+    assert f"no longer stores position {poison.position}," in row.last_error
+    assert count(sql, "subengine.dead_letters") == 0
+    assert count(sql) == 1  # the event after the gone one waits behind it
+
+
+@pytest.mark.parametrize("policy", ["dead_letter", "stop"])
+def test_a_reset_during_a_failing_retry_charges_nothing_to_the_new_generation(
+    fast_engine, sql, dsn, policy
+):
+    fast_engine.create_stream("single", partitions=1)
+    stored = fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(8)])
+    poison = stored[4]
+    resets = []
+    app = subengine.App()
+    sub = app.subscription(
+        "billing", stream="single", batch_size=1, max_attempts=1, on_error=policy
+    )
+
+    def reset():
+        with subengine.Engine(dsn) as other:
+            other.reset_subscription("billing", "beginning")
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.id != poison.id:
+            return record(event, conn)
+        if not resets:
+            # a reset to the beginning while this failing batch runs: it waits for the
+            # batch's row lock, and moves the position as soon as the batch rolls back
+            resets.append(threading.Thread(target=reset))
+            resets[0].start()
+            with psycopg.connect(dsn, autocommit=True) as watcher:
+                wait_for(
+                    lambda: (
+                        watcher.execute(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        ).fetchone()[0]
+                        == 1
+                    )
+                )
+        raise ValueError("poison")
+
+    with Running(app, fast_engine):
+        if policy == "dead_letter":
+            wait_for(lambda: count(sql, "subengine.dead_letters") >= 1 and count(sql) == 4 + 7)
+        else:
+            wait_for(lambda: any(p.stopped for p in fast_engine.subscription_positions("billing")))
+        resets[0].join()
+    [row] = fast_engine.subscription_positions("billing")
+    assert row.generation == 2
+    dead = sql.execute("SELECT position, generation FROM subengine.dead_letters").fetchall()
+    if policy == "dead_letter":
+        # only the poison, in the generation that failed on it after the reset
+        assert dead == [(poison.position, 2)]
+        assert row.position == 8
+    else:
+        assert dead == []
+        assert (row.position, row.stopped) == (poison.position - 1, True)
+
+
+def test_a_rebuild_records_a_repeated_dead_letter_and_goes_on(fast_engine, sql):
+    fast_engine.create_stream("single", partitions=1)
+    stored = fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(5)])
+    app = poisoned_app("single", stored[2], max_attempts=1, on_error="dead_letter")
+    with Running(app, fast_engine):
+        wait_for(lambda: count(sql) == 4 and count(sql, "subengine.dead_letters") == 1)
+        fast_engine.reset_subscription("billing", "beginning")
+        wait_for(lambda: count(sql) == 8 and count(sql, "subengine.dead_letters") == 2)
+    letters = sql.execute(
+        "SELECT position, generation, resolution FROM subengine.dead_letters ORDER BY 2"
+    ).fetchall()
+    assert letters == [(3, 1, "superseded"), (3, 2, None)]
+    assert [d["generation"] for d in fast_engine.dead_letters("billing")] == [2]
+    [row] = fast_engine.subscription_positions("billing")
+    assert (row.position, row.generation, row.stopped) == (5, 2, False)
+
+
+def test_an_unexpected_error_in_one_partition_leaves_the_worker_and_the_others_running(
+    fast_engine, sql, caplog
+):
+    # Recording the dead letter fails: the poison's partition waits and tries again; the
+    # other partitions go on; the worker does not stop.
+    sql.execute(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql"
+        " AS $$ BEGIN RAISE EXCEPTION 'not today'; END $$;"
+        " CREATE TRIGGER refuse BEFORE INSERT ON subengine.dead_letters"
+        " FOR EACH ROW EXECUTE FUNCTION refuse()"
+    )
+    poison = fast_engine.append("orders", [NewEvent(key_in(0), "T", {})])[0]
+    app = poisoned_app("orders", poison, max_attempts=1, on_error="dead_letter")
+    with Running(app, fast_engine):
+        wait_for(lambda: worker_warned(caplog))
+        others = fast_engine.append("orders", [NewEvent(key_in(p), "T", {}) for p in (1, 2, 3)])
+        wait_for(lambda: count(sql) == len(others))
+        sql.execute("DROP TRIGGER refuse ON subengine.dead_letters")
+        wait_for(lambda: count(sql, "subengine.dead_letters") == 1)
+    assert any("not today" in r.getMessage() for r in caplog.records)
+
+
+def test_the_listener_survives_a_notification_it_cannot_parse(dsn, sql, caplog):
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    # a poll interval far longer than the test: only notifications can deliver in time
+    settings = subengine.Settings(dsn=dsn, poll_interval=600)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=2)
+        app = subengine.App()
+        app.subscription("billing", stream="orders").handler()(record)
+        with Running(app, engine):
+            listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
+            wait_for(lambda: sql.execute(listening).fetchone()[0] == 1)
+            sql.execute("SELECT pg_notify('subengine', repeat('[', 7000))")
+            engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
+            wait_for(lambda: count(sql) == 5)
+    assert any(
+        "the listening connection failed (RecursionError" in r.getMessage() for r in caplog.records
+    )

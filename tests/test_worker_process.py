@@ -224,6 +224,47 @@ def test_migrate_gives_up_on_a_host_that_never_answers(cli_env):
     assert line.startswith("error: ")
 
 
+def test_a_busy_partition_never_starves_an_older_event_of_another(app_env, engine_of, sql, workers):
+    # Invariant 7, the reproduction: 4 partitions, batches of 10, 10 ms per event,
+    # one slot, about 200 appends a second to one key (twice what the slot can handle),
+    # then one event to a key in another partition.
+    engine_of.create_stream("orders", partitions=4)
+    busy, quiet = (
+        next(f"{p}{n}" for n in range(1000) if subengine.partition_for(f"{p}{n}", 4) == partition)
+        for p, partition in (("busy", 0), ("quiet", 1))
+    )
+    worker = workers.start("--concurrency", "1", WORKER_APP_BATCH="10", WORKER_APP_SLEEP="0.01")
+    wait_for(
+        lambda: sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 1,
+        what="the worker to register",
+    )
+    total, appended = 600, []
+
+    def produce():
+        with subengine.Engine(app_env["SUBENGINE_DSN"]) as producer:
+            started = time.monotonic()
+            for n in range(total):
+                appended.append(producer.append("orders", [NewEvent(busy, "T", {})]))
+                time.sleep(max(0.0, started + (n + 1) / 200 - time.monotonic()))
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    wait_for(lambda: len(appended) >= 200, what="a backlog in the busy partition")
+    [lonely] = engine_of.append("orders", [NewEvent(quiet, "T", {})])
+    producer.join(timeout=60)
+    wait_for(lambda: effect_count(sql) == total + 1, timeout=120, what="every event")
+    assert worker.poll() is None
+    rows = sql.execute(
+        "SELECT e.key, e.occurred_at FROM effects f JOIN subengine.events e ON e.id = f.event_id"
+        " ORDER BY f.seq"
+    ).fetchall()
+    handled_at = next(i for i, (key, _) in enumerate(rows) if key == quiet)
+    lonely_time = rows[handled_at][1]
+    younger_first = [t for key, t in rows[:handled_at] if t > lonely_time]
+    # at most the batch that was running when its event became the oldest
+    assert len(younger_first) <= 10, (len(younger_first), lonely.position)
+
+
 # signals
 
 

@@ -108,11 +108,15 @@ UPDATE {schema}.subscriptions SET generation = generation + 1
 RETURNING stream, generation
 
 -- name: lock_position
--- A subscription's position in one partition, locked until the transaction ends.
-SELECT position, generation, stopped, attempts
-  FROM {schema}.subscription_positions
- WHERE subscription = %(name)s AND partition = %(partition)s
-   FOR UPDATE
+-- A subscription's position in one partition, locked until the transaction ends, with the
+-- partition's head (events up to it are committed: a batch that finds fewer is missing
+-- some).
+SELECT sp.position, sp.generation, sp.stopped, sp.attempts, p.head
+  FROM {schema}.subscription_positions sp
+  JOIN {schema}.subscriptions s ON s.name = sp.subscription
+  JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
+ WHERE sp.subscription = %(name)s AND sp.partition = %(partition)s
+   FOR UPDATE OF sp
 
 -- name: commit_position
 -- Compare-and-set the position (DESIGN.md invariant 3): matches no row when another
@@ -163,33 +167,52 @@ SELECT sp.subscription, sp.partition, sp.position, p.head, sp.stopped OR s.pause
 
 -- name: record_failure
 -- Count a failed attempt of a partition's next batch, with its error; it is tried again
--- after `delay` seconds, doubled for every earlier failure, at most `delay_max`.
+-- after `delay` seconds, doubled for every earlier failure, at most `delay_max`. Fenced
+-- like the position itself (DESIGN.md invariant 3): matches no row when a reset or
+-- another worker moved the position since the batch read it.
 UPDATE {schema}.subscription_positions
    SET attempts = attempts + 1, last_error = %(error)s, updated_at = now(),
        retry_at = clock_timestamp()
                   + make_interval(secs => least(%(delay)s * 2 ^ attempts, %(delay_max)s))
  WHERE subscription = %(name)s AND partition = %(partition)s
-RETURNING attempts, position
+   AND position = %(position)s AND generation = %(generation)s
+RETURNING attempts
 
 -- name: skip_event
--- Move past a dead-lettered event (same transaction as its dead_letters row).
+-- Move past a dead-lettered event (same transaction as its dead_letters row); its error
+-- now lives there, so the position row's failure state is cleared. Fenced.
 UPDATE {schema}.subscription_positions
-   SET position = position + 1, next_time = NULL, attempts = 0, retry_at = NULL,
-       updated_at = now()
- WHERE subscription = %(name)s AND partition = %(partition)s AND position = %(position)s
+   SET position = position + 1, next_time = NULL, attempts = 0, last_error = NULL,
+       retry_at = NULL, updated_at = now()
+ WHERE subscription = %(name)s AND partition = %(partition)s
+   AND position = %(position)s AND generation = %(generation)s
 
 -- name: stop_partition
--- Halt a partition after its last allowed attempt (policy `stop`).
+-- Halt a partition: after its last allowed attempt (policy `stop`), or before events that
+-- are no longer stored (then with the error that says so). Fenced.
 UPDATE {schema}.subscription_positions
-   SET stopped = true, retry_at = NULL, updated_at = now()
+   SET stopped = true, retry_at = NULL, last_error = coalesce(%(error)s, last_error),
+       updated_at = now()
  WHERE subscription = %(name)s AND partition = %(partition)s
+   AND position = %(position)s AND generation = %(generation)s
+
+-- name: supersede_dead_letters
+-- An event about to be dead-lettered again (a reset replayed it): its open dead letters
+-- of earlier generations are closed, so only the newest is open.
+UPDATE {schema}.dead_letters
+   SET resolution = 'superseded', resolved_at = now()
+ WHERE subscription = %(name)s AND partition = %(partition)s AND position = %(position)s
+   AND resolution IS NULL
 
 -- name: dead_letter
--- Record the event after the position as dead (policy `dead_letter`).
-INSERT INTO {schema}.dead_letters (subscription, partition, position, event_id, error, attempts)
-SELECT %(name)s, e.partition, e.position, e.id, %(error)s, %(attempts)s
+-- Record the event after the position as dead (policy `dead_letter`), in the position's
+-- generation; returns nothing when the event is no longer stored.
+INSERT INTO {schema}.dead_letters
+       (subscription, partition, position, generation, event_id, error, attempts)
+SELECT %(name)s, e.partition, e.position, %(generation)s, e.id, %(error)s, %(attempts)s
   FROM {schema}.events e
  WHERE e.stream = %(stream)s AND e.partition = %(partition)s AND e.position = %(position)s
+RETURNING position
 
 -- name: register_worker
 -- A worker, for inspection.
@@ -247,8 +270,8 @@ SELECT * FROM {schema}.workers_status ORDER BY started_at
 
 -- name: list_dead_letters
 -- Dead letters, unresolved ones only unless %(all)s.
-SELECT d.subscription, s.stream, d.partition, d.position, d.event_id, e.key, e.type, d.error,
-       d.attempts, d.retries, d.resolution, d.created_at, d.resolved_at
+SELECT d.subscription, s.stream, d.partition, d.position, d.generation, d.event_id, e.key,
+       e.type, d.error, d.attempts, d.retries, d.resolution, d.created_at, d.resolved_at
   FROM {schema}.dead_letters d
   JOIN {schema}.subscriptions s ON s.name = d.subscription
   LEFT JOIN {schema}.events e
@@ -267,10 +290,12 @@ SELECT d.event_id, s.stream
    FOR UPDATE OF d
 
 -- name: resolve_dead_letter
+-- Resolve the open dead letter of an event (there is at most one).
 UPDATE {schema}.dead_letters
    SET resolution = %(resolution)s, resolved_at = now(),
        retries = retries + CASE WHEN %(resolution)s = 'retried' THEN 1 ELSE 0 END
  WHERE subscription = %(name)s AND partition = %(partition)s AND position = %(position)s
+   AND resolution IS NULL
 
 -- name: dead_letter_retry_failed
 UPDATE {schema}.dead_letters
