@@ -422,15 +422,43 @@ def subscription_create(context: Context, name: str, stream_name: str, start: An
     type=StartPoint(),
     required=True,
     help="beginning, end, a time (the first event recorded at or after it is next), "
-    "or a JSON map of partition to position.",
+    "or a JSON map of partition to position (only the partitions it names move).",
 )
+@click.option("--dry-run", is_flag=True, help="Print what the reset would do; change nothing.")
 @pass_context
 @handles_errors
-def subscription_reset(context: Context, name: str, to: Any) -> None:
-    """Move every position of NAME at once, in a new generation (workers may run)."""
+def subscription_reset(context: Context, name: str, to: Any, dry_run: bool) -> None:
+    """Move the positions of NAME at once, in a new generation (workers may run)."""
     engine = context.engine()
-    engine.reset_subscription(name, to)
-    _positions_table(engine.subscription_positions(name))
+    before = {p.partition: p.position for p in engine.subscription_positions(name)}
+    after = engine.reset_subscription(name, to, dry_run=dry_run)
+    named = set(to) if isinstance(to, dict) else set(after)
+    _table(
+        ("partition", "position", "after reset", ""),
+        [
+            (str(p), str(before.get(p, "-")), str(a), "" if p in named else "unchanged")
+            for p, a in after.items()
+        ],
+    )
+    if dry_run:
+        click.echo("dry run: nothing changed", err=True)
+
+
+@subscription.command("delete")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Delete it even while connected workers run it.")
+@pass_context
+@handles_errors
+def subscription_delete(context: Context, name: str, force: bool) -> None:
+    """Delete subscription NAME with its positions and dead letters, in one transaction.
+
+    Refused while connected workers run it, unless --force. An app that declares it
+    again later stores it anew, from its start point."""
+    deleted = context.engine().delete_subscription(name, force=force)
+    click.echo(
+        f"deleted subscription {deleted.name!r} (stream {deleted.stream!r}): "
+        f"{deleted.partitions} positions, {deleted.dead_letters} dead letters"
+    )
 
 
 @subscription.command("list")
@@ -530,17 +558,33 @@ def status(
     _status.print_table(rows(), columns, "subscriptions")
 
 
-@cli.command()
+@cli.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-@pass_context
+@click.pass_context
 @handles_errors
-def workers(context: Context, as_json: bool) -> None:
-    """The registered workers: host, pid, heartbeat, partitions held."""
-    rows = context.engine().workers()
+def workers(ctx: click.Context, as_json: bool) -> None:
+    """The registered workers: host, pid, heartbeat, connected, partitions held."""
+    if ctx.invoked_subcommand is not None:
+        return
+    rows = ctx.find_object(Context).engine().workers()
     if as_json:
         _status.print_json(rows)
     else:
         _status.print_table(rows, _status.WORKER_COLUMNS, "workers")
+
+
+@workers.command("prune")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@pass_context
+@handles_errors
+def workers_prune(context: Context, as_json: bool) -> None:
+    """Remove the registrations of workers that are gone (no connection of theirs open,
+    no recent heartbeat); each worker also does this when it starts."""
+    rows = context.engine().prune_workers()
+    if as_json:
+        _status.print_json(rows)
+        return
+    _status.print_table(rows, _status.WORKER_COLUMNS[:6], "removed")
 
 
 @cli.group("dead-letters")

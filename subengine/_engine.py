@@ -30,7 +30,7 @@ from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
 from subengine._names import validate_partition_count, validate_stream_name
 from subengine._queries import query
 from subengine._settings import Settings
-from subengine._subscriptions import BatchOutcome, SubscriptionPosition
+from subengine._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
 
 log = logging.getLogger("subengine")
 # The pool logs every failed connection attempt, from a background thread. Where the
@@ -234,11 +234,20 @@ class Engine:
         with self.connection() as conn:
             _subscriptions.ensure_subscription(conn, self.schema, subscription)
 
-    def reset_subscription(self, name: str, to: Start) -> dict[int, int]:
-        """Move every position of subscription `name` to `to` ('beginning', 'end', a time
-        or a map of positions) in a new generation; the new positions by partition."""
+    def reset_subscription(self, name: str, to: Start, *, dry_run: bool = False) -> dict[int, int]:
+        """Move the positions of subscription `name` to `to` ('beginning', 'end', a time,
+        or a map of partition to position, which moves only the partitions it names) in a
+        new generation; every partition's position after the reset. With `dry_run`, what
+        the reset would do, changing nothing."""
         with self.connection() as conn:
-            return _subscriptions.reset_subscription(conn, self.schema, name, to)
+            return _subscriptions.reset_subscription(conn, self.schema, name, to, dry_run=dry_run)
+
+    def delete_subscription(self, name: str, *, force: bool = False) -> Deleted:
+        """Delete a stored subscription with its positions and dead letters, in one
+        transaction. Refused while connected workers run it, unless `force` (their
+        batches then commit nothing, and they leave it alone)."""
+        with self.connection() as conn:
+            return _subscriptions.delete_subscription(conn, self.schema, name, force=force)
 
     def subscription_positions(self, name: str) -> list[SubscriptionPosition]:
         """Every partition's position of a stored subscription."""
@@ -281,6 +290,11 @@ class Engine:
         """The workers_status view's rows."""
         with self.connection() as conn:
             return _operations.workers(conn, self.schema)
+
+    def prune_workers(self) -> list[dict[str, Any]]:
+        """Remove the registrations of workers that are gone; the rows removed."""
+        with self.connection() as conn:
+            return _operations.prune_workers(conn, self.schema)
 
     def dead_letters(
         self, name: str | None = None, everything: bool = False

@@ -62,6 +62,17 @@ def workers(conn: psycopg.Connection[Any], schema: str) -> list[Row]:
     return _rows(conn, query(schema, "workers_status"), {})
 
 
+# A worker that has just registered may not have opened its own connections yet.
+PRUNE_GRACE_SECONDS = 10.0
+
+
+def prune_workers(conn: psycopg.Connection[Any], schema: str) -> list[Row]:
+    """Remove the registrations of workers whose connections are all gone (killed, or on
+    a host that went away) and that have not beaten for PRUNE_GRACE_SECONDS; the rows
+    removed. A live worker pruned by mistake registers again at its next heartbeat."""
+    return _rows(conn, query(schema, "prune_workers"), {"grace": PRUNE_GRACE_SECONDS})
+
+
 def dead_letters(
     conn: psycopg.Connection[Any], schema: str, name: str | None = None, everything: bool = False
 ) -> list[Row]:

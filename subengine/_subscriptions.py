@@ -71,7 +71,9 @@ def ensure_subscription(
             {"name": subscription.name, "stream": subscription.stream, "start": Jsonb(start)},
         ).fetchone()
         if created is not None:
-            _write_positions(conn, schema, subscription.name, subscription.stream, start, 1)
+            _write_positions(
+                conn, schema, subscription.name, subscription.stream, start, 1, only_named=False
+            )
             return
         stored = conn.execute(
             query(schema, "get_subscription"), {"name": subscription.name}
@@ -84,30 +86,75 @@ def ensure_subscription(
                 f"subscription {name!r} is stored with stream {stream!r} and start "
                 f"{describe_start(stored_start)}, but the app declares stream "
                 f"{subscription.stream!r} and start {describe_start(start)}; declare it as "
-                "stored, reset it, or give the new one another name"
+                f"stored, delete the stored one (`subengine subscription delete {name}`: its "
+                "positions and dead letters go with it), or give the new one another name"
             )
 
 
 def reset_subscription(
-    conn: psycopg.Connection[Any], schema: str, name: str, to: Start
+    conn: psycopg.Connection[Any], schema: str, name: str, to: Start, *, dry_run: bool = False
 ) -> dict[int, int]:
-    """Move every position of a stored subscription to `to`, in a new generation.
+    """Move positions of a stored subscription to `to`, in a new generation.
 
-    One transaction: it waits for the batches in flight (they hold their position rows),
-    then every partition moves at once and its failure state is cleared. A batch that
-    read the old generation fails its compare-and-set (`Fenced`) and commits nothing.
-    The stored start point is unchanged: it records where the subscription began.
-    Returns the new position of every partition.
+    `to` is 'beginning', 'end', a time, or a map of partition to position; a map moves
+    only the partitions it names, the others keep their position, generation and failure
+    state. One transaction: it waits for the batches in flight on the partitions it moves
+    (they hold their position rows), then moves them at once and clears their failure
+    state. A batch that read the old generation fails its compare-and-set (`Fenced`) and
+    commits nothing. The stored start point is unchanged: it records where the
+    subscription began. Returns the position of every partition after the reset; with
+    `dry_run`, what they would be, and nothing changes.
     """
     validate_stream_name(name)
     start = start_to_json(to)
-    with conn.transaction():
+    with conn.transaction(force_rollback=dry_run):
         bumped = conn.execute(query(schema, "bump_generation"), {"name": name}).fetchone()
         if bumped is None:
             raise SubscriptionNotFound(f"no subscription named {name!r}")
         stream, generation = bumped
         _check_start_positions(conn, schema, stream, start)
-        return _write_positions(conn, schema, name, stream, start, generation)
+        moved = _write_positions(conn, schema, name, stream, start, generation, only_named=True)
+        return {
+            p.partition: moved.get(p.partition, p.position) for p in positions(conn, schema, name)
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """What deleting a subscription removed."""
+
+    name: str
+    stream: str
+    partitions: int
+    dead_letters: int
+
+
+def delete_subscription(
+    conn: psycopg.Connection[Any], schema: str, name: str, *, force: bool = False
+) -> Deleted:
+    """Delete a subscription, its positions and its dead letters in one transaction.
+
+    Refused (InvalidInput, nothing changed) while connected workers run it or hold its
+    partitions, unless `force`. It waits for the batches in flight (they hold their
+    position rows); a batch that started after it finds the subscription gone.
+    """
+    validate_stream_name(name)
+    with conn.transaction():
+        row = conn.execute(query(schema, "lock_subscription"), {"name": name}).fetchone()
+        if row is None:
+            raise SubscriptionNotFound(f"no subscription named {name!r}")
+        if not force:
+            running = conn.execute(query(schema, "workers_running"), {"name": name}).fetchall()
+            if running:
+                pids = ", ".join(f"pid {pid} on {host}" for host, pid in running)
+                raise InvalidInput(
+                    f"subscription {name!r} is run by connected workers ({pids}); stop "
+                    "them first, or delete it anyway with --force (force=True)"
+                )
+        deleted = conn.execute(query(schema, "delete_subscription"), {"name": name}).fetchone()
+        if deleted is None:  # cannot happen: the row is locked by this transaction
+            raise SubscriptionNotFound(f"no subscription named {name!r}")
+        return Deleted(name, *deleted)
 
 
 def _write_positions(
@@ -117,6 +164,8 @@ def _write_positions(
     stream: str,
     start: dict[str, Any],
     generation: int,
+    *,
+    only_named: bool,
 ) -> dict[int, int]:
     rows = conn.execute(
         query(schema, "write_positions"),
@@ -127,6 +176,7 @@ def _write_positions(
             "time": start.get("time"),
             "positions": json.dumps(start.get("positions", {})),
             "generation": generation,
+            "only_named": only_named,
         },
     ).fetchall()
     return dict(sorted((partition, position) for partition, position in rows))
@@ -298,8 +348,9 @@ def _next_batch(
         query(schema, "lock_position"), {"name": subscription.name, "partition": partition}
     ).fetchone()
     if locked is None:
-        raise InvalidInput(
-            f"subscription {subscription.name!r} is not stored or has no partition {partition}"
+        raise SubscriptionNotFound(
+            f"subscription {subscription.name!r} is not stored (deleted?) or has no "
+            f"partition {partition}"
         )
     old, generation, stopped, attempts, head = locked
     if stopped:

@@ -31,7 +31,8 @@ from psycopg import sql
 from subengine import _metrics
 from subengine._app import Subscription
 from subengine._engine import Engine
-from subengine._errors import DatabaseUnavailable, Fenced, PositionsMissing
+from subengine._errors import DatabaseUnavailable, Fenced, PositionsMissing, SubscriptionNotFound
+from subengine._operations import prune_workers
 from subengine._queries import query
 from subengine._settings import Settings
 from subengine._subscriptions import (
@@ -197,14 +198,14 @@ class Worker:
         with self.engine.connection() as conn:
             for subscription in self.subscriptions.values():
                 ensure_subscription(conn, self.schema, subscription)
-            conn.execute(
-                query(self.schema, "register_worker"),
-                {
-                    "id": self.id,
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "names": list(self.subscriptions),
-                },
+            pruned = prune_workers(conn, self.schema)
+            conn.execute(query(self.schema, "register_worker"), self._registration())
+        if pruned:
+            log.info(
+                "removed the registrations of %s workers that are gone (pids %s)",
+                len(pruned),
+                ", ".join(str(row["pid"]) for row in pruned),
+                extra=self._fields(),
             )
         if self.metrics_port is not None:
             try:
@@ -255,6 +256,14 @@ class Worker:
             self.metrics.close()
         if self.fatal is not None:
             raise self.fatal
+
+    def _registration(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "names": list(self.subscriptions),
+        }
 
     def _unregister(self) -> None:
         try:
@@ -437,6 +446,15 @@ class Worker:
         except Fenced as fenced:
             log.info("%s", fenced, extra=self._fields(subscription=subscription.name))
             return None
+        except SubscriptionNotFound as gone:
+            # deleted while the worker runs (`subscription delete --force`): its partitions
+            # are no longer candidates, so this is said once per partition in flight
+            log.warning(
+                "%s; this worker leaves it alone until restarted",
+                gone,
+                extra=self._fields(subscription=subscription.name, partition=partition),
+            )
+            return None
         except PositionsMissing as missing:
             self.metrics.batch_failed(subscription.name, False)
             log.error(
@@ -610,7 +628,7 @@ class Worker:
         while not stop.wait(self.settings.heartbeat_interval):
             try:
                 with self.engine.connection() as conn:
-                    conn.execute(query(self.schema, "heartbeat"), {"id": self.id})
+                    conn.execute(query(self.schema, "heartbeat"), self._registration())
             except Exception as error:  # the heartbeat is for inspection only: never fatal
                 log.warning("heartbeat failed: %s", error, extra=self._fields())
 

@@ -203,3 +203,150 @@ def test_a_retry_whose_handler_raises_invalid_input_is_recorded_as_a_failure(fas
     assert (row["retries"], row["resolution"], row["error"]) == (1, None, error)
     with pytest.raises(subengine.InvalidInput, match="no unresolved dead letter"):
         fast_engine.retry_dead_letter(letters, stored[0].partition, stored[0].position + 1)
+
+
+# resetting some partitions, deleting subscriptions, pruning workers
+
+
+def handled_everything(engine, name, stream="orders"):
+    app = subengine.App()
+    app.subscription(name, stream=stream).handler()(lambda event, conn: None)
+    with Running(app, engine):
+        wait_for(
+            lambda: (
+                {p.partition: p.position for p in engine.subscription_positions(name)}
+                == engine.heads(stream)
+            )
+        )
+    return app
+
+
+def test_a_reset_to_some_partitions_moves_only_those(fast_engine, cli_env, sql):
+    fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
+    handled_everything(fast_engine, "billing")
+    heads = fast_engine.heads("orders")
+    sql.execute(
+        "UPDATE subengine.subscription_positions SET stopped = true, last_error = 'stuck'"
+        " WHERE subscription = 'billing' AND partition IN (1, 2)"
+    )
+    after = fast_engine.reset_subscription("billing", {1: 2})
+    assert after == {0: heads[0], 1: 2, 2: heads[2], 3: heads[3]}
+    rows = {p.partition: p for p in fast_engine.subscription_positions("billing")}
+    assert {p: (r.position, r.generation, r.stopped) for p, r in rows.items()} == {
+        0: (heads[0], 1, False),
+        1: (2, 2, False),  # moved, in the new generation, its failure state cleared
+        2: (heads[2], 1, True),  # not named: untouched
+        3: (heads[3], 1, False),
+    }
+    assert rows[2].last_error == "stuck"
+
+
+def test_a_dry_run_reset_prints_the_moves_and_changes_nothing(fast_engine, cli_env, sql):
+    fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
+    handled_everything(fast_engine, "billing")
+    heads = fast_engine.heads("orders")
+    before = sql.execute("SELECT * FROM subengine.subscription_positions ORDER BY 2").fetchall()
+    generation = sql.execute("SELECT generation FROM subengine.subscriptions").fetchone()
+    result = run(cli_env, "subscription", "reset", "billing", "--to", '{"3": 0}', "--dry-run")
+    assert "dry run: nothing changed" in result.stderr
+    lines = [line.split() for line in result.stdout.splitlines()[1:]]
+    assert lines == [
+        [str(p), str(heads[p]), str(heads[p] if p != 3 else 0)] + ([] if p == 3 else ["unchanged"])
+        for p in range(4)
+    ]
+    assert sql.execute("SELECT * FROM subengine.subscription_positions ORDER BY 2").fetchall() == (
+        before
+    )
+    assert sql.execute("SELECT generation FROM subengine.subscriptions").fetchone() == generation
+    result = run(cli_env, "subscription", "reset", "billing", "--to", '{"3": 0}')
+    assert fast_engine.subscription_positions("billing")[3].position == 0
+
+
+def test_delete_removes_a_subscription_its_positions_and_dead_letters(
+    fast_engine, cli_env, sql, letters_app
+):
+    stored = fast_engine.append(
+        "orders", [NewEvent(f"k{n}", "T", {"poison": True}) for n in range(8)]
+    )
+    with Running(letters_app, fast_engine):
+        wait_for(lambda: len(fast_engine.dead_letters("letters")) == len(stored))
+    result = run(cli_env, "subscription", "delete", "letters")
+    assert result.stdout.strip() == (
+        f"deleted subscription 'letters' (stream 'orders'): 4 positions, {len(stored)} dead letters"
+    )
+    for table in ("subscriptions", "subscription_positions", "dead_letters"):
+        assert sql.execute(f"SELECT count(*) FROM subengine.{table}").fetchone() == (0,)  # noqa: S608
+    result = run(cli_env, "subscription", "delete", "letters", ok=False)
+    assert (result.returncode, result.stderr) == (1, "error: no subscription named 'letters'\n")
+
+
+def test_delete_is_refused_while_a_worker_runs_the_subscription_unless_forced(
+    fast_engine, cli_env, sql
+):
+    fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(8)])
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
+    with Running(app, fast_engine):
+        wait_for(lambda: fast_engine.subscription_summary("billing")[0]["lag"] == 0)
+        before = sql.execute("SELECT * FROM subengine.subscription_positions").fetchall()
+        result = run(cli_env, "subscription", "delete", "billing", ok=False)
+        assert result.returncode == 1
+        assert result.stderr.startswith("error: subscription 'billing' is run by connected")
+        assert "--force" in result.stderr and len(result.stderr.splitlines()) == 1
+        assert sql.execute("SELECT * FROM subengine.subscription_positions").fetchall() == before
+        run(cli_env, "subscription", "delete", "billing", "--force")
+        fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(8)])
+        time.sleep(0.5)  # longer than a poll: the worker would have stored it again
+        assert sql.execute("SELECT count(*) FROM subengine.subscription_positions").fetchone() == (
+            0,
+        )
+    # the worker ran on, and stopped cleanly (Running checks it raised nothing)
+
+
+def test_a_start_point_mismatch_is_fixed_as_its_error_advises(fast_engine, cli_env):
+    fast_engine.ensure_subscription(subengine.Subscription("billing", "orders", "beginning"))
+    moved = subengine.Subscription("billing", "orders", "end")
+    with pytest.raises(subengine.SubscriptionMismatch) as mismatch:
+        fast_engine.ensure_subscription(moved)
+    command = "subengine subscription delete billing"
+    assert command in str(mismatch.value)
+    run(cli_env, *command.split()[1:])
+    fast_engine.ensure_subscription(moved)
+    assert fast_engine.subscriptions()[0]["start"] == {"kind": "end"}
+
+
+def test_status_counts_the_connected_workers_of_an_idle_subscription(fast_engine, cli_env):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
+    with Running(app, fast_engine), Running(app, fast_engine):
+        wait_for(lambda: len(fast_engine.workers()) == 2)
+        [row] = json_lines(run(cli_env, "status", "--json").stdout)
+        assert (row["lag"], row["workers"]) == (0, 2)
+
+
+def test_workers_prune_removes_workers_that_are_gone(fast_engine, cli_env, sql):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
+    dead = [
+        ("11111111-1111-1111-1111-111111111111", "1 minute"),
+        ("22222222-2222-2222-2222-222222222222", "1 second"),  # may not have connected yet
+    ]
+    for worker_id, ago in dead:
+        sql.execute(
+            "INSERT INTO subengine.workers (id, host, pid, subscriptions, heartbeat_at)"
+            " VALUES (%s, 'gone', 1, '{billing}', now() - %s::interval)",
+            (worker_id, ago),
+        )
+    with Running(app, fast_engine):
+        # a starting worker prunes too
+        wait_for(lambda: any(row["host"] != "gone" for row in fast_engine.workers()))
+        ids = {str(row["id"]) for row in fast_engine.workers()}
+        assert dead[0][0] not in ids and dead[1][0] in ids
+        sql.execute("UPDATE subengine.workers SET heartbeat_at = now() - interval '1 minute'")
+        [removed] = json_lines(run(cli_env, "workers", "prune", "--json").stdout)
+        assert removed["id"] == dead[1][0]
+        [alive] = fast_engine.workers()
+        assert alive["connected"] and alive["host"] != "gone"
+        # a live worker removed by mistake comes back with its next heartbeat
+        sql.execute("DELETE FROM subengine.workers")
+        wait_for(lambda: len(fast_engine.workers()) == 1)

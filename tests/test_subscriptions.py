@@ -257,7 +257,7 @@ def test_start_positions_must_exist(engine, orders, start, message):
     sub = subengine.App().subscription("billing", stream=orders, start=start)
     with pytest.raises(subengine.InvalidInput, match=message):
         engine.ensure_subscription(sub)
-    with pytest.raises(subengine.InvalidInput, match="not stored"):
+    with pytest.raises(subengine.SubscriptionNotFound, match="not stored"):
         engine.process_batch(sub, 0)
 
 

@@ -77,10 +77,11 @@ RETURNING name
 SELECT name, stream, start, generation, paused FROM {schema}.subscriptions WHERE name = %(name)s
 
 -- name: write_positions
--- Set every partition's position of a subscription, as of generation %(generation)s: 0
+-- Set the partitions' positions of a subscription, as of generation %(generation)s: 0
 -- (from the beginning), the head (from the end: the next event appended), the last
--- position recorded before a time, or the given one. Used on creation and by reset, which
--- also clears the failure state.
+-- position recorded before a time, or the given one. Used on creation (a partition a
+-- position map does not name starts at 0) and by reset, which also clears the failure
+-- state and, with %(only_named)s, moves only the partitions a position map names.
 INSERT INTO {schema}.subscription_positions AS sp (subscription, partition, position, generation)
 SELECT %(name)s, p.partition,
        CASE %(kind)s
@@ -95,10 +96,42 @@ SELECT %(name)s, p.partition,
        %(generation)s
   FROM {schema}.partitions p
  WHERE p.stream = %(stream)s
+   AND (%(kind)s <> 'positions' OR NOT %(only_named)s
+        OR %(positions)s::jsonb ? p.partition::text)
 ON CONFLICT (subscription, partition) DO UPDATE
    SET position = excluded.position, generation = excluded.generation, next_time = NULL,
        attempts = 0, last_error = NULL, stopped = false, retry_at = NULL, updated_at = now()
 RETURNING sp.partition, sp.position
+
+-- name: lock_subscription
+-- A stored subscription, locked until the transaction ends.
+SELECT name, stream FROM {schema}.subscriptions WHERE name = %(name)s FOR UPDATE
+
+-- name: workers_running
+-- The connected workers that run a subscription (from their registration, and the
+-- connections named after them) or hold one of its partitions.
+SELECT w.host, w.pid
+  FROM {schema}.workers_status w
+ WHERE w.connected
+   AND (%(name)s = ANY (w.subscriptions)
+        OR EXISTS (SELECT FROM {schema}.partition_holders h
+                    WHERE h.worker_id = w.id
+                      AND h.lock_class = {schema}.lock_class(%(name)s)))
+ ORDER BY w.started_at
+
+-- name: delete_subscription
+-- Delete a subscription; its positions and dead letters go with it (ON DELETE CASCADE).
+-- Returns its stream and how many positions and dead letters went.
+WITH counts AS (
+    SELECT (SELECT count(*) FROM {schema}.subscription_positions
+             WHERE subscription = %(name)s) AS partitions,
+           (SELECT count(*) FROM {schema}.dead_letters
+             WHERE subscription = %(name)s) AS dead_letters
+)
+DELETE FROM {schema}.subscriptions s
+ USING counts
+ WHERE s.name = %(name)s
+RETURNING s.stream, counts.partitions, counts.dead_letters
 
 -- name: bump_generation
 -- Start a new generation of a subscription (reset): every compare-and-set of the old one
@@ -219,7 +252,21 @@ RETURNING position
 INSERT INTO {schema}.workers (id, host, pid, subscriptions) VALUES (%(id)s, %(host)s, %(pid)s, %(names)s)
 
 -- name: heartbeat
-UPDATE {schema}.workers SET heartbeat_at = now() WHERE id = %(id)s
+-- A worker is alive; its row comes back if a prune removed it while its connections
+-- were being re-established.
+INSERT INTO {schema}.workers (id, host, pid, subscriptions)
+VALUES (%(id)s, %(host)s, %(pid)s, %(names)s)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()
+
+-- name: prune_workers
+-- Remove the registrations of workers that are gone: none of their connections is open
+-- (they are named after the worker) and they have not beaten for %(grace)s seconds (a
+-- worker that has just registered may not have opened its own connections yet).
+DELETE FROM {schema}.workers w
+ WHERE w.heartbeat_at < now() - make_interval(secs => %(grace)s)
+   AND NOT EXISTS (SELECT FROM pg_stat_activity a
+                    WHERE a.application_name = 'subengine worker ' || w.id::text)
+RETURNING w.id, w.host, w.pid, w.subscriptions, w.started_at, w.heartbeat_at
 
 -- name: unregister_worker
 DELETE FROM {schema}.workers WHERE id = %(id)s
@@ -231,7 +278,8 @@ SELECT name, stream, start, generation, paused, created_at
  ORDER BY name
 
 -- name: subscription_summary
--- One row per subscription: its partitions' lag in events and seconds, and their states.
+-- One row per subscription: its partitions' lag in events and seconds, their states, and
+-- how many connected workers run it.
 SELECT subscription, stream, count(*) AS partitions, sum(lag) AS lag,
        max(lag_seconds) AS lag_seconds, max(generation) AS generation,
        count(*) FILTER (WHERE state = 'ok') AS ok,
@@ -239,7 +287,8 @@ SELECT subscription, stream, count(*) AS partitions, sum(lag) AS lag,
        count(*) FILTER (WHERE state = 'retrying') AS retrying,
        count(*) FILTER (WHERE state = 'stopped') AS stopped,
        count(*) FILTER (WHERE state = 'paused') AS paused,
-       count(DISTINCT worker_id) AS workers
+       (SELECT count(*) FROM {schema}.workers_status w
+         WHERE w.connected AND subscription = ANY (w.subscriptions)) AS workers
   FROM {schema}.subscription_status
  WHERE %(name)s::text IS NULL OR subscription = %(name)s
  GROUP BY subscription, stream
