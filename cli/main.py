@@ -1,7 +1,7 @@
 """The `subengine` command: parses arguments, calls the engine, prints results.
 
-Errors the engine raises on purpose (`SubengineError`) print as one line on stderr and exit
-with status 1; usage errors exit with status 2 (click's convention).
+Every error prints as one line on stderr, `error: ...`: errors the engine raises on purpose
+(`SubengineError`) exit with status 1, usage errors with status 2 (click's convention).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import click
 import psycopg
@@ -43,20 +43,69 @@ class Context:
             self._engine.close()
 
 
+def _one_line(message: str) -> str:
+    # Messages quote user input with repr(), which escapes line breaks; this catches
+    # those that embed text as it is (a file name, click's "extra argument (...)").
+    return " ".join(part.strip() for part in message.strip().splitlines() if part.strip())
+
+
 def handles_errors(command: F) -> F:
     @wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
         except subengine.SubengineError as error:
-            click.echo(f"error: {error}", err=True)
+            click.echo(f"error: {_one_line(str(error))}", err=True)
             sys.exit(1)
         except psycopg.Error as error:  # one the engine has no better name for
             message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-            click.echo(f"error: the database said: {message}", err=True)
+            click.echo(f"error: the database said: {_one_line(message)}", err=True)
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
+
+
+class OneLineError(click.ClickException):
+    """A click error (usage, bad parameter, unreadable file) shown as one line on stderr,
+    like every other error of the command, with click's exit status."""
+
+    def __init__(self, error: click.ClickException) -> None:
+        message = error.format_message()
+        ctx = getattr(error, "ctx", None)
+        if isinstance(error, click.UsageError) and ctx is not None:
+            message = f"{message.rstrip('.')}; see '{ctx.command_path} --help'"
+        super().__init__(_one_line(message))
+        self.exit_code = error.exit_code
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"error: {self.message}", file=file, err=True)
+
+
+class CommandLine(click.Group):
+    """The root group: click's own errors, raised while parsing or by a command, print as
+    one line instead of click's usage block."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise  # `subengine` alone prints the help, as before
+        except click.ClickException as error:
+            raise OneLineError(error) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.NoArgsIsHelpError, OneLineError):
+            raise
+        except click.ClickException as error:
+            raise OneLineError(error) from None
 
 
 pass_context = click.make_pass_decorator(Context)
@@ -77,7 +126,7 @@ class IsoTime(click.ParamType):
         return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
-@click.group()
+@click.group(cls=CommandLine, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--dsn", envvar="SUBENGINE_DSN", help="PostgreSQL URL or conninfo [SUBENGINE_DSN].")
 @click.option("--schema", envvar="SUBENGINE_SCHEMA", help="Schema of subengine's objects.")
 @click.version_option(package_name="subengine")

@@ -1,0 +1,35 @@
+"""The `subengine` command as a user meets it: help, errors, completion, start-up."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_subengine
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "message"),
+    [
+        (["--bogus"], 2, "No such option '--bogus'; see 'subengine --help'"),
+        (["nosuch"], 2, "No such command 'nosuch'; see 'subengine --help'"),
+        (["append", "orders", "--data"], 2, "Option '--data' requires an argument"),
+        (["read", "orders", "x", "y"], 2, "Got unexpected extra arguments (x y)"),
+        (["subscription", "reset", "billing"], 2, "Missing option '--to'"),
+        (["stream", "create", "s", "--partitions", "many"], 2, "'many' is not a valid integer"),
+        (["read", "orders", "--since", "2026-01-01", "--partition", "1"], 2, "cannot be combined"),
+        (["append", "orders", "--file", "missing.jsonl"], 1, "Could not open file"),
+    ],
+)
+def test_every_error_is_one_line(cli_env, tmp_path, args, status, message):
+    result = run_subengine(cli_env, *args, cwd=tmp_path)
+    assert result.returncode == status, result.stderr
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("help_option", ["-h", "--help"])
+@pytest.mark.parametrize("command", [[], ["stream"], ["subscription", "reset"], ["append"]])
+def test_help_takes_h_and_help(cli_env, command, help_option):
+    result = run_subengine(cli_env, *command, help_option)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"Usage: {' '.join(['subengine', *command])} ")
