@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from functools import wraps
@@ -16,8 +17,8 @@ from typing import IO, Any, TypeVar
 
 import click
 import psycopg
-from subengine.cli import _demo, _status, _worker
-from subengine.cli._events_file import read_events_file
+from subengine.cli import _demo, _json, _status, _worker
+from subengine.cli._events_file import EventsFile, read_events_file
 
 import subengine
 from subengine import _embedded, _migrate
@@ -122,7 +123,11 @@ class IsoTime(click.ParamType):
         try:
             parsed = datetime.fromisoformat(value)
         except ValueError:
-            self.fail(f"{value!r} is not an ISO 8601 time (e.g. 2026-11-21T10:00:00Z)", param, ctx)
+            self.fail(
+                f"{_json.shown(value)} is not an ISO 8601 time (e.g. 2026-11-21T10:00:00Z)",
+                param,
+                ctx,
+            )
         return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
@@ -238,7 +243,9 @@ def stream_show(context: Context, name: str) -> None:
 @click.option("--type", "event_type", help="Event type.")
 @click.option("--data", help="Event data as JSON.")
 @click.option("--metadata", help="Event metadata as a JSON object.")
-@click.option("--id", "event_id", help="Event id (UUID); makes retries idempotent.")
+@click.option(
+    "--id", "event_id", type=click.UUID, help="Event id (UUID); makes retries idempotent."
+)
 @click.option("--expected-version", type=int, help="Version the key must have (0: new key).")
 @click.option(
     "--file",
@@ -255,7 +262,7 @@ def append(
     event_type: str | None,
     data: str | None,
     metadata: str | None,
-    event_id: str | None,
+    event_id: uuid.UUID | None,
     expected_version: int | None,
     events_file: Path | None,
 ) -> None:
@@ -271,18 +278,22 @@ def append(
     else:
         if key is None or event_type is None or data is None:
             raise click.UsageError("give --key, --type and --data (or --file)")
-        line = {"key": key, "type": event_type, "data": _json_option("--data", data)}
-        if metadata is not None:
-            line["metadata"] = _json_option("--metadata", metadata)
-        if event_id is not None:
-            line["id"] = event_id
-        events = read_events_file(None, [json.dumps(line)])
+        event = subengine.NewEvent(
+            key=key,
+            type=event_type,
+            data=_json_option("--data", data),
+            metadata=None if metadata is None else _json_option("--metadata", metadata),
+            id=event_id,
+        )
+        events = [event]
     try:
         stored = context.engine().append(stream_name, events, expected_version)
     except subengine.InvalidEvent as error:
-        raise subengine.InvalidInput(
-            f"{events.source} line {events.line_of(error.index)}: {error.reason}"
-        ) from None
+        if isinstance(events, EventsFile):
+            raise subengine.InvalidInput(
+                f"{events.source} line {events.line_of(error.index)}: {error.reason}"
+            ) from None
+        raise subengine.InvalidInput(error.reason) from None
     new = [a for a in stored if not a.duplicate]
     for a in stored:
         note = "  (already stored)" if a.duplicate else ""
@@ -356,11 +367,24 @@ class StartPoint(click.ParamType):
             return value
         if value.lstrip().startswith("{"):
             try:
-                positions = json.loads(value)
-                return {int(partition): position for partition, position in positions.items()}
-            except (ValueError, AttributeError) as error:
-                self.fail(f"{value!r} is not a JSON object of partition to position: {error}")
+                positions = _json.parse(value)
+                if not isinstance(positions, dict):
+                    raise ValueError("it is not an object")
+                return {_partition(key): position for key, position in positions.items()}
+            except ValueError as error:
+                self.fail(
+                    f"{_json.shown(value)} is not a JSON object of partition to position: {error}",
+                    param,
+                    ctx,
+                )
         return IsoTime().convert(value, param, ctx)
+
+
+def _partition(key: str) -> int:
+    # int() would also take ' 1', '1_0' and digits of other scripts
+    if not (key.isascii() and key.isdigit()) or len(key) > len(str(2**31)):
+        raise ValueError(f"partition {_json.shown(key)} is not a whole number of a partition")
+    return int(key)
 
 
 @cli.command()
@@ -719,9 +743,9 @@ def _read_all_partitions(
 
 def _json_option(name: str, value: str) -> Any:
     try:
-        return json.loads(value)
-    except json.JSONDecodeError as error:
-        raise click.BadParameter(f"not valid JSON: {error}", param_hint=name) from None
+        return _json.parse(value)
+    except ValueError as error:
+        raise click.BadParameter(f"not valid JSON: {error}", param_hint=f"'{name}'") from None
 
 
 def _event_json(event: subengine.Event) -> dict[str, Any]:
