@@ -2,6 +2,10 @@
 
 Every error prints as one line on stderr, `error: ...`: errors the engine raises on purpose
 (`SubengineError`) exit with status 1, usage errors with status 2 (click's convention).
+
+Starting the command stays cheap (`subengine --help` imports no table renderer, no demo,
+no migrations and no database driver of its own): modules that only some commands need
+are imported by those commands.
 """
 
 from __future__ import annotations
@@ -16,12 +20,11 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import click
-import psycopg
-from subengine.cli import _demo, _json, _status, _worker
+from subengine.cli import _json, _status, _worker
 from subengine.cli._events_file import EventsFile, read_events_file
 
 import subengine
-from subengine import _embedded, _migrate
+from subengine import _embedded
 from subengine._logging import LogFormat, configure_logging
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -58,7 +61,12 @@ def handles_errors(command: F) -> F:
         except subengine.SubengineError as error:
             click.echo(f"error: {_one_line(str(error))}", err=True)
             sys.exit(1)
-        except psycopg.Error as error:  # one the engine has no better name for
+        except Exception as error:
+            import psycopg  # here, not at the top: --help needs no database driver
+
+            if not isinstance(error, psycopg.Error):
+                raise
+            # one the engine has no better name for
             message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
             click.echo(f"error: the database said: {_one_line(message)}", err=True)
             sys.exit(1)
@@ -153,6 +161,8 @@ def cli(ctx: click.Context, dsn: str | None, schema: str | None) -> None:
 @handles_errors
 def migrate(context: Context, as_sql: bool) -> None:
     """Create or upgrade subengine's schema (safe to run from many processes at once)."""
+    from subengine import _migrate
+
     if as_sql:
         click.echo(_migrate.upgrade_sql(context.settings.schema), nl=False)
         return
@@ -725,6 +735,8 @@ def demo(context: Context, event_count: int, rate: float) -> None:
     """Show the engine working: two worker processes project order events while a
     producer appends them; one is killed half-way; the projection is then checked
     against the events exactly (exit 0 only if it matches)."""
+    from subengine.cli import _demo
+
     ok = _demo.run(context.engine(), event_count, rate, click.echo)
     sys.exit(0 if ok else 1)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from conftest import run_subengine
 
@@ -33,3 +36,24 @@ def test_help_takes_h_and_help(cli_env, command, help_option):
     result = run_subengine(cli_env, *command, help_option)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"Usage: {' '.join(['subengine', *command])} ")
+
+
+def test_help_imports_no_table_renderer_and_no_demo():
+    # `subengine --help` should start at once: what only some commands need (rich's
+    # tables, the demo) is imported by those commands
+    probe = (
+        "import sys\n"
+        "from subengine.cli.main import main\n"
+        "sys.argv = ['subengine', '--help']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] == 'rich' or 'demo' in m]\n"
+        "print(sorted(loaded), file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "Usage: subengine" in result.stdout
+    assert result.stderr.strip() == "[]"
