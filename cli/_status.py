@@ -121,7 +121,8 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, Decimal):
-        return float(value)
+        # sums come back from SQL as numeric: whole ones print as integers
+        return int(value) if value == value.to_integral_value() else float(value)
     if isinstance(value, uuid.UUID):
         return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")

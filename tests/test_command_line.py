@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 from conftest import run_subengine
+
+import subengine
+from subengine import NewEvent
 
 
 @pytest.mark.parametrize(
@@ -57,3 +61,23 @@ def test_help_imports_no_table_renderer_and_no_demo():
     )
     assert "Usage: subengine" in result.stdout
     assert result.stderr.strip() == "[]"
+
+
+def test_status_json_prints_counts_as_integers(engine, orders, cli_env):
+    engine.append(orders, [NewEvent(f"k{n}", "T", {}) for n in range(5)])
+    engine.ensure_subscription(subengine.Subscription("billing", orders))
+    out = run_subengine(cli_env, "status", "--json").stdout
+    [row] = [json.loads(line) for line in out.splitlines()]
+    counts = ("partitions", "lag", "ok", "idle", "retrying", "stopped", "paused", "workers")
+    assert {name: row[name] for name in counts} == {
+        "partitions": 4,
+        "lag": 5,
+        "ok": row["ok"],
+        "idle": row["idle"],
+        "retrying": 0,
+        "stopped": 0,
+        "paused": 0,
+        "workers": 0,
+    }
+    assert all(type(row[name]) is int for name in (*counts, "generation")), out
+    assert '"lag": 5,' in out
