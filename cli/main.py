@@ -26,6 +26,7 @@ from subengine.cli._events_file import EventsFile, read_events_file
 import subengine
 from subengine import _embedded
 from subengine._logging import LogFormat, configure_logging
+from subengine._names import BIGINT_MAX
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -323,7 +324,11 @@ def append(
     type=IsoTime(),
     help="Read by recorded time across partitions (ISO 8601; UTC unless it names a zone).",
 )
-@click.option("--limit", type=click.IntRange(min=1), help="At most this many events.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    help="At most this many events [default: SUBENGINE_READ_LIMIT, 1000].",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per event and line.")
 @pass_context
 @handles_errors
@@ -336,17 +341,36 @@ def read(
     limit: int | None,
     as_json: bool,
 ) -> None:
-    """Read events of STREAM by position (per partition) or by time (--since)."""
+    """Read events of STREAM by position (per partition) or by time (--since).
+
+    When more events follow than --limit shows, a note on stderr says so and how to read on.
+    """
+    if since is not None and (partition is not None or after):
+        raise click.UsageError("--since cannot be combined with --partition or --after")
     engine = context.engine()
     limit = limit or engine.settings.read_limit
+    # one event more than is shown tells whether more follow
+    wanted = limit + 1 if limit < BIGINT_MAX else limit
     if since is not None:
-        if partition is not None or after:
-            raise click.UsageError("--since cannot be combined with --partition or --after")
-        events = engine.read_since(stream_name, since, limit)
+        events = engine.read_since(stream_name, since, wanted)
     elif partition is not None:
-        events = engine.read(stream_name, partition, after, limit)
+        events = engine.read(stream_name, partition, after, wanted)
     else:
-        events = list(_read_all_partitions(engine, stream_name, after, limit))
+        events = list(_read_all_partitions(engine, stream_name, after, wanted))
+    more = len(events) > limit
+    events = events[:limit]
+    _print_events(events, as_json)
+    if more:
+        if partition is not None:
+            read_on = f"read on with --after {events[-1].position}"
+        elif since is not None:
+            read_on = "give a later --since or a higher --limit"
+        else:
+            read_on = "read one partition at a time (--partition, --after) or give a higher --limit"
+        click.echo(f"note: stopped at {limit} events (--limit); more follow: {read_on}", err=True)
+
+
+def _print_events(events: list[subengine.Event], as_json: bool) -> None:
     if as_json:
         for event in events:
             click.echo(json.dumps(_event_json(event), ensure_ascii=False))

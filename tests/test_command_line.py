@@ -81,3 +81,23 @@ def test_status_json_prints_counts_as_integers(engine, orders, cli_env):
     }
     assert all(type(row[name]) is int for name in (*counts, "generation")), out
     assert '"lag": 5,' in out
+
+
+def test_read_says_when_more_events_follow_than_it_shows(engine, orders, cli_env):
+    engine.append(orders, [NewEvent("k", "T", {"n": n}) for n in range(7)])
+    partition = str(subengine.partition_for("k", 4))
+    env = dict(cli_env, SUBENGINE_READ_LIMIT="5")
+    for args in (["--partition", partition], [], ["--since", "2000-01-01T00:00:00Z"]):
+        result = run_subengine(env, "read", orders, "--json", *args)
+        assert result.returncode == 0, result.stderr
+        shown = [json.loads(line)["data"]["n"] for line in result.stdout.splitlines()]
+        assert shown == list(range(5))
+        assert result.stderr.startswith("note: stopped at 5 events (--limit); more follow")
+    on = run_subengine(env, "read", orders, "--partition", partition, "--limit", "3")
+    assert on.stderr == (
+        "note: stopped at 3 events (--limit); more follow: read on with --after 3\n"
+    )
+    rest = run_subengine(env, "read", orders, "--partition", partition, "--after", "3")
+    assert len(rest.stdout.splitlines()) == 1 + 4 and rest.stderr == ""
+    exact = run_subengine(env, "read", orders, "--limit", "7")
+    assert exact.returncode == 0 and exact.stderr == ""
