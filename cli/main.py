@@ -118,6 +118,13 @@ class CommandLine(click.Group):
             raise OneLineError(error) from None
 
 
+class InvalidSetting(click.ClickException):
+    """A setting from the environment or --dsn/--schema is invalid: status 2, as for a
+    usage error, without pointing at --help (the fix is in the environment)."""
+
+    exit_code = 2
+
+
 pass_context = click.make_pass_decorator(Context)
 
 
@@ -150,7 +157,7 @@ def cli(ctx: click.Context, dsn: str | None, schema: str | None) -> None:
     try:
         settings = subengine.Settings.from_env(dsn=dsn, schema=schema)
     except subengine.SubengineError as error:
-        raise click.UsageError(str(error)) from None
+        raise InvalidSetting(str(error)) from None
     context = Context(settings)
     ctx.obj = context
     ctx.call_on_close(context.close)
