@@ -111,3 +111,8 @@ class DatabaseUnavailable(SubengineError):
 
 class SchemaNotReady(SubengineError):
     """The database schema is missing or older than this code; run the migrations."""
+
+
+class MigrationError(SubengineError):
+    """The schema could not be created or upgraded; the failed upgrade left nothing behind
+    (it runs in one transaction)."""
