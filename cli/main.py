@@ -197,10 +197,11 @@ def db_url(context: Context) -> None:
 @handles_errors
 def db_stop(context: Context) -> None:
     """Stop the embedded PostgreSQL of SUBENGINE_HOME."""
-    if _embedded.stop_embedded(context.settings.home):
-        click.echo(f"stopped the embedded PostgreSQL in {context.settings.home}")
+    home = context.settings.home.expanduser().resolve()
+    if _embedded.stop_embedded(home):
+        click.echo(f"stopped the embedded PostgreSQL in {home}")
     else:
-        click.echo(f"no embedded PostgreSQL is running in {context.settings.home}")
+        click.echo(f"no embedded PostgreSQL is running in {home}")
 
 
 @cli.group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 from conftest import run_subengine
 
 import subengine
-from subengine import NewEvent
+from subengine import NewEvent, _embedded
 
 
 @pytest.mark.parametrize(
@@ -101,3 +102,17 @@ def test_read_says_when_more_events_follow_than_it_shows(engine, orders, cli_env
     assert len(rest.stdout.splitlines()) == 1 + 4 and rest.stderr == ""
     exact = run_subengine(env, "read", orders, "--limit", "7")
     assert exact.returncode == 0 and exact.stderr == ""
+
+
+def test_the_embedded_notice_names_the_data_directory_absolutely(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBENGINE_")}
+    env["SUBENGINE_HOME"] = "relative-home"
+    try:
+        result = run_subengine(env, "db", "url", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        home = (tmp_path / "relative-home").resolve()
+        assert f"using the embedded PostgreSQL in {home} " in result.stderr
+        stopped = run_subengine(env, "db", "stop", cwd=tmp_path)
+        assert stopped.stdout == f"stopped the embedded PostgreSQL in {home}\n"
+    finally:
+        _embedded.stop_embedded(tmp_path / "relative-home")
