@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import run_subengine
+from conftest import README, run_subengine, subengine_command
 
 import subengine
 from subengine import NewEvent, _embedded
@@ -116,3 +118,40 @@ def test_the_embedded_notice_names_the_data_directory_absolutely(tmp_path):
         assert stopped.stdout == f"stopped the embedded PostgreSQL in {home}\n"
     finally:
         _embedded.stop_embedded(tmp_path / "relative-home")
+
+
+def completion_lines():
+    """The README's shell lines that load completion."""
+    blocks = re.findall(r"```sh\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    return [
+        line for block in blocks for line in block.splitlines() if "_SUBENGINE_COMPLETE=" in line
+    ]
+
+
+def test_the_documented_completion_scripts_load(tmp_path):
+    env = {"PATH": f"{Path(subengine_command()).parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    shells = set()
+    for line in completion_lines():
+        instruction = re.search(r"_SUBENGINE_COMPLETE=(\w+) subengine", line).group(1)
+        shells.add(instruction.removesuffix("_source"))
+        script = subprocess.run(
+            ["subengine"],
+            env={**env, "_SUBENGINE_COMPLETE": instruction},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert script.returncode == 0 and "subengine" in script.stdout, script.stderr
+    assert {"bash", "zsh", "fish"} <= shells
+    [bash_line] = [line for line in completion_lines() if "bash_source" in line]
+    # in bash, as the README says: complete `subengine subscription re<Tab>`
+    probe = (
+        bash_line.split("#")[0]
+        + "\nCOMP_WORDS=(subengine subscription re); COMP_CWORD=2"
+        + "\n_subengine_completion subengine; echo ${COMPREPLY[@]}"
+    )
+    completed = subprocess.run(
+        ["bash", "-c", probe], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["reset", "resume"]
