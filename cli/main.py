@@ -128,6 +128,16 @@ class InvalidSetting(click.ClickException):
 pass_context = click.make_pass_decorator(Context)
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange lets NaN through (it compares false with both bounds)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if number != number:
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return number
+
+
 class IsoTime(click.ParamType):
     """An ISO 8601 time; one without a zone is taken as UTC."""
 
@@ -603,7 +613,7 @@ def subscription_resume(context: Context, name: str) -> None:
 @click.option("--watch", is_flag=True, help="Redraw until Ctrl-C, with the lag drained.")
 @click.option(
     "--interval",
-    type=click.FloatRange(0.1, 3600),
+    type=FiniteFloatRange(0.1, 3600),
     default=1.0,
     show_default=True,
     help="Seconds between redraws with --watch.",
@@ -756,7 +766,7 @@ def _positions_table(positions: list[subengine.SubscriptionPosition]) -> None:
 )
 @click.option(
     "--rate",
-    type=click.FloatRange(10, 100_000),
+    type=FiniteFloatRange(10, 100_000),
     default=1000,
     show_default=True,
     help="Events per second the producer aims for.",

@@ -27,6 +27,8 @@ from subengine import NewEvent, _embedded
         (["stream", "create", "s", "--partitions", "many"], 2, "'many' is not a valid integer"),
         (["read", "orders", "--since", "2026-01-01", "--partition", "1"], 2, "cannot be combined"),
         (["append", "orders", "--file", "missing.jsonl"], 1, "Could not open file"),
+        (["status", "--watch", "--interval", "nan"], 2, "'nan' is not a number"),
+        (["demo", "--rate", "NaN"], 2, "'NaN' is not a number"),
     ],
 )
 def test_every_error_is_one_line(cli_env, tmp_path, args, status, message):
