@@ -1,4 +1,8 @@
-"""Rendering what operators look at: status tables (rich) and their JSON form."""
+"""Rendering what operators look at: status tables (rich) and their JSON form.
+
+rich is imported by the functions that draw, so that commands printing JSON, and the
+command line's start, do not pay for it.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, Group
-from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 Row = dict[str, Any]
 Columns = Sequence[tuple[str, str]]  # (key in the row, header)
@@ -90,6 +93,8 @@ def cell(value: Any) -> str:
 
 
 def table(rows: Sequence[Row], columns: Columns, title: str | None = None) -> Table:
+    from rich.table import Table
+
     result = Table(title=title, title_justify="left")
     for _key, header in columns:
         result.add_column(header, overflow="fold")
@@ -100,6 +105,8 @@ def table(rows: Sequence[Row], columns: Columns, title: str | None = None) -> Ta
 
 def console() -> Console:
     """The terminal's width on a terminal; wide enough not to fold names in a pipe."""
+    from rich.console import Console
+
     return Console() if sys.stdout.isatty() else Console(width=240)
 
 
@@ -114,7 +121,8 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, Decimal):
-        return float(value)
+        # sums come back from SQL as numeric: whole ones print as integers
+        return int(value) if value == value.to_integral_value() else float(value)
     if isinstance(value, uuid.UUID):
         return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
@@ -129,6 +137,16 @@ def print_json(rows: Sequence[Row]) -> None:
 def watch(render: Callable[[], tuple[Table, int]], interval: float) -> None:
     """Redraw `render()` (a table and the total lag) every `interval` seconds, with a
     progress bar of the lag drained since the watch began, until Ctrl-C."""
+    from rich.console import Group
+    from rich.live import Live
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
     progress = Progress(
         TextColumn("lag drained"),
         BarColumn(),

@@ -1,27 +1,32 @@
 """The `subengine` command: parses arguments, calls the engine, prints results.
 
-Errors the engine raises on purpose (`SubengineError`) print as one line on stderr and exit
-with status 1; usage errors exit with status 2 (click's convention).
+Every error prints as one line on stderr, `error: ...`: errors the engine raises on purpose
+(`SubengineError`) exit with status 1, usage errors with status 2 (click's convention).
+
+Starting the command stays cheap (`subengine --help` imports no table renderer, no demo,
+no migrations and no database driver of its own): modules that only some commands need
+are imported by those commands.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import click
-import psycopg
-from subengine.cli import _demo, _status, _worker
-from subengine.cli._events_file import read_events_file
+from subengine.cli import _json, _status, _worker
+from subengine.cli._events_file import EventsFile, read_events_file
 
 import subengine
-from subengine import _embedded, _migrate
+from subengine import _embedded
 from subengine._logging import LogFormat, configure_logging
+from subengine._names import BIGINT_MAX
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,23 +48,94 @@ class Context:
             self._engine.close()
 
 
+def _one_line(message: str) -> str:
+    # Messages quote user input with repr(), which escapes line breaks; this catches
+    # those that embed text as it is (a file name, click's "extra argument (...)").
+    return " ".join(part.strip() for part in message.strip().splitlines() if part.strip())
+
+
 def handles_errors(command: F) -> F:
     @wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
         except subengine.SubengineError as error:
-            click.echo(f"error: {error}", err=True)
+            click.echo(f"error: {_one_line(str(error))}", err=True)
             sys.exit(1)
-        except psycopg.Error as error:  # one the engine has no better name for
+        except Exception as error:
+            import psycopg  # here, not at the top: --help needs no database driver
+
+            if not isinstance(error, psycopg.Error):
+                raise
+            # one the engine has no better name for
             message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-            click.echo(f"error: the database said: {message}", err=True)
+            click.echo(f"error: the database said: {_one_line(message)}", err=True)
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
 
 
+class OneLineError(click.ClickException):
+    """A click error (usage, bad parameter, unreadable file) shown as one line on stderr,
+    like every other error of the command, with click's exit status."""
+
+    def __init__(self, error: click.ClickException) -> None:
+        message = error.format_message()
+        ctx = getattr(error, "ctx", None)
+        if isinstance(error, click.UsageError) and ctx is not None:
+            message = f"{message.rstrip('.')}; see '{ctx.command_path} --help'"
+        super().__init__(_one_line(message))
+        self.exit_code = error.exit_code
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"error: {self.message}", file=file, err=True)
+
+
+class CommandLine(click.Group):
+    """The root group: click's own errors, raised while parsing or by a command, print as
+    one line instead of click's usage block."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise  # `subengine` alone prints the help, as before
+        except click.ClickException as error:
+            raise OneLineError(error) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.NoArgsIsHelpError, OneLineError):
+            raise
+        except click.ClickException as error:
+            raise OneLineError(error) from None
+
+
+class InvalidSetting(click.ClickException):
+    """A setting from the environment or --dsn/--schema is invalid: status 2, as for a
+    usage error, without pointing at --help (the fix is in the environment)."""
+
+    exit_code = 2
+
+
 pass_context = click.make_pass_decorator(Context)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange lets NaN through (it compares false with both bounds)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if number != number:
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return number
 
 
 class IsoTime(click.ParamType):
@@ -73,11 +149,15 @@ class IsoTime(click.ParamType):
         try:
             parsed = datetime.fromisoformat(value)
         except ValueError:
-            self.fail(f"{value!r} is not an ISO 8601 time (e.g. 2026-11-21T10:00:00Z)", param, ctx)
+            self.fail(
+                f"{_json.shown(value)} is not an ISO 8601 time (e.g. 2026-11-21T10:00:00Z)",
+                param,
+                ctx,
+            )
         return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
-@click.group()
+@click.group(cls=CommandLine, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--dsn", envvar="SUBENGINE_DSN", help="PostgreSQL URL or conninfo [SUBENGINE_DSN].")
 @click.option("--schema", envvar="SUBENGINE_SCHEMA", help="Schema of subengine's objects.")
 @click.version_option(package_name="subengine")
@@ -87,7 +167,7 @@ def cli(ctx: click.Context, dsn: str | None, schema: str | None) -> None:
     try:
         settings = subengine.Settings.from_env(dsn=dsn, schema=schema)
     except subengine.SubengineError as error:
-        raise click.UsageError(str(error)) from None
+        raise InvalidSetting(str(error)) from None
     context = Context(settings)
     ctx.obj = context
     ctx.call_on_close(context.close)
@@ -99,6 +179,8 @@ def cli(ctx: click.Context, dsn: str | None, schema: str | None) -> None:
 @handles_errors
 def migrate(context: Context, as_sql: bool) -> None:
     """Create or upgrade subengine's schema (safe to run from many processes at once)."""
+    from subengine import _migrate
+
     if as_sql:
         click.echo(_migrate.upgrade_sql(context.settings.schema), nl=False)
         return
@@ -125,10 +207,11 @@ def db_url(context: Context) -> None:
 @handles_errors
 def db_stop(context: Context) -> None:
     """Stop the embedded PostgreSQL of SUBENGINE_HOME."""
-    if _embedded.stop_embedded(context.settings.home):
-        click.echo(f"stopped the embedded PostgreSQL in {context.settings.home}")
+    home = context.settings.home.expanduser().resolve()
+    if _embedded.stop_embedded(home):
+        click.echo(f"stopped the embedded PostgreSQL in {home}")
     else:
-        click.echo(f"no embedded PostgreSQL is running in {context.settings.home}")
+        click.echo(f"no embedded PostgreSQL is running in {home}")
 
 
 @cli.group()
@@ -189,7 +272,9 @@ def stream_show(context: Context, name: str) -> None:
 @click.option("--type", "event_type", help="Event type.")
 @click.option("--data", help="Event data as JSON.")
 @click.option("--metadata", help="Event metadata as a JSON object.")
-@click.option("--id", "event_id", help="Event id (UUID); makes retries idempotent.")
+@click.option(
+    "--id", "event_id", type=click.UUID, help="Event id (UUID); makes retries idempotent."
+)
 @click.option("--expected-version", type=int, help="Version the key must have (0: new key).")
 @click.option(
     "--file",
@@ -206,7 +291,7 @@ def append(
     event_type: str | None,
     data: str | None,
     metadata: str | None,
-    event_id: str | None,
+    event_id: uuid.UUID | None,
     expected_version: int | None,
     events_file: Path | None,
 ) -> None:
@@ -222,18 +307,22 @@ def append(
     else:
         if key is None or event_type is None or data is None:
             raise click.UsageError("give --key, --type and --data (or --file)")
-        line = {"key": key, "type": event_type, "data": _json_option("--data", data)}
-        if metadata is not None:
-            line["metadata"] = _json_option("--metadata", metadata)
-        if event_id is not None:
-            line["id"] = event_id
-        events = read_events_file(None, [json.dumps(line)])
+        event = subengine.NewEvent(
+            key=key,
+            type=event_type,
+            data=_json_option("--data", data),
+            metadata=None if metadata is None else _json_option("--metadata", metadata),
+            id=event_id,
+        )
+        events = [event]
     try:
         stored = context.engine().append(stream_name, events, expected_version)
     except subengine.InvalidEvent as error:
-        raise subengine.InvalidInput(
-            f"{events.source} line {events.line_of(error.index)}: {error.reason}"
-        ) from None
+        if isinstance(events, EventsFile):
+            raise subengine.InvalidInput(
+                f"{events.source} line {events.line_of(error.index)}: {error.reason}"
+            ) from None
+        raise subengine.InvalidInput(error.reason) from None
     new = [a for a in stored if not a.duplicate]
     for a in stored:
         note = "  (already stored)" if a.duplicate else ""
@@ -253,7 +342,11 @@ def append(
     type=IsoTime(),
     help="Read by recorded time across partitions (ISO 8601; UTC unless it names a zone).",
 )
-@click.option("--limit", type=click.IntRange(min=1), help="At most this many events.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    help="At most this many events [default: SUBENGINE_READ_LIMIT, 1000].",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per event and line.")
 @pass_context
 @handles_errors
@@ -266,17 +359,36 @@ def read(
     limit: int | None,
     as_json: bool,
 ) -> None:
-    """Read events of STREAM by position (per partition) or by time (--since)."""
+    """Read events of STREAM by position (per partition) or by time (--since).
+
+    When more events follow than --limit shows, a note on stderr says so and how to read on.
+    """
+    if since is not None and (partition is not None or after):
+        raise click.UsageError("--since cannot be combined with --partition or --after")
     engine = context.engine()
     limit = limit or engine.settings.read_limit
+    # one event more than is shown tells whether more follow
+    wanted = limit + 1 if limit < BIGINT_MAX else limit
     if since is not None:
-        if partition is not None or after:
-            raise click.UsageError("--since cannot be combined with --partition or --after")
-        events = engine.read_since(stream_name, since, limit)
+        events = engine.read_since(stream_name, since, wanted)
     elif partition is not None:
-        events = engine.read(stream_name, partition, after, limit)
+        events = engine.read(stream_name, partition, after, wanted)
     else:
-        events = list(_read_all_partitions(engine, stream_name, after, limit))
+        events = list(_read_all_partitions(engine, stream_name, after, wanted))
+    more = len(events) > limit
+    events = events[:limit]
+    _print_events(events, as_json)
+    if more:
+        if partition is not None:
+            read_on = f"read on with --after {events[-1].position}"
+        elif since is not None:
+            read_on = "give a later --since or a higher --limit"
+        else:
+            read_on = "read one partition at a time (--partition, --after) or give a higher --limit"
+        click.echo(f"note: stopped at {limit} events (--limit); more follow: {read_on}", err=True)
+
+
+def _print_events(events: list[subengine.Event], as_json: bool) -> None:
     if as_json:
         for event in events:
             click.echo(json.dumps(_event_json(event), ensure_ascii=False))
@@ -307,11 +419,24 @@ class StartPoint(click.ParamType):
             return value
         if value.lstrip().startswith("{"):
             try:
-                positions = json.loads(value)
-                return {int(partition): position for partition, position in positions.items()}
-            except (ValueError, AttributeError) as error:
-                self.fail(f"{value!r} is not a JSON object of partition to position: {error}")
+                positions = _json.parse(value)
+                if not isinstance(positions, dict):
+                    raise ValueError("it is not an object")
+                return {_partition(key): position for key, position in positions.items()}
+            except ValueError as error:
+                self.fail(
+                    f"{_json.shown(value)} is not a JSON object of partition to position: {error}",
+                    param,
+                    ctx,
+                )
         return IsoTime().convert(value, param, ctx)
+
+
+def _partition(key: str) -> int:
+    # int() would also take ' 1', '1_0' and digits of other scripts
+    if not (key.isascii() and key.isdigit()) or len(key) > len(str(2**31)):
+        raise ValueError(f"partition {_json.shown(key)} is not a whole number of a partition")
+    return int(key)
 
 
 @cli.command()
@@ -516,7 +641,7 @@ def subscription_resume(context: Context, name: str) -> None:
 @click.option("--watch", is_flag=True, help="Redraw until Ctrl-C, with the lag drained.")
 @click.option(
     "--interval",
-    type=click.FloatRange(0.1, 3600),
+    type=FiniteFloatRange(0.1, 3600),
     default=1.0,
     show_default=True,
     help="Seconds between redraws with --watch.",
@@ -685,7 +810,7 @@ def _positions_table(positions: list[subengine.SubscriptionPosition]) -> None:
 )
 @click.option(
     "--rate",
-    type=click.FloatRange(10, 100_000),
+    type=FiniteFloatRange(10, 100_000),
     default=1000,
     show_default=True,
     help="Events per second the producer aims for.",
@@ -696,6 +821,8 @@ def demo(context: Context, event_count: int, rate: float) -> None:
     """Show the engine working: two worker processes project order events while a
     producer appends them; one is killed half-way; the projection is then checked
     against the events exactly (exit 0 only if it matches)."""
+    from subengine.cli import _demo
+
     ok = _demo.run(context.engine(), event_count, rate, click.echo)
     sys.exit(0 if ok else 1)
 
@@ -714,9 +841,9 @@ def _read_all_partitions(
 
 def _json_option(name: str, value: str) -> Any:
     try:
-        return json.loads(value)
-    except json.JSONDecodeError as error:
-        raise click.BadParameter(f"not valid JSON: {error}", param_hint=name) from None
+        return _json.parse(value)
+    except ValueError as error:
+        raise click.BadParameter(f"not valid JSON: {error}", param_hint=f"'{name}'") from None
 
 
 def _event_json(event: subengine.Event) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from subengine._events import Event
 from subengine._names import (
     BIGINT_MAX,
     INTEGER_MAX,
+    shown_value,
     validate_stream_name,
     validate_type,
     validate_whole_number,
@@ -69,7 +70,7 @@ def start_to_json(start: Start) -> dict[str, Any]:
         return {"kind": "positions", "positions": dict(sorted(positions.items()))}
     raise InvalidInput(
         f"start must be 'beginning', 'end', a datetime with a time zone or a mapping of "
-        f"partition to position, not {start!r}"
+        f"partition to position, not {shown_value(start)}"
     )
 
 
@@ -104,10 +105,13 @@ class Subscription:
         validate_whole_number(self.batch_size, "batch_size", 1, MAX_BATCH_SIZE)
         validate_whole_number(self.max_attempts, "max_attempts", 1, 1000)
         if self.ack not in ACK_MODES:
-            raise InvalidInput(f"ack must be one of {', '.join(ACK_MODES)}, not {self.ack!r}")
+            raise InvalidInput(
+                f"ack must be one of {', '.join(ACK_MODES)}, not {shown_value(self.ack)}"
+            )
         if self.on_error not in ERROR_POLICIES:
             raise InvalidInput(
-                f"on_error must be one of {', '.join(ERROR_POLICIES)}, not {self.on_error!r}"
+                f"on_error must be one of {', '.join(ERROR_POLICIES)}, "
+                f"not {shown_value(self.on_error)}"
             )
 
     def handler(

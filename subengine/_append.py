@@ -31,6 +31,7 @@ from subengine._errors import (
 from subengine._events import Appended, NewEvent, new_event_id
 from subengine._names import (
     BIGINT_MAX,
+    shown_value,
     validate_key,
     validate_stream_name,
     validate_type,
@@ -120,7 +121,9 @@ def _expected_versions(
     present = set(keys)
     for key, version in expected_version.items():
         if key not in present:
-            raise InvalidInput(f"expected_version names key {key!r}, which has no event here")
+            raise InvalidInput(
+                f"expected_version names key {shown_value(key)}, which has no event here"
+            )
         validate_whole_number(version, f"expected_version for key {key!r}", 0, BIGINT_MAX)
     return list(expected_version), list(expected_version.values())
 

@@ -85,7 +85,7 @@ class Engine:
     def _announce_embedded(self) -> None:
         # A warning, so that it reaches stderr even where logging is not configured: a
         # production deployment that forgot SUBENGINE_DSN should notice. Once per process.
-        home = str(self.settings.home)
+        home = str(self.settings.home.expanduser().resolve())
         if home not in _announced_homes:
             _announced_homes.add(home)
             log.warning(

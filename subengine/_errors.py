@@ -136,3 +136,8 @@ class PositionsMissing(SubengineError, LookupError):
         self.partition = partition
         self.first = first
         self.last = last
+
+
+class MigrationError(SubengineError):
+    """The schema could not be created or upgraded; the failed upgrade left nothing behind
+    (it runs in one transaction)."""

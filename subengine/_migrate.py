@@ -1,7 +1,11 @@
 """Running the Alembic migrations in `migrations/` against a database, or printing them.
 
 Safe to call from many processes at once: the environment serialises upgrades with an
-advisory lock (see migrations/env.py).
+advisory lock (see migrations/env.py). subengine's revision is kept in its own version
+table, `{schema}.subengine_alembic_version`, so an application's Alembic can share the
+schema; env.py moves an older installation's `alembic_version` there. Every failure is a
+`MigrationError` with a one-line message, except connection failures, which stay
+psycopg's `OperationalError` for the engine to report as `DatabaseUnavailable`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from subengine._connection import connect
+from subengine._errors import MigrationError
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -24,6 +29,7 @@ if TYPE_CHECKING:
 
 # migrations/ is installed as the package subengine.migrations (see pyproject.toml)
 MIGRATIONS_DIR = Path(str(resources.files("subengine.migrations")))
+VERSION_TABLE = "subengine_alembic_version"
 
 
 def _config(schema: str) -> Config:
@@ -32,6 +38,7 @@ def _config(schema: str) -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.attributes["schema"] = schema
+    config.attributes["version_table"] = VERSION_TABLE
     return config
 
 
@@ -52,6 +59,7 @@ def connect_factory(
 def upgrade(dsn: str, schema: str, connect_timeout: float) -> None:
     """Upgrade the schema to the newest revision (creating it when missing)."""
     from alembic import command
+    from alembic.util import CommandError
     from sqlalchemy import create_engine
     from sqlalchemy.exc import DBAPIError
     from sqlalchemy.pool import NullPool
@@ -66,11 +74,52 @@ def upgrade(dsn: str, schema: str, connect_timeout: float) -> None:
             command.upgrade(config, "head")
             connection.commit()
     except DBAPIError as error:
+        if isinstance(error.orig, psycopg.OperationalError):
+            raise error.orig from None  # the server is unreachable or went away
         if isinstance(error.orig, psycopg.Error):
-            raise error.orig from None  # the psycopg error, as everywhere else in subengine
+            raise _failed(schema, error.orig) from None
         raise
+    except psycopg.OperationalError:
+        raise
+    except psycopg.Error as error:  # raised by the connection factory, not a statement
+        raise _failed(schema, error) from None
+    except CommandError as error:
+        raise _command_failed(dsn, schema, connect_timeout, error) from None
     finally:
         engine.dispose()
+
+
+def _failed(schema: str, error: psycopg.Error) -> MigrationError:
+    reason = (error.diag.message_primary or str(error)).strip().splitlines()[0]
+    hint = ""
+    if isinstance(error, psycopg.errors.InsufficientPrivilege):
+        hint = (
+            "; migrate as a role that may create objects there, or have a DBA apply "
+            "`subengine migrate --sql`"
+        )
+    elif isinstance(error, psycopg.errors.DuplicateObject | psycopg.errors.DuplicateTable):
+        hint = "; another application's object has that name: give subengine a schema of its own"
+    return MigrationError(f"could not migrate schema {schema!r}: {reason}{hint}")
+
+
+def _command_failed(
+    dsn: str, schema: str, connect_timeout: float, error: Exception
+) -> MigrationError:
+    # Alembic raises CommandError above all when the version table names a revision this
+    # code does not ship: say which, and the likely causes
+    try:
+        stored = current_revision(dsn, schema, connect_timeout)
+    except psycopg.Error:
+        stored = None
+    if stored is not None and stored not in known_revisions():
+        return MigrationError(
+            f"schema {schema!r} is at revision {stored!r}, which this version of subengine "
+            f"does not know (it ships up to {head_revision()!r}): a newer subengine migrated "
+            f"it, or {schema}.{VERSION_TABLE} is not subengine's; upgrade subengine, or use "
+            "another schema"
+        )
+    reason = " ".join(str(error).split())
+    return MigrationError(f"could not migrate schema {schema!r}: {reason}")
 
 
 def upgrade_sql(schema: str) -> str:
@@ -86,7 +135,9 @@ def upgrade_sql(schema: str) -> str:
 
 def current_revision(dsn: str, schema: str, connect_timeout: float) -> str | None:
     """The revision the schema is at, or None when it has never been migrated."""
-    table = psycopg.sql.SQL("{}.alembic_version").format(psycopg.sql.Identifier(schema))
+    table = psycopg.sql.SQL("{}.{}").format(
+        psycopg.sql.Identifier(schema), psycopg.sql.Identifier(VERSION_TABLE)
+    )
     with connect(dsn, connect_timeout, application_name=APPLICATION_NAME) as conn:
         found = conn.execute(
             "SELECT to_regclass(%s) IS NOT NULL", (table.as_string(conn),)
@@ -95,6 +146,14 @@ def current_revision(dsn: str, schema: str, connect_timeout: float) -> str | Non
             return None
         row = conn.execute(psycopg.sql.SQL("SELECT version_num FROM {}").format(table)).fetchone()
         return str(row[0]) if row else None
+
+
+def known_revisions() -> set[str]:
+    """Every revision this code ships."""
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(_config("subengine"))
+    return {script.revision for script in scripts.walk_revisions()}
 
 
 def head_revision() -> str:

@@ -24,6 +24,15 @@ def _shown(value: str) -> str:
     return repr(value) if len(value) <= 60 else repr(value[:60]) + f"... ({len(value)} chars)"
 
 
+def shown_value(value: object) -> str:
+    """`value` as an error message quotes it: its repr, cut short when it is long."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int too long to print, a structure too deep
+        return f"a {type(value).__name__} too large to show"
+    return text if len(text) <= 60 else f"{text[:60]}... ({len(text)} characters)"
+
+
 def validate_stream_name(name: object) -> str:
     if not isinstance(name, str) or STREAM_NAME.fullmatch(name) is None:
         shown = _shown(name) if isinstance(name, str) else type(name).__name__
@@ -52,7 +61,7 @@ def is_whole_number(value: object, minimum: int, maximum: int) -> bool:
 def validate_whole_number(value: object, what: str, minimum: int, maximum: int) -> int:
     if not is_whole_number(value, minimum, maximum):
         raise InvalidInput(
-            f"{what} must be a whole number from {minimum} to {maximum}, not {value!r}"
+            f"{what} must be a whole number from {minimum} to {maximum}, not {shown_value(value)}"
         )
     return value  # type: ignore[return-value]
 
@@ -60,7 +69,8 @@ def validate_whole_number(value: object, what: str, minimum: int, maximum: int) 
 def validate_partition_count(partitions: object) -> int:
     if not is_whole_number(partitions, 1, MAX_PARTITIONS):
         raise InvalidInput(
-            f"invalid partition count {partitions!r}: use a whole number from 1 to {MAX_PARTITIONS}"
+            f"invalid partition count {shown_value(partitions)}: use a whole number from 1 to "
+            f"{MAX_PARTITIONS}"
         )
     return partitions  # type: ignore[return-value]
 

@@ -8,6 +8,7 @@ reads environment variables.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from subengine._errors import ConfigurationError
-from subengine._names import validate_schema_name
+from subengine._names import shown_value, validate_schema_name
 
 
 def _setting(default: Any, env: str, doc: str) -> Any:
@@ -91,21 +92,14 @@ class Settings:
 
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
-        for name in ("max_event_bytes", "pool_min_size", "pool_max_size", "read_limit"):
-            if getattr(self, name) < 1:
-                raise ConfigurationError(f"setting {name} must be at least 1")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int":
+                _check_count(f, value)
+            elif f.type == "float":
+                _check_seconds(f, value)
         if self.pool_max_size < self.pool_min_size:
             raise ConfigurationError("setting pool_max_size must be at least pool_min_size")
-        for name in (
-            "connect_timeout",
-            "poll_interval",
-            "retry_delay",
-            "heartbeat_interval",
-            "outage_timeout",
-            "progress_interval",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigurationError(f"setting {name} must be positive")
         if self.retry_delay_max < self.retry_delay:
             raise ConfigurationError("setting retry_delay_max must be at least retry_delay")
 
@@ -133,6 +127,33 @@ class Settings:
             yield f.name, f.metadata["env"], default, f.metadata["doc"]
 
 
+# Waits longer than this are mistakes (a worker that polls once a month), and far longer
+# ones overflow the timers they reach (threading.Event.wait, libpq's connect_timeout).
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
+def _refuse(f: dataclasses.Field[Any], rule: str, value: object) -> ConfigurationError:
+    return ConfigurationError(
+        f"setting {f.name} must be {rule}, not {shown_value(value)} "
+        f"(environment variable {f.metadata['env']})"
+    )
+
+
+def _check_count(f: dataclasses.Field[Any], value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _refuse(f, "a whole number", value)
+    if value < 1:
+        raise _refuse(f, "at least 1", value)
+
+
+def _check_seconds(f: dataclasses.Field[Any], value: object) -> None:
+    # NaN compares false with everything, so `value <= 0` would let it through
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _refuse(f, "a number of seconds", value)
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise _refuse(f, f"a number of seconds above 0 and at most {MAX_SECONDS:g} (a week)", value)
+
+
 def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     try:
@@ -141,7 +162,9 @@ def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
         if kind == "float":
             return float(raw)
     except ValueError:
-        raise ConfigurationError(f"{f.metadata['env']}={raw!r} is not a valid {kind}") from None
+        raise ConfigurationError(
+            f"{f.metadata['env']}={shown_value(raw)} is not a valid {kind}"
+        ) from None
     if kind == "Path":
         return Path(raw)
     return raw

@@ -7,6 +7,8 @@ import subprocess
 import psycopg
 import pytest
 from conftest import subengine_command
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 import subengine
 from subengine import _migrate
@@ -25,7 +27,7 @@ def test_upgrade_from_empty_creates_the_data_model(blank_dsn):
         assert engine.schema_revision() is None
         engine.migrate()
         assert engine.schema_revision() == _migrate.head_revision()
-    assert {"streams", "partitions", "events", "alembic_version"} <= tables(blank_dsn)
+    assert {"streams", "partitions", "events", "subengine_alembic_version"} <= tables(blank_dsn)
     with psycopg.connect(blank_dsn) as conn:
         types = dict(
             conn.execute(
@@ -72,7 +74,10 @@ def test_four_processes_migrating_at_once_all_succeed(blank_dsn, tmp_path):
         p.stderr.close()
     assert [code for code, _ in results] == [0, 0, 0, 0], results
     with psycopg.connect(blank_dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM subengine.alembic_version").fetchone()[0] == 1
+        assert (
+            conn.execute("SELECT count(*) FROM subengine.subengine_alembic_version").fetchone()[0]
+            == 1
+        )
 
 
 def test_a_schema_that_was_never_migrated_says_what_to_do(blank_dsn):
@@ -98,6 +103,7 @@ def test_migrate_sql_prints_the_ddl_without_touching_the_database(blank_dsn):
     assert "CREATE TABLE events" in result.stdout
     assert "CREATE FUNCTION append_events" in result.stdout
     assert "%%" not in result.stdout  # printed SQL is runnable as it is
+    assert "CREATE TABLE subengine.subengine_alembic_version" in result.stdout
     assert tables(blank_dsn) == set()
 
 
@@ -110,3 +116,130 @@ def test_printed_sql_builds_a_working_schema(blank_dsn):
         engine.create_stream("orders", partitions=2)
         assert engine.append("orders", [subengine.NewEvent("k", "T", {})])[0].position == 1
         engine.migrate()  # recognises the revision the SQL recorded
+
+
+def run_migrate(dsn, *args, tmp_path):
+    env = {"SUBENGINE_DSN": dsn, "PATH": "/usr/bin:/bin", "SUBENGINE_HOME": str(tmp_path)}
+    return subprocess.run(
+        [subengine_command(), *args, "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_one_line_error(result, message):
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.parametrize("app_revision", ["a1b2c3d4", "0003"])
+def test_schema_public_beside_an_applications_own_alembic_version(
+    blank_dsn, tmp_path, app_revision
+):
+    # the application's Alembic keeps public.alembic_version; subengine keeps its own
+    with psycopg.connect(blank_dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE alembic_version (version_num varchar(32) NOT NULL,"
+            " CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))"
+        )
+        conn.execute("INSERT INTO alembic_version VALUES (%s)", (app_revision,))
+    result = run_migrate(blank_dsn, "--schema", "public", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"schema 'public' is at revision {_migrate.head_revision()}" in result.stdout
+    with psycopg.connect(blank_dsn) as conn:
+        assert conn.execute("SELECT version_num FROM public.alembic_version").fetchall() == [
+            (app_revision,)
+        ]
+    with subengine.Engine(blank_dsn, schema="public") as engine:
+        assert engine.schema_revision() == _migrate.head_revision()
+        engine.create_stream("orders", partitions=2)
+        assert engine.append("orders", [subengine.NewEvent("k", "T", {})])[0].position == 1
+    assert run_migrate(blank_dsn, "--schema", "public", tmp_path=tmp_path).returncode == 0
+
+
+def migrate_as_before(dsn, revision):
+    """Migrate to `revision` keeping the version in alembic_version, as subengine did
+    before it had a version table of its own."""
+    from alembic import command
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    config = _migrate._config("subengine")
+    config.attributes["version_table"] = "alembic_version"
+    engine = create_engine(
+        "postgresql+psycopg://", creator=_migrate.connect_factory(dsn, 10), poolclass=NullPool
+    )
+    with engine.connect() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+        connection.commit()
+    engine.dispose()
+
+
+@pytest.mark.parametrize("revision", ["0002", "head"])
+def test_an_older_installation_moves_to_subengines_version_table(blank_dsn, revision):
+    migrate_as_before(blank_dsn, revision)
+    with subengine.Engine(blank_dsn) as engine:
+        engine.create_stream("orders", partitions=2)
+        engine.append("orders", [subengine.NewEvent("k", "T", {})])
+        engine.migrate()
+        assert engine.schema_revision() == _migrate.head_revision()
+        assert sum(engine.heads("orders").values()) == 1
+    assert "alembic_version" not in tables(blank_dsn)
+    with psycopg.connect(blank_dsn, autocommit=True) as conn:
+        indexes = conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'subengine_alembic_version'"
+        ).fetchall()
+        assert indexes == [("subengine_alembic_version_pkc",)]
+        # an application's Alembic can now create its own table in the same schema
+        conn.execute(
+            "CREATE TABLE subengine.alembic_version (version_num varchar(32) NOT NULL,"
+            " CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))"
+        )
+
+
+def test_an_unknown_revision_in_the_database_is_one_line(blank_dsn, tmp_path):
+    with subengine.Engine(blank_dsn) as engine:
+        engine.migrate()
+    with psycopg.connect(blank_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE subengine.subengine_alembic_version SET version_num = 'ffff9999'")
+    result = run_migrate(blank_dsn, tmp_path=tmp_path)
+    assert_one_line_error(
+        result, "schema 'subengine' is at revision 'ffff9999', which this version of subengine"
+    )
+    with pytest.raises(subengine.MigrationError, match="a newer subengine migrated it"):
+        subengine.Engine(blank_dsn).migrate()
+
+
+def test_permission_denied_is_one_line(blank_dsn, tmp_path):
+    with psycopg.connect(blank_dsn, autocommit=True) as conn:
+        role = f"no_create_{conn.info.dbname}"
+        conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+        conn.execute(
+            sql.SQL("REVOKE CREATE ON DATABASE {} FROM PUBLIC").format(
+                sql.Identifier(conn.info.dbname)
+            )
+        )
+    try:
+        as_role = make_conninfo(blank_dsn, options=f"-c role={role}")
+        result = run_migrate(as_role, tmp_path=tmp_path)
+        assert_one_line_error(
+            result, "could not migrate schema 'subengine': permission denied for database"
+        )
+        assert "subengine migrate --sql" in result.stderr
+        assert tables(blank_dsn) == set()
+    finally:
+        with psycopg.connect(blank_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_an_applications_table_of_the_same_name_is_one_line(blank_dsn, tmp_path):
+    with psycopg.connect(blank_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE public.events (id int)")
+    result = run_migrate(blank_dsn, "--schema", "public", tmp_path=tmp_path)
+    assert_one_line_error(result, "could not migrate schema 'public': relation")
+    assert "give subengine a schema of its own" in result.stderr
+    assert tables(blank_dsn, "public") == {"events"}

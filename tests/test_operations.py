@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import APPS, run_subengine, subengine_command
+from psycopg.conninfo import make_conninfo
 from test_worker import Running, wait_for
 
 import subengine
@@ -286,6 +289,7 @@ def test_delete_is_refused_while_a_worker_runs_the_subscription_unless_forced(
     fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(8)])
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
+    fast_engine.ensure_subscription(app.subscriptions["billing"])
     with Running(app, fast_engine):
         wait_for(lambda: fast_engine.subscription_summary("billing")[0]["lag"] == 0)
         before = sql.execute("SELECT * FROM subengine.subscription_positions").fetchall()
@@ -350,3 +354,59 @@ def test_workers_prune_removes_workers_that_are_gone(fast_engine, cli_env, sql):
         # a live worker removed by mistake comes back with its next heartbeat
         sql.execute("DELETE FROM subengine.workers")
         wait_for(lambda: len(fast_engine.workers()) == 1)
+
+
+OPERATIONS = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+
+
+def test_the_documented_operator_role_runs_every_read_only_command(fast_engine, cli_env, sql, dsn):
+    stored = fast_engine.append("orders", [NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
+    fast_engine.ensure_subscription(subengine.App().subscription("billing", stream="orders"))
+    letter = stored[3]
+    sql.execute(
+        "INSERT INTO subengine.dead_letters"
+        " (subscription, partition, position, generation, event_id, error, attempts)"
+        " VALUES ('billing', %s, %s, 1, %s, 'ValueError: test', 5)",
+        (letter.partition, letter.position, letter.id),
+    )
+    [grants] = [
+        block
+        for block in re.findall(r"```sql\n(.*?)```", OPERATIONS, flags=re.DOTALL)
+        if "CREATE ROLE subengine_operator" in block
+    ]
+    role = f"operator_{sql.info.dbname}"  # roles belong to the whole server
+    sql.execute(grants.replace("subengine_operator", role))
+    operator = dict(cli_env, SUBENGINE_DSN=make_conninfo(dsn, options=f"-c role={role}"))
+    partition, position = str(letter.partition), str(letter.position)
+    try:
+        for args in (
+            ["status"],
+            ["status", "--partitions"],
+            ["status", "--subscription", "billing", "--json"],
+            ["subscription", "list"],
+            ["subscription", "show", "billing"],
+            ["workers"],
+            ["dead-letters", "list", "--all"],
+            ["dead-letters", "show", "billing", partition, position],
+            ["stream", "list"],
+            ["stream", "show", "orders"],
+            ["read", "orders"],
+            ["read", "orders", "--partition", partition, "--json"],
+            ["read", "orders", "--since", "2000-01-01T00:00:00Z"],
+        ):
+            result = run(operator, *args)
+            assert result.stdout, args
+        read = json_lines(run(operator, "read", "orders", "--json").stdout)
+        assert sorted(event["data"]["n"] for event in read) == list(range(8))
+        for args in (
+            ["subscription", "pause", "billing"],
+            ["subscription", "reset", "billing", "--to", "end"],
+            ["dead-letters", "discard", "billing", partition, position],
+            ["append", "orders", "--key", "k", "--type", "T", "--data", "{}"],
+        ):
+            refused = run(operator, *args, ok=False)
+            assert refused.returncode == 1, args
+            assert refused.stderr.startswith("error: the database said: permission denied")
+            assert refused.stderr.count("\n") == 1
+    finally:
+        sql.execute(f'DROP OWNED BY "{role}"; DROP ROLE "{role}"')

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from conftest import APPS, run_subengine
 
 import subengine
 from subengine import Settings
@@ -52,7 +53,10 @@ def test_overrides_win_over_the_environment():
         ({"SUBENGINE_MAX_EVENT_BYTES": "0"}, "max_event_bytes must be at least 1"),
         ({"SUBENGINE_SCHEMA": 'x"; drop'}, "invalid schema name"),
         ({"SUBENGINE_SCHEMA": "Upper"}, "invalid schema name"),
-        ({"SUBENGINE_CONNECT_TIMEOUT": "-1"}, "connect_timeout must be positive"),
+        (
+            {"SUBENGINE_CONNECT_TIMEOUT": "-1"},
+            "connect_timeout must be a number of seconds above 0",
+        ),
         ({"SUBENGINE_POOL_MIN_SIZE": "5", "SUBENGINE_POOL_MAX_SIZE": "2"}, "pool_max_size"),
     ],
 )
@@ -90,3 +94,51 @@ def test_unreachable_database_fails_with_the_reason():
         pytest.raises(subengine.DatabaseUnavailable, match="could not connect"),
     ):
         engine.streams()
+
+
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "1e999", "1e300", "604801", "0"])
+@pytest.mark.parametrize(
+    ("name", "env"),
+    [
+        ("poll_interval", "SUBENGINE_POLL_INTERVAL"),
+        ("connect_timeout", "SUBENGINE_CONNECT_TIMEOUT"),
+        ("retry_delay_max", "SUBENGINE_RETRY_DELAY_MAX"),
+        ("outage_timeout", "SUBENGINE_OUTAGE_TIMEOUT"),
+    ],
+)
+def test_non_finite_and_absurd_durations_are_refused(name, env, raw):
+    message = rf"setting {name} must be a number of seconds above 0 and at most 604800 .*{env}"
+    with pytest.raises(subengine.ConfigurationError, match=message):
+        Settings.from_env({env: raw})
+    with pytest.raises(subengine.ConfigurationError, match=message):
+        Settings(**{name: float(raw)})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"poll_interval": "5"}, "poll_interval must be a number of seconds, not '5'"),
+        ({"poll_interval": True}, "poll_interval must be a number of seconds, not True"),
+        ({"read_limit": 2.5}, "read_limit must be a whole number, not 2.5"),
+        ({"pool_max_size": None}, "pool_max_size must be a whole number, not None"),
+    ],
+)
+def test_settings_of_the_wrong_type_are_refused(changes, message):
+    with pytest.raises(subengine.ConfigurationError, match=message):
+        Settings(**changes)
+
+
+def test_a_week_is_the_longest_duration():
+    assert Settings(poll_interval=604800, outage_timeout=604800.0).poll_interval == 604800
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf"])
+def test_a_worker_with_a_non_finite_poll_interval_exits_with_one_line(orders, worker_app_env, raw):
+    # nan made an idle worker spin (~2,000 transactions/s); inf raised OverflowError
+    env = dict(worker_app_env, SUBENGINE_POLL_INTERVAL=raw)
+    result = run_subengine(env, "worker", "--app", "worker_app:app", cwd=APPS, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == (
+        "error: setting poll_interval must be a number of seconds above 0 and at most 604800"
+        f" (a week), not {raw} (environment variable SUBENGINE_POLL_INTERVAL)\n"
+    )
