@@ -11,6 +11,7 @@ and a scrape never waits on the database.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +31,15 @@ _BATCH_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 
 @dataclass(frozen=True, slots=True)
 class PartitionLag:
-    """One reading of a subscription in one partition; `halted`: stopped or paused."""
+    """One reading of a subscription in one partition; `halted`: stopped or paused;
+    `reported`: this worker exports the subscription's lag gauges (one worker does)."""
 
     subscription: str
     partition: int
     position: int
     head: int
     halted: bool
+    reported: bool = True
 
     @property
     def lag(self) -> int:
@@ -45,10 +48,13 @@ class PartitionLag:
 
 
 def read_lag(
-    conn: psycopg.Connection[Any], schema: str, names: Sequence[str]
+    conn: psycopg.Connection[Any], schema: str, names: Sequence[str], worker: uuid.UUID
 ) -> list[PartitionLag]:
-    """Position and head of every partition of the named subscriptions, in one query."""
-    rows = conn.execute(query(schema, "subscription_lag"), {"names": list(names)}).fetchall()
+    """Position and head of every partition of the named subscriptions, in one query, and
+    whether `worker` reports each subscription's lag."""
+    rows = conn.execute(
+        query(schema, "subscription_lag"), {"names": list(names), "worker": str(worker)}
+    ).fetchall()
     return [PartitionLag(*row) for row in rows]
 
 
@@ -69,11 +75,13 @@ class _LagCollector(Collector):
         lag = GaugeMetricFamily(
             "subengine_lag_events",
             "Events of the partition after the subscription's position (head - position), "
-            "as of the last reading.",
+            "as of the last reading. One connected worker of a subscription exports it, so "
+            "sum() over workers counts each partition once.",
             labels=["subscription", "partition"],
         )
         for row in reading:
-            lag.add_metric([row.subscription, str(row.partition)], row.lag)
+            if row.reported:
+                lag.add_metric([row.subscription, str(row.partition)], row.lag)
         yield lag
         yield GaugeMetricFamily(
             "subengine_lag_read_timestamp_seconds",

@@ -644,7 +644,7 @@ class Worker:
             else:
                 try:
                     with self.engine.connection() as conn:
-                        reading = _metrics.read_lag(conn, self.schema, names)
+                        reading = _metrics.read_lag(conn, self.schema, names, self.id)
                 except Exception as error:  # progress is for people: never fatal
                     log.warning("could not read the lag: %s", error, extra=self._fields())
                 else:

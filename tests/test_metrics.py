@@ -469,3 +469,31 @@ def test_the_worker_command_serves_metrics_and_logs_json_lines(worker_app_env, e
     assert sum(line["events"] for line in batches) == 30
     assert {line["subscription"] for line in batches} == {"effects"}
     assert all(line["partition"] in range(4) for line in batches)
+
+
+def test_summing_the_lag_gauges_over_workers_counts_each_partition_once(metered_engine, sql):
+    # the usual aggregation, sum by (subscription) over every worker's scrape, must give
+    # the subscription's lag, however many workers run it
+    stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
+    poison = first_of_a_partition(stored)  # its partition stops there and keeps a lag
+    app = poisoned_app(poison, "stop")
+    ports = [free_port(), free_port()]
+    with (
+        Running(app, metered_engine, metrics_port=ports[0]),
+        Running(app, metered_engine, metrics_port=ports[1]),
+    ):
+        wait_for(
+            lambda: any(p.stopped for p in metered_engine.subscription_positions("billing")),
+            what="the poison's partition to stop",
+        )
+        behind = sum(expected_lag(metered_engine, "billing").values())
+        assert behind > 0
+        wait_for(
+            lambda: (
+                sum(sum(lag_gauges(scrape(port)).values()) for port in ports) == behind
+                and all(scrape(port) for port in ports)
+            ),
+            what="the gauges of both workers to add up to the lag",
+        )
+        time.sleep(0.5)  # several readings later, still once
+        assert sum(sum(lag_gauges(scrape(port)).values()) for port in ports) == behind

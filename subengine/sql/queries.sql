@@ -188,13 +188,25 @@ SELECT sp.subscription, sp.partition,
  LIMIT %(limit)s
 
 -- name: subscription_lag
--- Position and head of every partition of some subscriptions, and whether it is halted
--- (stopped or paused): the worker's lag gauges and progress lines. Primary-key lookups
--- only; unlike the subscription_status view it reads neither pg_locks nor the events.
-SELECT sp.subscription, sp.partition, sp.position, p.head, sp.stopped OR s.paused
+-- Position and head of every partition of some subscriptions, whether it is halted
+-- (stopped or paused), and whether this worker reports the subscription's lag: the
+-- connected worker of lowest id running it does, so that summing the gauges over workers
+-- counts each partition once. For the worker's lag gauges and progress lines; unlike the
+-- subscription_status view it reads neither pg_locks nor the events.
+WITH reporters AS (
+    SELECT name, (SELECT min(w.id::text) FROM {schema}.workers w
+                   WHERE name = ANY (w.subscriptions)
+                     AND EXISTS (SELECT FROM pg_stat_activity a
+                                  WHERE a.application_name = 'subengine worker ' || w.id::text))
+                 AS reporter
+      FROM unnest(%(names)s::text[]) AS name
+)
+SELECT sp.subscription, sp.partition, sp.position, p.head, sp.stopped OR s.paused,
+       coalesce(r.reporter = %(worker)s::text, true)
   FROM {schema}.subscription_positions sp
   JOIN {schema}.subscriptions s ON s.name = sp.subscription
   JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
+  JOIN reporters r ON r.name = sp.subscription
  WHERE sp.subscription = ANY (%(names)s)
  ORDER BY 1, 2
 
