@@ -4,6 +4,7 @@ database with a subscription, a held partition's worth of events and dead letter
 from __future__ import annotations
 
 import re
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -65,7 +66,7 @@ def test_every_sql_block_of_the_operations_page_runs(operated, sql):
 
 def test_every_command_of_the_operations_page_runs(operated, cli_env, sql):
     commands = [
-        line.split("#")[0].split()
+        shlex.split(line, comments=True)
         for block in blocks(OPERATIONS, "sh")
         for line in block.splitlines()
         if line.startswith("subengine ")
