@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -96,30 +97,30 @@ def test_polling_alone_delivers_everything(fast_engine, sql):
         wait_for(lambda: count(sql) == 20)
 
 
-def test_the_listening_connection_is_terminated_again_and_again(dsn, sql):
+@contextmanager
+def push_only_worker(dsn, sql):
+    """A running worker whose poll interval is far longer than a test: only notifications
+    can deliver in time. Yields its engine, with a 2-partition stream 'orders'."""
     sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
-    # a poll interval far longer than the test: only notifications can deliver in time
     settings = subengine.Settings(dsn=dsn, poll_interval=600)
     with subengine.Engine(settings=settings) as engine:
         engine.create_stream("orders", partitions=2)
         app = subengine.App()
         app.subscription("billing", stream="orders").handler()(record)
         with Running(app, engine):
-            for round_ in range(3):
-                wait_for(
-                    lambda: (
-                        sql.execute(
-                            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
-                        ).fetchone()[0]
-                        == 1
-                    )
-                )
-                sql.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE query LIKE 'LISTEN%'"
-                )
-                engine.append("orders", [NewEvent(f"r{round_}-{n}", "T", {}) for n in range(5)])
-                wait_for(lambda r=round_: count(sql) == 5 * (r + 1))
+            yield engine
+
+
+def test_the_listening_connection_is_terminated_again_and_again(dsn, sql):
+    listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
+    with push_only_worker(dsn, sql) as engine:
+        for round_ in range(3):
+            wait_for(lambda: sql.execute(listening).fetchone()[0] == 1)
+            sql.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
+            )
+            engine.append("orders", [NewEvent(f"r{round_}-{n}", "T", {}) for n in range(5)])
+            wait_for(lambda r=round_: count(sql) == 5 * (r + 1))
 
 
 @pytest.mark.parametrize("policy", ["stop", "dead_letter"])
@@ -545,19 +546,12 @@ def test_an_unexpected_error_in_one_partition_leaves_the_worker_and_the_others_r
 
 
 def test_the_listener_survives_a_notification_it_cannot_parse(dsn, sql, caplog):
-    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
-    # a poll interval far longer than the test: only notifications can deliver in time
-    settings = subengine.Settings(dsn=dsn, poll_interval=600)
-    with subengine.Engine(settings=settings) as engine:
-        engine.create_stream("orders", partitions=2)
-        app = subengine.App()
-        app.subscription("billing", stream="orders").handler()(record)
-        with Running(app, engine):
-            listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
-            wait_for(lambda: sql.execute(listening).fetchone()[0] == 1)
-            sql.execute("SELECT pg_notify('subengine', repeat('[', 7000))")
-            engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
-            wait_for(lambda: count(sql) == 5)
+    with push_only_worker(dsn, sql) as engine:
+        listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
+        wait_for(lambda: sql.execute(listening).fetchone()[0] == 1)
+        sql.execute("SELECT pg_notify('subengine', repeat('[', 7000))")
+        engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
+        wait_for(lambda: count(sql) == 5)
     assert any(
         "the listening connection failed (RecursionError" in r.getMessage() for r in caplog.records
     )
