@@ -4,22 +4,36 @@
 connect timeout (an unreachable host fails instead of hanging) and an application name
 (the status views and `pg_stat_activity` tell subengine's connections apart).
 
+A DSN holds a password, and libpq quotes pieces of the DSN in its messages. Every message
+that leaves this module names no secret: see `dsn_problem` and `connect`.
+
 `append` runs in the caller's transaction, whether the caller holds a psycopg connection,
 a SQLAlchemy `Connection` or a SQLAlchemy `Session` (on the psycopg driver).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+import re
+from collections.abc import Callable
+from typing import Any, Self, TypeVar
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from subengine._errors import InvalidInput
 
 PgConnection = psycopg.Connection[Any]
 
 APPLICATION_NAME = "subengine"
+
+# libpq options whose values are secrets; a message never shows them.
+_SECRET_OPTIONS = frozenset(
+    {"password", "sslpassword", "oauth_client_secret", "scram_client_key", "scram_server_key"}
+)
+_HIDDEN = "(hidden)"
+_QUOTED = re.compile(r'"[^"]*"|\'[^\']*\'')
 
 
 def connect_options(connect_timeout: float, application_name: str) -> dict[str, Any]:
@@ -38,10 +52,72 @@ def connect(
     application_name: str = APPLICATION_NAME,
     autocommit: bool = False,
 ) -> PgConnection:
-    """A new connection to `dsn` that gives up after `connect_timeout` seconds."""
-    return psycopg.connect(
-        dsn, autocommit=autocommit, **connect_options(connect_timeout, application_name)
-    )
+    """A new connection to `dsn` that gives up after `connect_timeout` seconds.
+
+    A failure raises the psycopg error libpq gave (OperationalError; ProgrammingError for
+    a malformed DSN), its message stripped of the DSN's secrets.
+    """
+    options = connect_options(connect_timeout, application_name)
+    return _opened(lambda: psycopg.connect(dsn, autocommit=autocommit, **options), dsn)
+
+
+class PooledConnection(psycopg.Connection[Any]):
+    """The connections of an engine's pool (its `connection_class`): opened as `connect`
+    opens every other, so that the pool's own log lines name no secret either."""
+
+    @classmethod
+    def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
+        return _opened(lambda: super(PooledConnection, cls).connect(conninfo, **kwargs), conninfo)
+
+
+C = TypeVar("C", bound=PgConnection)
+
+
+def _opened(open_connection: Callable[[], C], dsn: str) -> C:
+    try:
+        return open_connection()
+    except psycopg.Error as error:
+        failure = _without_secrets(error, dsn)
+    # Raised outside the `except`, so that the original error, whose message may quote
+    # the password, is not kept as this one's context (tracebacks would print it).
+    raise failure
+
+
+def dsn_problem(dsn: str) -> str | None:
+    """Why libpq cannot parse `dsn` (None if it can), quoting none of the DSN's values.
+
+    libpq quotes the offending token, which may be (part of) the password: only quoted
+    option names and punctuation are kept.
+    """
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as error:
+        return _QUOTED.sub(_keep_if_harmless, one_line(str(error)))
+    return None
+
+
+def safe_message(error: BaseException, dsn: str) -> str:
+    """`error`'s message on one line, without any secret of `dsn` in it."""
+    text = one_line(str(error))
+    secrets = _secrets(dsn)
+    if secrets is None:
+        # the DSN does not parse, so its secrets are unknown: hide every quoted value
+        return _QUOTED.sub(_keep_if_harmless, text)
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, _HIDDEN)
+    return text
+
+
+def one_line(text: str) -> str:
+    """libpq's messages span lines (a hint, or a sentence wrapped onto tab-indented
+    lines): join them into one, a new sentence after a full stop."""
+    joined = ""
+    for line in (raw.strip() for raw in text.strip().splitlines()):
+        if line and joined:
+            new_sentence = line[0].isupper() and joined[-1] not in ".:;?!"
+            joined += ". " if new_sentence else " "
+        joined += line
+    return joined
 
 
 def psycopg_connection(conn: object) -> PgConnection:
@@ -80,3 +156,32 @@ def _in_transaction(conn: PgConnection) -> PgConnection:
             "engine.append()"
         )
     return conn
+
+
+def _without_secrets(error: psycopg.Error, dsn: str) -> psycopg.Error:
+    """`error`, or an error of its class whose message names no secret of `dsn`."""
+    text = safe_message(error, dsn)
+    if text == one_line(str(error)):
+        return error
+    return type(error)(text)
+
+
+def _secrets(dsn: str) -> list[str] | None:
+    """The values of the DSN's secret options; None when it does not parse."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return None
+    return [str(value) for key, value in params.items() if key in _SECRET_OPTIONS and value]
+
+
+@functools.cache
+def _option_names() -> frozenset[str]:
+    return frozenset(option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults())
+
+
+def _keep_if_harmless(quoted: re.Match[str]) -> str:
+    inner = quoted.group(0)[1:-1]
+    if inner in _option_names() or not any(c.isalnum() for c in inner):
+        return quoted.group(0)
+    return _HIDDEN

@@ -12,7 +12,6 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from subengine import _embedded, _migrate, _operations, _read, _subscriptions
@@ -24,7 +23,15 @@ from subengine._append import (
     schema_not_ready,
     subengine_errors,
 )
-from subengine._connection import APPLICATION_NAME, connect, connect_options
+from subengine._connection import (
+    APPLICATION_NAME,
+    PooledConnection,
+    connect,
+    connect_options,
+    dsn_problem,
+    one_line,
+    safe_message,
+)
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
 from subengine._names import validate_partition_count, validate_stream_name
@@ -67,13 +74,13 @@ class Engine:
             self._announce_embedded()
         else:
             self.dsn = self.settings.dsn
-            try:
-                conninfo_to_dict(self.dsn)
-            except psycopg.ProgrammingError as error:
-                raise ConfigurationError(f"invalid DSN: {error}") from None
+            problem = dsn_problem(self.dsn)
+            if problem is not None:
+                raise ConfigurationError(f"invalid DSN: {problem}")
         self.schema = self.settings.schema
         self._pool = ConnectionPool(
             self.dsn,
+            connection_class=PooledConnection,
             min_size=self.settings.pool_min_size,
             max_size=self.settings.pool_max_size,
             timeout=self.settings.connect_timeout,
@@ -135,7 +142,7 @@ class Engine:
             connect(self.dsn, _DIAGNOSIS_TIMEOUT_SECONDS).close()
             reason = "the pool had no free connection in time"
         except psycopg.Error as error:
-            reason = str(error).strip()
+            reason = safe_message(error, self.dsn)
         return DatabaseUnavailable(
             f"could not connect to PostgreSQL within {self.settings.connect_timeout:g} s: {reason}"
         )
@@ -147,7 +154,7 @@ class Engine:
         try:
             _migrate.upgrade(self.dsn, self.schema, self.settings.connect_timeout)
         except psycopg.OperationalError as error:
-            raise DatabaseUnavailable(f"could not migrate: {str(error).strip()}") from None
+            raise DatabaseUnavailable(f"could not migrate: {one_line(str(error))}") from None
 
     def schema_revision(self) -> str | None:
         """The migration revision the database is at (None: never migrated)."""

@@ -1,0 +1,180 @@
+"""Connecting: no password in any message."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import APPS, run_subengine
+from psycopg.conninfo import make_conninfo
+from psycopg.sql import SQL, Identifier, Literal
+
+import subengine
+
+PASSWORD = "Tr0ub4dor-Sekrit"  # distinctive, so that any echo of it shows
+
+# DSNs libpq cannot parse, each with the password (or a piece of it) where libpq's
+# message would quote it
+MALFORMED = {
+    "bad percent-escape": f"postgresql://app:{PASSWORD}%zz@localhost/db",
+    "space in a URL": f"postgresql://app:{PASSWORD} x@localhost/db",
+    "no '=' in conninfo": f"host=localhost {PASSWORD}",
+    "unknown option": f"host=localhost {PASSWORD}=1",
+    "unknown URL parameter": f"postgresql://app@localhost/db?{PASSWORD}=1",
+    "unclosed IPv6 bracket": f"postgresql://app:{PASSWORD}@[::1/db",
+}
+
+
+def refused_port() -> int:
+    """A local TCP port nothing listens on (the test suite runs nothing on it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def with_password(dsn: str, password: str = PASSWORD, **changes: Any) -> str:
+    return make_conninfo(dsn, password=password, **changes)
+
+
+def assert_no_password(*texts: str) -> None:
+    for text in texts:
+        assert PASSWORD not in text, text
+        assert PASSWORD[:9] not in text, text  # nor a piece of it
+
+
+# 13: a password is never printed
+
+
+@pytest.mark.parametrize("dsn", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_dsn_is_refused_without_quoting_its_password(dsn):
+    with pytest.raises(subengine.ConfigurationError) as raised:
+        subengine.Engine(dsn)
+    message = str(raised.value)
+    assert message.startswith("invalid DSN: ")
+    assert_no_password(message, repr(raised.value))
+    assert raised.value.__context__ is None or PASSWORD not in str(raised.value.__context__)
+
+
+def test_a_malformed_dsn_keeps_the_option_name_it_is_about():
+    with pytest.raises(subengine.ConfigurationError) as raised:
+        subengine.Engine(f"host=localhost password {PASSWORD}")
+    assert 'missing "=" after "password"' in str(raised.value)
+
+
+@pytest.mark.parametrize("dsn", MALFORMED.values(), ids=MALFORMED.keys())
+def test_the_command_never_prints_the_password_of_a_malformed_dsn(cli_env, dsn):
+    by_option = run_subengine(cli_env, "--dsn", dsn, "stream", "list", timeout=60)
+    by_environment = run_subengine(dict(cli_env, SUBENGINE_DSN=dsn), "stream", "list", timeout=60)
+    for result in (by_option, by_environment):
+        assert result.returncode == 1
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("error: invalid DSN: ")
+        assert_no_password(result.stdout, result.stderr)
+
+
+def test_the_worker_never_prints_the_password_of_a_malformed_dsn(cli_env):
+    env = dict(cli_env, SUBENGINE_DSN=MALFORMED["bad percent-escape"])
+    result = run_worker(env)
+    assert result.returncode == 1
+    assert "invalid DSN" in result.stderr
+    assert_no_password(result.stdout, result.stderr)
+
+
+def test_no_password_when_a_well_formed_dsn_fails_to_connect(dsn, cli_env):
+    wrong = {
+        "refused port": with_password(dsn, host="127.0.0.1", port=refused_port()),
+        "unknown database": with_password(dsn, dbname="no_such_database"),
+        "unknown role": with_password(dsn, user="no_such_role"),
+        "password as sslmode": with_password(dsn, sslmode=PASSWORD),
+    }
+    for what, wrong_dsn in wrong.items():
+        settings = subengine.Settings(dsn=wrong_dsn, connect_timeout=1)
+        with pytest.raises(subengine.SubengineError) as raised:
+            with subengine.Engine(settings=settings) as engine:
+                engine.streams()
+        assert_no_password(str(raised.value), repr(raised.value))
+        env = dict(cli_env, SUBENGINE_DSN=wrong_dsn, SUBENGINE_CONNECT_TIMEOUT="1")
+        result = run_subengine(env, "stream", "list", timeout=60)
+        assert result.returncode == 1, what
+        assert_no_password(result.stdout, result.stderr)
+        worker = run_worker(env)
+        assert worker.returncode == 1, what
+        assert_no_password(worker.stdout, worker.stderr)
+
+
+def run_worker(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return run_subengine(
+        env, "worker", "--app", "worker_app:app", "--log-level", "debug", cwd=APPS, timeout=60
+    )
+
+
+# a real wrong password: the suite's server trusts local connections, so this one checks
+
+CHECKED_ROLE = "checked_role"
+RIGHT_PASSWORD = "the-right-one"
+
+
+@pytest.fixture(scope="module")
+def password_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A DSN of a role whose password is checked, on a PostgreSQL of its own (the
+    suite's trusts every local connection); the password in it is the right one."""
+    import pgserver
+
+    directory = tmp_path_factory.mktemp("password-server") / "pgdata"
+    server = pgserver.get_server(directory, cleanup_mode="delete")
+    try:
+        uri = server.get_uri()
+        with psycopg.connect(uri, autocommit=True) as conn:
+            conn.execute(
+                SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                    Identifier(CHECKED_ROLE), Literal(RIGHT_PASSWORD)
+                )
+            )
+            hba = Path(conn.execute("SHOW hba_file").fetchone()[0])
+            checked = "".join(
+                f"{kind} all {CHECKED_ROLE} {where} scram-sha-256\n"
+                for kind, where in (("local", ""), ("host", "127.0.0.1/32"), ("host", "::1/128"))
+            )
+            hba.write_text(checked + hba.read_text())
+            conn.execute("SELECT pg_reload_conf()")
+        checked_dsn = make_conninfo(uri, user=CHECKED_ROLE, password=RIGHT_PASSWORD)
+        _wait_until_passwords_are_checked(checked_dsn)
+        yield checked_dsn
+    finally:
+        server.cleanup()
+
+
+def _wait_until_passwords_are_checked(dsn: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            psycopg.connect(make_conninfo(dsn, password="not-it")).close()
+        except psycopg.OperationalError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the server did not start checking passwords")
+
+
+def test_a_wrong_password_is_never_printed(password_dsn, cli_env):
+    psycopg.connect(password_dsn).close()  # the right one works
+    env = dict(cli_env, SUBENGINE_DSN=with_password(password_dsn), SUBENGINE_CONNECT_TIMEOUT="1")
+    result = run_subengine(env, "stream", "list", timeout=60)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert f'password authentication failed for user "{CHECKED_ROLE}"' in line
+    assert_no_password(result.stdout, result.stderr)
+    worker = run_worker(env)
+    assert worker.returncode == 1
+    assert "password authentication failed" in worker.stderr
+    assert_no_password(worker.stdout, worker.stderr)
+    settings = subengine.Settings(dsn=with_password(password_dsn), connect_timeout=1)
+    with pytest.raises(subengine.SubengineError) as raised:
+        with subengine.Engine(settings=settings) as engine:
+            engine.streams()
+    assert_no_password(str(raised.value), repr(raised.value))
