@@ -5,7 +5,9 @@ connect timeout (an unreachable host fails instead of hanging) and an applicatio
 (the status views and `pg_stat_activity` tell subengine's connections apart).
 
 A DSN holds a password, and libpq quotes pieces of the DSN in its messages. Every message
-that leaves this module names no secret: see `dsn_problem` and `connect`.
+that leaves this module names no secret: see `dsn_problem` and `connect`. The errors
+PostgreSQL gives are sorted here too, once for all callers: `connection_lost` tells a
+connection that is gone from a statement that failed on its own.
 
 `append` runs in the caller's transaction, whether the caller holds a psycopg connection,
 a SQLAlchemy `Connection` or a SQLAlchemy `Session` (on the psycopg driver).
@@ -118,6 +120,29 @@ def one_line(text: str) -> str:
             joined += ". " if new_sentence else " "
         joined += line
     return joined
+
+
+def connection_lost(error: BaseException) -> bool:
+    """True when `error` says the connection itself is gone (the server closed or
+    terminated it, shut down or crashed, the network broke), so that the statement may
+    well succeed on a new connection; False for errors of the statement (a constraint, a
+    canceled query, a lock or statement timeout), which a new connection would repeat.
+
+    Accepts SQLAlchemy's wrappers too (their `orig` is the psycopg error).
+    """
+    original = getattr(error, "orig", None)
+    if isinstance(original, psycopg.Error):
+        error = original
+    if not isinstance(error, psycopg.Error):
+        return False
+    sqlstate = error.sqlstate
+    if sqlstate is None:
+        # No SQLSTATE: the client raised it, not the server. OperationalError is then a
+        # broken or closed connection ("server closed the connection unexpectedly").
+        return isinstance(error, psycopg.OperationalError)
+    # class 08: connection exception; 57P01-57P05: admin or crash shutdown, cannot
+    # connect now, database dropped, idle session timeout (57014, a canceled query, is not)
+    return sqlstate.startswith("08") or sqlstate.startswith("57P")
 
 
 def psycopg_connection(conn: object) -> PgConnection:

@@ -28,6 +28,7 @@ from subengine._connection import (
     PooledConnection,
     connect,
     connect_options,
+    connection_lost,
     dsn_problem,
     one_line,
     safe_message,
@@ -113,7 +114,12 @@ class Engine:
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection in a transaction: committed on success, else rolled back."""
+        """A pooled connection in a transaction: committed on success, else rolled back.
+
+        A connection lost on the way (the server restarted, a backend was terminated)
+        raises DatabaseUnavailable, the psycopg error as its cause.
+        """
+        lost = False
         try:
             with self._pool.connection() as conn:
                 yield conn
@@ -121,9 +127,21 @@ class Engine:
             raise self._unavailable() from None
         except psycopg.Error as error:
             missing = schema_not_ready(error)
-            if missing is None:
+            if missing is not None:
+                raise missing from error
+            if not connection_lost(error):
                 raise
-            raise missing from error
+            lost = True
+            raise DatabaseUnavailable(
+                f"lost the connection to PostgreSQL: {safe_message(error, self.dsn)}; "
+                "nothing of this call committed unless the loss came during its commit"
+            ) from error
+        finally:
+            if lost:
+                # The server restarted, or terminated backends: the pool's other idle
+                # connections are most likely gone too. Weed them out now, so the next
+                # call gets a live one (a closed socket fails its check at once).
+                self._pool.check()
 
     def connect(
         self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False

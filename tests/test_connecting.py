@@ -1,4 +1,4 @@
-"""Connecting: no password in any message."""
+"""Connecting: no password in any message, and lost connections named as such."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from typing import Any
 
 import psycopg
 import pytest
+import sqlalchemy.exc
 from conftest import APPS, run_subengine
 from psycopg.conninfo import make_conninfo
 from psycopg.sql import SQL, Identifier, Literal
 
 import subengine
+from subengine import NewEvent
 
 PASSWORD = "Tr0ub4dor-Sekrit"  # distinctive, so that any echo of it shows
 
@@ -112,6 +114,66 @@ def run_worker(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return run_subengine(
         env, "worker", "--app", "worker_app:app", "--log-level", "debug", cwd=APPS, timeout=60
     )
+
+
+# 15: a lost connection is DatabaseUnavailable, and the engine recovers
+
+
+def connection_lost(error: BaseException) -> bool:
+    from subengine._connection import connection_lost  # where the worker finds it too
+
+    return connection_lost(error)
+
+
+def test_append_on_terminated_connections_raises_database_unavailable_then_works(
+    engine, orders, sql
+):
+    # three pooled connections, all idle, then PostgreSQL terminates them (as a restart does)
+    with engine.connection(), engine.connection(), engine.connection():
+        pass
+    terminated = sql.execute(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name = 'subengine'"
+    ).fetchone()[0]
+    assert terminated >= 3
+    with pytest.raises(subengine.DatabaseUnavailable) as raised:
+        engine.append(orders, [NewEvent("k", "Lost", {})])
+    assert isinstance(raised.value.__cause__, psycopg.OperationalError)
+    assert "lost the connection to PostgreSQL" in str(raised.value)
+    stored = engine.append(orders, [NewEvent("k", "Kept", {})])
+    assert [e.type for e in engine.read(orders, stored[0].partition)] == ["Kept"]
+
+
+def test_a_canceled_statement_is_not_database_unavailable(engine, orders):
+    with pytest.raises(psycopg.errors.QueryCanceled) as raised:
+        with engine.connection() as conn:
+            conn.execute("SET LOCAL statement_timeout = '50ms'")
+            conn.execute("SELECT pg_sleep(5)")
+    assert not connection_lost(raised.value)
+
+
+def test_a_lock_timeout_is_not_database_unavailable(engine, orders, sql):
+    with sql.transaction():
+        sql.execute("SELECT * FROM subengine.partitions FOR UPDATE")
+        with pytest.raises(psycopg.errors.LockNotAvailable) as raised:
+            with engine.connection() as conn:
+                conn.execute("SET LOCAL lock_timeout = '50ms'")
+                conn.execute("SELECT * FROM subengine.partitions FOR UPDATE")
+    assert not connection_lost(raised.value)
+
+
+def test_connection_lost_knows_a_terminated_connection_also_wrapped_by_sqlalchemy(dsn, sql):
+    with psycopg.connect(dsn) as victim:
+        sql.execute("SELECT pg_terminate_backend(%s)", (victim.info.backend_pid,))
+        with pytest.raises(psycopg.OperationalError) as raised:
+            victim.execute("SELECT 1")
+        assert connection_lost(raised.value)
+        with pytest.raises(psycopg.OperationalError) as closed:
+            victim.execute("SELECT 1")  # the connection is now closed, client side
+        assert connection_lost(closed.value)
+    wrapped = sqlalchemy.exc.OperationalError("SELECT 1", {}, raised.value)
+    assert connection_lost(wrapped)
+    assert not connection_lost(ValueError("not a database error"))
 
 
 # a real wrong password: the suite's server trusts local connections, so this one checks
