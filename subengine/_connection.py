@@ -6,8 +6,9 @@ connect timeout (an unreachable host fails instead of hanging) and an applicatio
 
 A DSN holds a password, and libpq quotes pieces of the DSN in its messages. Every message
 that leaves this module names no secret: see `dsn_problem` and `connect`. The errors
-PostgreSQL gives are sorted here too, once for all callers: `connection_lost` tells a
-connection that is gone from a statement that failed on its own.
+PostgreSQL gives are sorted here too, once for all callers: `connection_lost` (the
+connection is gone; the statement did not fail on its own) and `may_succeed_later` (a
+connection attempt that a starting server, a restart or a full server explains).
 
 `append` runs in the caller's transaction, whether the caller holds a psycopg connection,
 a SQLAlchemy `Connection` or a SQLAlchemy `Session` (on the psycopg driver).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import socket
 from collections.abc import Callable
 from typing import Any, Self, TypeVar
 
@@ -143,6 +145,40 @@ def connection_lost(error: BaseException) -> bool:
     # class 08: connection exception; 57P01-57P05: admin or crash shutdown, cannot
     # connect now, database dropped, idle session timeout (57014, a canceled query, is not)
     return sqlstate.startswith("08") or sqlstate.startswith("57P")
+
+
+# What PostgreSQL and libpq say when a connection attempt fails for a reason that the
+# next attempt would meet again: a wrong password, role, database or host name, a
+# pg_hba.conf rule, an invalid option. PostgreSQL gives no SQLSTATE for a failed
+# connection attempt, so its (English) words are all there is; anything else counts as
+# a server that may be starting, restarting, full or briefly out of reach.
+_FOR_GOOD = re.compile(
+    r"authentication failed"  # password, peer, ident, cert, …
+    r"|no password supplied"
+    r"|pg_hba\.conf"  # no entry for the host, or a reject rule
+    r"|does not exist"  # the database or the role
+    r"|not permitted to log in"
+    r"|permission denied for database"
+    r"|\binvalid\b.*\b(value|option|number)\b"  # a malformed sslmode, port, …
+    r"|servname not supported"  # a port that is not a number
+    r"|failed to resolve host|could not translate host name",  # psycopg's, libpq's
+    re.IGNORECASE,
+)
+_RESOLVER_BUSY = re.compile(
+    rf"temporary failure in name resolution|\[Errno {socket.EAI_AGAIN}\]", re.IGNORECASE
+)
+
+
+def may_succeed_later(error: psycopg.Error) -> bool:
+    """Whether a failed connection attempt may succeed if tried again: True for a server
+    that refuses connections, is starting or shutting down, has no slot free, or does not
+    answer; False for a wrong password, role, database, host name or DSN."""
+    if isinstance(error, psycopg.ProgrammingError):
+        return False  # the DSN does not parse
+    text = str(error)
+    if _RESOLVER_BUSY.search(text):
+        return True  # a resolver that could not answer now may answer later
+    return _FOR_GOOD.search(text) is None
 
 
 def psycopg_connection(conn: object) -> PgConnection:

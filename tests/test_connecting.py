@@ -1,9 +1,12 @@
-"""Connecting: no password in any message, and lost connections named as such."""
+"""Connecting: no password in any message, lost connections named as such, and a wrong
+DSN that fails at once while a server that is not up yet is waited for, visibly."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +15,8 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy.exc
-from conftest import APPS, run_subengine
-from psycopg.conninfo import make_conninfo
+from conftest import APPS, run_subengine, subengine_command
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.sql import SQL, Identifier, Literal
 
 import subengine
@@ -176,6 +179,159 @@ def test_connection_lost_knows_a_terminated_connection_also_wrapped_by_sqlalchem
     assert not connection_lost(ValueError("not a database error"))
 
 
+# 19: a wrong DSN fails at once; a server that is not up yet is waited for, visibly
+
+LONG_WAIT = "600"  # seconds: a command that waited for it would outlast the test's bound
+
+
+def test_an_unknown_database_fails_at_once_with_one_line(dsn, cli_env):
+    env = dict(
+        cli_env,
+        SUBENGINE_DSN=with_password(dsn, dbname="no_such_database"),
+        SUBENGINE_CONNECT_TIMEOUT=LONG_WAIT,
+    )
+    result = run_subengine(env, "stream", "list", timeout=60)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: cannot connect to PostgreSQL: ")
+    assert 'database "no_such_database" does not exist' in line
+    assert_no_password(line)
+
+
+def test_an_unknown_host_name_fails_at_once(cli_env):
+    env = dict(
+        cli_env,
+        SUBENGINE_DSN=f"postgresql://app:{PASSWORD}@no-such-host.invalid/db",
+        SUBENGINE_CONNECT_TIMEOUT=LONG_WAIT,
+    )
+    result = run_subengine(env, "stream", "list", timeout=60)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert "no-such-host.invalid" in line
+    assert_no_password(line)
+
+
+def test_a_wrong_dsn_fails_at_once_in_python_too(dsn):
+    settings = subengine.Settings(
+        dsn=with_password(dsn, user="no_such_role"), connect_timeout=float(LONG_WAIT)
+    )
+    with subengine.Engine(settings=settings) as engine:
+        with pytest.raises(subengine.ConfigurationError, match='role "no_such_role"'):
+            engine.append("orders", [NewEvent("k", "T", {})])
+
+
+def test_a_refused_port_is_waited_for_and_said_so_while_it_runs(cli_env):
+    env = dict(
+        cli_env,
+        SUBENGINE_DSN=f"postgresql://app:{PASSWORD}@127.0.0.1:{refused_port()}/db",
+        SUBENGINE_CONNECT_TIMEOUT=LONG_WAIT,
+    )
+    process = subprocess.Popen(
+        [subengine_command(), "stream", "list"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    bound = threading.Timer(60, process.kill)  # only if the line never comes
+    bound.start()
+    try:
+        line = process.stderr.readline()
+        assert process.poll() is None, "it gave up instead of waiting"
+    finally:
+        bound.cancel()
+        process.kill()
+        process.communicate()
+    assert line.startswith("subengine: waiting for PostgreSQL")
+    assert "Connection refused" in line
+    assert f"retrying for up to {LONG_WAIT} s (SUBENGINE_CONNECT_TIMEOUT)" in line
+    assert_no_password(line)
+
+
+def test_a_server_that_comes_up_while_waited_for_is_used(dsn):
+    """A TCP port that refuses connections, then forwards them to PostgreSQL: the engine
+    says it waits, and connects once the server is there."""
+    waiting = threading.Event()
+    said = _Said(waiting)
+    logging.getLogger("subengine").addHandler(said)
+    try:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+            port = listener.getsockname()[1]
+            settings = subengine.Settings(
+                dsn=make_conninfo(dsn, host="127.0.0.1", port=port), connect_timeout=600
+            )
+            with subengine.Engine(settings=settings) as engine:
+                result: list[Any] = []
+                caller = threading.Thread(target=lambda: result.append(engine.streams()))
+                caller.start()
+                assert waiting.wait(timeout=60)
+                assert caller.is_alive()
+                with _forwarding(listener, dsn):
+                    caller.join(timeout=60)
+                assert result == [[]]
+    finally:
+        logging.getLogger("subengine").removeHandler(said)
+
+
+class _Said(logging.Handler):
+    def __init__(self, waiting: threading.Event) -> None:
+        super().__init__()
+        self.waiting = waiting
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "waiting for PostgreSQL" in record.getMessage():
+            self.waiting.set()
+
+
+class _forwarding:
+    """Accept on `listener` and forward every connection to the server of `dsn`."""
+
+    def __init__(self, listener: socket.socket, dsn: str) -> None:
+        self.listener = listener
+        params = conninfo_to_dict(dsn)
+        self.host = str(params.get("host") or "localhost")
+        self.port = int(params.get("port") or 5432)
+        self.sockets: list[socket.socket] = []
+
+    def __enter__(self) -> None:
+        self.listener.listen()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def __exit__(self, *exc: object) -> None:
+        for s in self.sockets:
+            s.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.host.startswith("/"):
+                server = socket.socket(socket.AF_UNIX)
+                server.connect(f"{self.host}/.s.PGSQL.{self.port}")
+            else:
+                server = socket.create_connection((self.host, self.port))
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (source, sink):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 # a real wrong password: the suite's server trusts local connections, so this one checks
 
 CHECKED_ROLE = "checked_role"
@@ -223,20 +379,24 @@ def _wait_until_passwords_are_checked(dsn: str) -> None:
     raise AssertionError("the server did not start checking passwords")
 
 
-def test_a_wrong_password_is_never_printed(password_dsn, cli_env):
+def test_a_wrong_password_fails_at_once_and_is_never_printed(password_dsn, cli_env):
     psycopg.connect(password_dsn).close()  # the right one works
-    env = dict(cli_env, SUBENGINE_DSN=with_password(password_dsn), SUBENGINE_CONNECT_TIMEOUT="1")
+    env = dict(
+        cli_env,
+        SUBENGINE_DSN=with_password(password_dsn),
+        SUBENGINE_CONNECT_TIMEOUT=LONG_WAIT,
+    )
     result = run_subengine(env, "stream", "list", timeout=60)
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: cannot connect to PostgreSQL: ")
     assert f'password authentication failed for user "{CHECKED_ROLE}"' in line
     assert_no_password(result.stdout, result.stderr)
     worker = run_worker(env)
     assert worker.returncode == 1
     assert "password authentication failed" in worker.stderr
     assert_no_password(worker.stdout, worker.stderr)
-    settings = subengine.Settings(dsn=with_password(password_dsn), connect_timeout=1)
-    with pytest.raises(subengine.SubengineError) as raised:
-        with subengine.Engine(settings=settings) as engine:
+    with pytest.raises(subengine.ConfigurationError) as raised:
+        with subengine.Engine(with_password(password_dsn)) as engine:
             engine.streams()
     assert_no_password(str(raised.value), repr(raised.value))
