@@ -32,6 +32,8 @@ class Context:
     def __init__(self, settings: subengine.Settings) -> None:
         self.settings = settings
         self._engine: subengine.Engine | None = None
+        # installed by the group for `subengine worker`, before anything slow
+        self.stop_signals: _worker.StopSignals | None = None
 
     def engine(self) -> subengine.Engine:
         if self._engine is None:
@@ -84,11 +86,14 @@ class IsoTime(click.ParamType):
 @click.pass_context
 def cli(ctx: click.Context, dsn: str | None, schema: str | None) -> None:
     """subengine: partitioned event streams in PostgreSQL, consumed exactly once."""
+    # First, so that a supervisor's SIGTERM during the worker's start-up stops it cleanly.
+    stop_signals = _worker.StopSignals() if ctx.invoked_subcommand == "worker" else None
     try:
         settings = subengine.Settings.from_env(dsn=dsn, schema=schema)
     except subengine.SubengineError as error:
         raise click.UsageError(str(error)) from None
     context = Context(settings)
+    context.stop_signals = stop_signals
     ctx.obj = context
     ctx.call_on_close(context.close)
 
@@ -375,10 +380,13 @@ def worker(
     metrics_address: str | None,
 ) -> None:
     """Consume subscriptions of an app until SIGTERM/SIGINT (a second one exits at once)."""
+    stop_signals = context.stop_signals or _worker.StopSignals()
     configure_logging(log_level, log_format)
     app = _worker.load_app(app_spec)
     engine = context.engine()
-    _worker.run_until_signalled(
+    with engine.connection():
+        pass  # wait for PostgreSQL while a signal still means "stopped before starting"
+    stop_signals.run(
         lambda stop: app.run_worker(
             engine,
             list(names) or None,
@@ -704,4 +712,8 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 
 def main() -> None:
-    cli(prog_name="subengine")
+    try:
+        cli(prog_name="subengine")
+    except _worker.StoppedBeforeStart as stopped:
+        click.echo(str(stopped), err=True)
+        sys.exit(0)
