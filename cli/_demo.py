@@ -33,7 +33,6 @@ from subengine.cli import _status
 from subengine.cli.demo_app import PROJECTION_DDL, STREAM, SUBSCRIPTION, projection
 
 import subengine
-from subengine import _subscriptions
 
 PARTITIONS = 8
 WORKERS = 2
@@ -294,9 +293,9 @@ def _prepare(engine: subengine.Engine, say: Say) -> bool:
         say(f"stream {STREAM!r} exists: the projection is rebuilt from its first event")
     engine.ensure_subscription(projection)
     engine.resume_subscription(SUBSCRIPTION)
-    with engine.connection() as conn, conn.transaction():
+    with engine.connection() as conn:
         conn.execute(PROJECTION_DDL)
-        _subscriptions.reset_subscription(conn, engine.schema, SUBSCRIPTION, "beginning")
+        subengine.reset_subscription(conn, SUBSCRIPTION, "beginning", settings=engine.settings)
         conn.execute("TRUNCATE subengine_demo.orders")
     say(f"subscription {SUBSCRIPTION!r} projects orders into table subengine_demo.orders")
     return True

@@ -181,10 +181,19 @@ def may_succeed_later(error: psycopg.Error) -> bool:
     return _FOR_GOOD.search(text) is None
 
 
-def psycopg_connection(conn: object) -> PgConnection:
-    """The psycopg connection of `conn`, inside the transaction the caller has open."""
+def psycopg_connection(
+    conn: object,
+    *,
+    alone: str = "the events would commit on their own",
+    instead: str = "engine.append()",
+) -> PgConnection:
+    """The psycopg connection of `conn`, inside the transaction the caller has open.
+
+    `alone` and `instead` complete the refusal of an autocommit connection with no
+    transaction open: what would happen, and what to call instead.
+    """
     if isinstance(conn, psycopg.Connection):
-        return _in_transaction(conn)
+        return _in_transaction(conn, alone, instead)
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
 
@@ -196,7 +205,7 @@ def psycopg_connection(conn: object) -> PgConnection:
             conn.begin()
         driver_connection = conn.connection.driver_connection
         if isinstance(driver_connection, psycopg.Connection):
-            return _in_transaction(driver_connection)
+            return _in_transaction(driver_connection, alone, instead)
         raise InvalidInput(
             "subengine needs SQLAlchemy's psycopg driver: use a URL starting with "
             f"'postgresql+psycopg://' (this connection uses {conn.dialect.driver!r})"
@@ -207,14 +216,13 @@ def psycopg_connection(conn: object) -> PgConnection:
     )
 
 
-def _in_transaction(conn: PgConnection) -> PgConnection:
-    # In autocommit mode with no transaction block open, the events would commit at once,
+def _in_transaction(conn: PgConnection, alone: str, instead: str) -> PgConnection:
+    # In autocommit mode with no transaction block open, the work would commit at once,
     # whatever the caller does next: refuse rather than surprise.
     if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
         raise InvalidInput(
-            "the connection is in autocommit mode with no transaction open, so the events "
-            "would commit on their own: open one (`with conn.transaction():`) or use "
-            "engine.append()"
+            f"the connection is in autocommit mode with no transaction open, so {alone}: "
+            f"open one (`with conn.transaction():`) or use {instead}"
         )
     return conn
 
