@@ -659,8 +659,13 @@ def _positions_table(positions: list[subengine.SubscriptionPosition]) -> None:
 def demo(context: Context, event_count: int, rate: float) -> None:
     """Show the engine working: two worker processes project order events while a
     producer appends them; one is killed half-way; the projection is then checked
-    against the events exactly (exit 0 only if it matches)."""
-    ok = _demo.run(context.engine(), event_count, rate, click.echo)
+    against the events exactly (exit 0 only if it matches).
+
+    It writes only into the schema subengine_demo, which it creates and marks (not the
+    one of --schema or SUBENGINE_SCHEMA), and refuses a schema of that name it did not
+    make."""
+    with subengine.Engine(settings=_demo.settings(context.settings)) as engine:
+        ok = _demo.run(engine, event_count, rate, click.echo)
     sys.exit(0 if ok else 1)
 
 
