@@ -1,6 +1,8 @@
 """The demo the README's first command runs: the engine working end to end.
 
-On the configured database (the embedded PostgreSQL when no DSN is given) it migrates,
+On the configured database (the embedded PostgreSQL when no DSN is given) it works in a
+schema of its own, `subengine_demo`, and nowhere else: it creates the schema and marks it
+with a comment, and refuses a schema of that name it did not make. There it migrates,
 creates the stream `orders` (8 partitions) and starts two `subengine worker` processes
 running the projection of `subengine.cli.demo_app`. A producer appends a few thousand
 order events (placed, items added, paid, shipped, cancelled, over many order keys) while
@@ -26,14 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from psycopg import sql
 from rich.console import Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from subengine.cli import _status
-from subengine.cli.demo_app import PROJECTION_DDL, STREAM, SUBSCRIPTION, projection
+from subengine.cli.demo_app import PROJECTION_DDL, SCHEMA, STREAM, SUBSCRIPTION, projection
 
 import subengine
-from subengine import _subscriptions
 
 PARTITIONS = 8
 WORKERS = 2
@@ -43,6 +45,8 @@ DRAIN_TIMEOUT_SECONDS = 60.0  # after the producer is done
 REGISTER_TIMEOUT_SECONDS = 30.0  # for a worker process to start
 REFRESH_SECONDS = 0.25
 WORKER_APP = "subengine.cli.demo_app:app"
+# The comment on a schema the demo made; a schema of its name without it is not the demo's.
+MARKER = "made by `subengine demo`, which writes only into this schema"
 
 Say = Callable[[str], None]
 Row = dict[str, Any]
@@ -233,8 +237,24 @@ class Workers:
         return lines[-1] if lines else "(it printed nothing)"
 
 
+def settings(base: subengine.Settings) -> subengine.Settings:
+    """The demo's settings: `base` (the database), with the demo's own schema."""
+    return base.with_changes(schema=SCHEMA)
+
+
 def run(engine: subengine.Engine, count: int, rate: float, say: Say) -> bool:
-    """The whole demo; True only if the projection matched the events exactly."""
+    """The whole demo, on an engine made with `settings`; True only if the projection
+    matched the events exactly."""
+    if engine.schema != SCHEMA:
+        raise subengine.ConfigurationError(
+            f"the demo runs only in its own schema {SCHEMA!r}, not {engine.schema!r}"
+        )
+    say(
+        f"the demo writes only into schema {SCHEMA!r} on {_where(engine)}, which it creates "
+        "and marks; nothing outside it changes"
+    )
+    if not _claim_schema(engine, say):
+        return False
     engine.migrate()
     if not _prepare(engine, say):
         return False
@@ -271,32 +291,60 @@ def _produce_and_project(
     if not problems:
         elapsed = time.monotonic() - started
         say(f"producer done and lag drained {elapsed:.1f} s after the first append")
-    # a worker started moments ago may not handle SIGTERM yet
+    # the replacement worker must have started too, or have said why it did not
     return problems + workers.wait_registered(engine, REGISTER_TIMEOUT_SECONDS)
+
+
+def _claim_schema(engine: subengine.Engine, say: Say) -> bool:
+    """Create and mark the demo's schema, or make sure the one there is the demo's."""
+    with engine.connection() as conn:
+        row = conn.execute(
+            "SELECT coalesce(obj_description(oid, 'pg_namespace'), '')"
+            " FROM pg_namespace WHERE nspname = %s",
+            (SCHEMA,),
+        ).fetchone()
+        if row is None:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(SCHEMA)))
+            conn.execute(
+                sql.SQL("COMMENT ON SCHEMA {} IS {}").format(
+                    sql.Identifier(SCHEMA), sql.Literal(MARKER)
+                )
+            )
+            say(f"created schema {SCHEMA!r}")
+            return True
+    if row[0] == MARKER:
+        return True
+    say(
+        f"FAILED: schema {SCHEMA!r} exists, and the demo did not make it (it lacks the "
+        "demo's comment), so the demo changed nothing. If an older `subengine demo` made "
+        f"it (with only a table {STREAM}), drop it and run the demo again: "
+        f"psql \"$({_command_name()} db url)\" -c 'DROP SCHEMA {SCHEMA} CASCADE'"
+    )
+    return False
 
 
 def _prepare(engine: subengine.Engine, say: Say) -> bool:
     """Stream, projection table and subscription, the subscription rebuilding from the
     beginning: its reset and the projection's truncation commit together."""
-    say(f"using schema {engine.schema!r} on {_where(engine)}")
     existing = {s.name: s for s in engine.streams()}
     if STREAM not in existing:
         engine.create_stream(STREAM, PARTITIONS)
         say(f"created stream {STREAM!r} with {PARTITIONS} partitions")
     elif existing[STREAM].partitions != PARTITIONS:
         say(
-            f"FAILED: stream {STREAM!r} already exists with {existing[STREAM].partitions} "
-            f"partitions, not {PARTITIONS} (made by an older demo, or by you); run the demo "
-            "in a schema of its own: subengine --schema subengine_demo2 demo"
+            f"FAILED: stream {STREAM!r} of schema {SCHEMA!r} already exists with "
+            f"{existing[STREAM].partitions} partitions, not {PARTITIONS}, so the demo changed "
+            f"nothing; drop the schema and run the demo again: psql "
+            f"\"$({_command_name()} db url)\" -c 'DROP SCHEMA {SCHEMA} CASCADE'"
         )
         return False
     else:
         say(f"stream {STREAM!r} exists: the projection is rebuilt from its first event")
     engine.ensure_subscription(projection)
     engine.resume_subscription(SUBSCRIPTION)
-    with engine.connection() as conn, conn.transaction():
+    with engine.connection() as conn:
         conn.execute(PROJECTION_DDL)
-        _subscriptions.reset_subscription(conn, engine.schema, SUBSCRIPTION, "beginning")
+        subengine.reset_subscription(conn, SUBSCRIPTION, "beginning", settings=engine.settings)
         conn.execute("TRUNCATE subengine_demo.orders")
     say(f"subscription {SUBSCRIPTION!r} projects orders into table subengine_demo.orders")
     return True
@@ -484,16 +532,17 @@ def _command_name() -> str:
 
 def _next_steps(engine: subengine.Engine, say: Say) -> None:
     command = _command_name()
+    demo = f"{command} --schema {SCHEMA}"  # the demo's schema, not SUBENGINE_SCHEMA's
     say("")
     say("Try next (the server keeps running; stop it with `" + command + " db stop`):")
     for line in (
-        f"{command} status --partitions        # positions, lag and state per partition",
-        f"{command} subscription show {SUBSCRIPTION}",
+        f"{demo} status --partitions   # positions, lag and state per partition",
+        f"{demo} subscription show {SUBSCRIPTION}",
         # a line printed for the reader to run, not SQL this program runs
-        f'psql "$({command} db url)" -c "SELECT * FROM {engine.schema}.subscription_status"',  # noqa: S608
-        f"{command} worker --app {WORKER_APP} --concurrency 2   # in two terminals;",
-        f"    then append more, kill one with kill -9, and watch `{command} status --watch`",
-        f"{command} append {STREAM} --key order-x --type OrderPlaced \\",
+        f'psql "$({command} db url)" -c "SELECT * FROM {SCHEMA}.subscription_status"',  # noqa: S608
+        f"{demo} worker --app {WORKER_APP}   # in two terminals;",
+        f"    then append more, kill one with kill -9, and watch `{demo} status --watch`",
+        f"{demo} append {STREAM} --key order-x --type OrderPlaced \\",
         '    --data \'{"customer": "you", "items": [{"sku": "mug", "quantity": 1, '
         '"price_cents": 899}]}\'',
     ):

@@ -4,6 +4,11 @@
 gunicorn or uvicorn) and an `App` in it. SIGTERM or SIGINT asks the worker to stop: the
 current batches finish, the locks are released, the command exits 0. A second signal
 exits at once; the database stays consistent (an unfinished batch rolls back).
+
+The handlers are installed before anything slow (logging, the app's import, the embedded
+server, waiting for PostgreSQL): a signal during that start-up ends it at once, and the
+command still exits 0 (`StoppedBeforeStart`). Only the interpreter's own start-up and the
+command's imports come before them.
 """
 
 from __future__ import annotations
@@ -48,25 +53,52 @@ def load_app(spec: str) -> subengine.App:
     return app
 
 
-def run_until_signalled(run: Callable[[threading.Event], None]) -> None:
-    """Call `run(stop)`; the first SIGTERM/SIGINT sets `stop`, the second exits at once."""
-    stop = threading.Event()
+class StoppedBeforeStart(BaseException):
+    """A stop signal came while the worker was starting: it never ran, and exits 0.
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way (an
+    app's import, say) takes it for an error.
+    """
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"{signal_name} before the worker started: it stopped without starting")
+
+
+class StopSignals:
+    """SIGTERM and SIGINT for the worker command, handled from the moment it is made.
+
+    While starting, a signal raises StoppedBeforeStart wherever the start-up is (importing
+    the app, waiting for PostgreSQL); `run` then hands the signals to the worker: the
+    first sets its `stop`, a second exits at once.
+    """
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._starting = True
+        self._previous = {s: signal.signal(s, self._on_signal) for s in _STOP_SIGNALS}
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if stop.is_set():
+        if self.stop.is_set():
             os.write(2, f"{name} again: exiting at once\n".encode())
             os._exit(128 + signum)
+        self.stop.set()
+        if self._starting:
+            raise StoppedBeforeStart(name)
         os.write(
             2,
             f"{name}: finishing the current batches, then exiting "
             f"(send it again to exit at once)\n".encode(),
         )
-        stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        run(stop)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    def run(self, run: Callable[[threading.Event], None]) -> None:
+        """Call `run(stop)` with the signals setting `stop`; restore the handlers after."""
+        self._starting = False
+        try:
+            run(self.stop)
+        finally:
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

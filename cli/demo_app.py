@@ -1,8 +1,10 @@
 """The demo's app: a projection of the `orders` stream into the table `subengine_demo.orders`.
 
-`subengine demo` runs it in two worker processes; start another one yourself with
+Both live in the demo's own schema, `subengine_demo`: its streams and subscriptions, and
+the projection table beside them. `subengine demo` runs the app in two worker processes;
+start another one yourself with
 
-    subengine worker --app subengine.cli.demo_app:app
+    subengine --schema subengine_demo worker --app subengine.cli.demo_app:app
 
 Each handler writes on the worker's connection (never None: the subscription is
 transactional), in the transaction that also moves the subscription's position, so every
@@ -19,12 +21,13 @@ import psycopg
 
 import subengine
 
+# The schema the demo creates, marks and writes into: nothing outside it.
+SCHEMA = "subengine_demo"
 STREAM = "orders"
 SUBSCRIPTION = "order_projection"
 
 # Integer cents keep the totals exact, so the demo can compare them for equality.
 PROJECTION_DDL = """
-CREATE SCHEMA IF NOT EXISTS subengine_demo;
 CREATE TABLE IF NOT EXISTS subengine_demo.orders (
     order_key   text PRIMARY KEY,
     customer    text NOT NULL,

@@ -37,6 +37,8 @@ class Context:
     def __init__(self, settings: subengine.Settings) -> None:
         self.settings = settings
         self._engine: subengine.Engine | None = None
+        # installed by the group for `subengine worker`, before anything slow
+        self.stop_signals: _worker.StopSignals | None = None
 
     def engine(self) -> subengine.Engine:
         if self._engine is None:
@@ -164,11 +166,14 @@ class IsoTime(click.ParamType):
 @click.pass_context
 def cli(ctx: click.Context, dsn: str | None, schema: str | None) -> None:
     """subengine: partitioned event streams in PostgreSQL, consumed exactly once."""
+    # First, so that a supervisor's SIGTERM during the worker's start-up stops it cleanly.
+    stop_signals = _worker.StopSignals() if ctx.invoked_subcommand == "worker" else None
     try:
         settings = subengine.Settings.from_env(dsn=dsn, schema=schema)
     except subengine.SubengineError as error:
         raise InvalidSetting(str(error)) from None
     context = Context(settings)
+    context.stop_signals = stop_signals
     ctx.obj = context
     ctx.call_on_close(context.close)
 
@@ -500,10 +505,13 @@ def worker(
     metrics_address: str | None,
 ) -> None:
     """Consume subscriptions of an app until SIGTERM/SIGINT (a second one exits at once)."""
+    stop_signals = context.stop_signals or _worker.StopSignals()
     configure_logging(log_level, log_format)
     app = _worker.load_app(app_spec)
     engine = context.engine()
-    _worker.run_until_signalled(
+    with engine.connection():
+        pass  # wait for PostgreSQL while a signal still means "stopped before starting"
+    stop_signals.run(
         lambda stop: app.run_worker(
             engine,
             list(names) or None,
@@ -820,10 +828,15 @@ def _positions_table(positions: list[subengine.SubscriptionPosition]) -> None:
 def demo(context: Context, event_count: int, rate: float) -> None:
     """Show the engine working: two worker processes project order events while a
     producer appends them; one is killed half-way; the projection is then checked
-    against the events exactly (exit 0 only if it matches)."""
+    against the events exactly (exit 0 only if it matches).
+
+    It writes only into the schema subengine_demo, which it creates and marks (not the
+    one of --schema or SUBENGINE_SCHEMA), and refuses a schema of that name it did not
+    make."""
     from subengine.cli import _demo
 
-    ok = _demo.run(context.engine(), event_count, rate, click.echo)
+    with subengine.Engine(settings=_demo.settings(context.settings)) as engine:
+        ok = _demo.run(engine, event_count, rate, click.echo)
     sys.exit(0 if ok else 1)
 
 
@@ -875,4 +888,8 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 
 def main() -> None:
-    cli(prog_name="subengine")
+    try:
+        cli(prog_name="subengine")
+    except _worker.StoppedBeforeStart as stopped:
+        click.echo(str(stopped), err=True)
+        sys.exit(0)

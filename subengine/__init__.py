@@ -30,6 +30,7 @@ from subengine._errors import (
 )
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, partition_for
 from subengine._orm import sqlalchemy_session
+from subengine._reset import reset_subscription
 from subengine._settings import Settings
 from subengine._subscriptions import BatchOutcome, SubscriptionPosition
 
@@ -63,5 +64,6 @@ __all__ = [
     "WrongExpectedVersion",
     "append",
     "partition_for",
+    "reset_subscription",
     "sqlalchemy_session",
 ]

@@ -6,13 +6,13 @@ Thread-safe; close it (or use it as a context manager) to release its connection
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from subengine import _embedded, _migrate, _operations, _read, _subscriptions
@@ -24,7 +24,18 @@ from subengine._append import (
     schema_not_ready,
     subengine_errors,
 )
-from subengine._connection import APPLICATION_NAME, connect, connect_options
+from subengine._connection import (
+    APPLICATION_NAME,
+    PgConnection,
+    PooledConnection,
+    connect,
+    connect_options,
+    connection_lost,
+    dsn_problem,
+    may_succeed_later,
+    one_line,
+    safe_message,
+)
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
 from subengine._names import validate_partition_count, validate_stream_name
@@ -40,6 +51,11 @@ logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
 
 # How long to wait for one more connection attempt that explains a pool timeout.
 _DIAGNOSIS_TIMEOUT_SECONDS = 5
+# How long to wait for the pool before looking at why it has no connection; doubled after
+# every look up to the second value. The first is short, so that a wrong password fails,
+# and a server that is starting says so, within a second.
+_FIRST_LOOK_SECONDS = 0.5
+_LONGEST_LOOK_SECONDS = 4.0
 
 _announced_homes: set[str] = set()
 
@@ -67,13 +83,15 @@ class Engine:
             self._announce_embedded()
         else:
             self.dsn = self.settings.dsn
-            try:
-                conninfo_to_dict(self.dsn)
-            except psycopg.ProgrammingError as error:
-                raise ConfigurationError(f"invalid DSN: {error}") from None
+            problem = dsn_problem(self.dsn)
+            if problem is not None:
+                raise ConfigurationError(f"invalid DSN: {problem}")
         self.schema = self.settings.schema
+        # the pool's count of failed connection attempts when it last gave a connection
+        self._pool_errors_seen = 0
         self._pool = ConnectionPool(
             self.dsn,
+            connection_class=PooledConnection,
             min_size=self.settings.pool_min_size,
             max_size=self.settings.pool_max_size,
             timeout=self.settings.connect_timeout,
@@ -106,17 +124,101 @@ class Engine:
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection in a transaction: committed on success, else rolled back."""
+        """A pooled connection in a transaction: committed on success, else rolled back.
+
+        Waits up to `connect_timeout` for PostgreSQL while it refuses connections or is
+        starting (saying so on stderr, as a warning, after half a second), and raises
+        ConfigurationError at once for what no retry fixes (a wrong password, database,
+        role or host name). A connection lost on the way (the server restarted, a backend
+        was terminated) raises DatabaseUnavailable, the psycopg error as its cause.
+        """
+        conn = self._checkout()
+        lost = False
         try:
-            with self._pool.connection() as conn:
+            with conn:
                 yield conn
-        except PoolTimeout:
-            raise self._unavailable() from None
         except psycopg.Error as error:
             missing = schema_not_ready(error)
-            if missing is None:
+            if missing is not None:
+                raise missing from error
+            if not connection_lost(error):
                 raise
-            raise missing from error
+            lost = True
+            raise DatabaseUnavailable(
+                f"lost the connection to PostgreSQL: {safe_message(error, self.dsn)}; "
+                "nothing of this call committed unless the loss came during its commit"
+            ) from error
+        finally:
+            if isinstance(conn, PooledConnection):
+                self._pool.putconn(conn)
+            else:
+                conn.close()
+            if lost:
+                # The server restarted, or terminated backends: the pool's other idle
+                # connections are most likely gone too. Weed them out now, so the next
+                # call gets a live one (a closed socket fails its check at once).
+                self._pool.check()
+
+    def _checkout(self) -> PgConnection:
+        """A connection of the pool, or of our own; see `connection` for the waiting.
+
+        While the pool fails to connect, a connection attempt of our own tells why: a
+        problem no retry fixes raises at once; one that a starting server explains is
+        reported once and waited out. Once the server answers again, and the pool (which
+        retries with a growing back-off) still has nothing, the caller gets that fresh
+        connection instead of waiting for the pool's next attempt.
+        """
+        timeout = self.settings.connect_timeout
+        deadline = time.monotonic() + timeout
+        look = _FIRST_LOOK_SECONDS
+        reported = False
+        while True:
+            errors = self._pool.get_stats().get("connections_errors", 0)
+            try:
+                conn = self._pool.getconn(timeout=max(0.0, min(look, deadline - time.monotonic())))
+            except PoolTimeout:
+                pass
+            else:
+                self._pool_errors_seen = errors
+                return conn
+            look = min(2 * look, _LONGEST_LOOK_SECONDS)
+            if self._pool.get_stats().get("connections_errors", 0) == self._pool_errors_seen:
+                # The pool connects fine; its connections are all in use (or one is on its
+                # way): wait for one rather than open more than SUBENGINE_POOL_MAX_SIZE.
+                if time.monotonic() >= deadline:
+                    raise DatabaseUnavailable(
+                        f"no free connection within {timeout:g} s (SUBENGINE_CONNECT_TIMEOUT): "
+                        f"all {self.settings.pool_max_size} of the pool "
+                        "(SUBENGINE_POOL_MAX_SIZE) are in use"
+                    )
+                continue
+            try:
+                return self._direct_connection(deadline)
+            except psycopg.Error as error:
+                reason = safe_message(error, self.dsn)
+                if not may_succeed_later(error):
+                    raise ConfigurationError(
+                        f"cannot connect to PostgreSQL: {reason} (retrying cannot help: check "
+                        "the DSN, the server's roles and databases, and pg_hba.conf)"
+                    ) from error
+            if time.monotonic() >= deadline:
+                raise DatabaseUnavailable(
+                    f"could not connect to PostgreSQL within {timeout:g} s "
+                    f"(SUBENGINE_CONNECT_TIMEOUT): {reason}"
+                )
+            if not reported:
+                reported = True
+                # A warning reaches stderr even where logging is not configured.
+                log.warning(
+                    "subengine: waiting for PostgreSQL, which does not accept connections "
+                    "yet: %s; retrying for up to %g s (SUBENGINE_CONNECT_TIMEOUT)",
+                    reason,
+                    timeout,
+                )
+
+    def _direct_connection(self, deadline: float) -> PgConnection:
+        remaining = deadline - time.monotonic()
+        return connect(self.dsn, max(0.1, min(remaining, _DIAGNOSIS_TIMEOUT_SECONDS)))
 
     def connect(
         self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False
@@ -130,24 +232,16 @@ class Engine:
             autocommit=autocommit,
         )
 
-    def _unavailable(self) -> DatabaseUnavailable:
-        try:
-            connect(self.dsn, _DIAGNOSIS_TIMEOUT_SECONDS).close()
-            reason = "the pool had no free connection in time"
-        except psycopg.Error as error:
-            reason = str(error).strip()
-        return DatabaseUnavailable(
-            f"could not connect to PostgreSQL within {self.settings.connect_timeout:g} s: {reason}"
-        )
-
     # schema
 
     def migrate(self) -> None:
         """Create or upgrade subengine's schema (safe from many processes at once)."""
+        with self.connection():
+            pass  # waits for a server that is starting, and fails early on a wrong DSN
         try:
             _migrate.upgrade(self.dsn, self.schema, self.settings.connect_timeout)
         except psycopg.OperationalError as error:
-            raise DatabaseUnavailable(f"could not migrate: {str(error).strip()}") from None
+            raise DatabaseUnavailable(f"could not migrate: {one_line(str(error))}") from None
 
     def schema_revision(self) -> str | None:
         """The migration revision the database is at (None: never migrated)."""

@@ -1,11 +1,16 @@
 """`subengine demo`: two worker processes project order events while a producer appends
-them and one worker is killed; it exits 0 only if the projection matches the events."""
+them and one worker is killed; it exits 0 only if the projection matches the events. It
+writes only into a schema of its own, `subengine_demo`."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import run_subengine, snapshot
+from conftest import run_subengine
+from psycopg.sql import SQL, Identifier, Literal
 from subengine.cli import _demo
+
+import subengine
+from subengine import NewEvent
 
 pytestmark = pytest.mark.slow
 
@@ -17,12 +22,13 @@ def run_demo(env, *args):
 def test_the_demo_projects_every_event_once_though_a_worker_is_killed(cli_env, sql):
     result = run_demo(cli_env)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "the demo writes only into schema 'subengine_demo'" in result.stdout.splitlines()[0]
     assert "killed worker pid" in result.stdout
     assert "check passed" in result.stdout
     # the projection, read on its own: one row per order, one applied event per stored event
     events, orders = sql.execute(
         "SELECT count(*), count(*) FILTER (WHERE type = 'OrderPlaced')"
-        " FROM subengine.events WHERE stream = 'orders'"
+        " FROM subengine_demo.events WHERE stream = 'orders'"
     ).fetchone()
     assert events == 1200
     assert sql.execute("SELECT count(*), sum(events) FROM subengine_demo.orders").fetchone() == (
@@ -30,7 +36,7 @@ def test_the_demo_projects_every_event_once_though_a_worker_is_killed(cli_env, s
         events,
     )
     assert sql.execute(
-        "SELECT sum(position), sum(head), max(generation) FROM subengine.subscription_status"
+        "SELECT sum(position), sum(head), max(generation) FROM subengine_demo.subscription_status"
         " WHERE subscription = 'order_projection'"
     ).fetchone() == (events, events, 2)  # created in 1, then reset for the rebuild
     # every worker it started is gone, and holds nothing
@@ -38,7 +44,7 @@ def test_the_demo_projects_every_event_once_though_a_worker_is_killed(cli_env, s
         0,
     )
     assert sql.execute(
-        "SELECT count(*) FROM subengine.workers_status WHERE connected"
+        "SELECT count(*) FROM subengine_demo.workers_status WHERE connected"
     ).fetchone() == (0,)
 
 
@@ -50,7 +56,7 @@ def test_running_the_demo_again_rebuilds_the_projection_from_every_event(cli_env
     assert "checked 2,400 events" in again.stdout
     assert sql.execute("SELECT sum(events) FROM subengine_demo.orders").fetchone() == (2400,)
     assert sql.execute(
-        "SELECT generation FROM subengine.subscriptions WHERE name = 'order_projection'"
+        "SELECT generation FROM subengine_demo.subscriptions WHERE name = 'order_projection'"
     ).fetchone() == (3,)
 
 
@@ -64,9 +70,10 @@ TAMPERS = {
 }
 
 
-def test_the_check_fails_when_the_projection_differs_from_the_events(cli_env, engine, sql):
+def test_the_check_fails_when_the_projection_differs_from_the_events(cli_env, dsn, sql):
     assert run_demo(cli_env).returncode == 0
     said = []
+    engine = subengine.Engine(settings=_demo.settings(subengine.Settings(dsn=dsn)))
     assert _demo.verify(engine, said.append)  # as the demo left it
     sql.execute("CREATE TABLE projected AS TABLE subengine_demo.orders")
     for what, tamper in TAMPERS.items():
@@ -77,15 +84,67 @@ def test_the_check_fails_when_the_projection_differs_from_the_events(cli_env, en
         assert any(line.startswith("FAILED") for line in said), (what, said)
         sql.execute("TRUNCATE subengine_demo.orders")
         sql.execute("INSERT INTO subengine_demo.orders TABLE projected")
+    engine.close()
 
 
-def test_the_demo_refuses_an_orders_stream_of_another_shape_and_changes_nothing(
-    cli_env, engine, sql
-):
-    engine.create_stream("orders", partitions=4)
-    before = snapshot(sql)
+def test_the_demo_refuses_an_orders_stream_of_another_shape_and_changes_nothing(cli_env, dsn, sql):
+    sql.execute("CREATE SCHEMA subengine_demo")
+    sql.execute(SQL("COMMENT ON SCHEMA subengine_demo IS {}").format(Literal(_demo.MARKER)))
+    with subengine.Engine(dsn, schema="subengine_demo") as engine:
+        engine.migrate()
+        engine.create_stream("orders", partitions=4)
+    before = everything_in(sql, "subengine_demo")
     result = run_demo(cli_env)
     assert result.returncode == 1
     assert "already exists with 4 partitions, not 8" in result.stdout
-    assert snapshot(sql) == before
-    assert sql.execute("SELECT count(*) FROM subengine.subscriptions").fetchone() == (0,)
+    assert everything_in(sql, "subengine_demo") == before
+
+
+def test_the_demo_leaves_the_users_own_orders_stream_and_subscription_alone(cli_env, engine, sql):
+    # the README's own example: a stream `orders` and a subscription consuming it, here
+    # even with the demo's shape and names, in the default schema
+    engine.create_stream("orders", partitions=8)
+    engine.append("orders", [NewEvent(f"order-{n}", "OrderPlaced", {"n": n}) for n in range(20)])
+    engine.ensure_subscription(subengine.Subscription("order_projection", "orders", "beginning"))
+    engine.reset_subscription("order_projection", "end")
+    before = everything_in(sql, "subengine")
+    result = run_demo(cli_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert everything_in(sql, "subengine") == before
+    assert sql.execute("SELECT count(*) FROM subengine_demo.events").fetchone() == (1200,)
+
+
+def test_a_schema_of_the_demos_name_that_it_did_not_make_is_refused_unchanged(cli_env, sql):
+    sql.execute("CREATE SCHEMA subengine_demo")
+    sql.execute("CREATE TABLE subengine_demo.orders (mine text)")
+    sql.execute("INSERT INTO subengine_demo.orders VALUES ('keep me')")
+    before = everything_in(sql, "subengine_demo")
+    result = run_demo(cli_env)
+    assert result.returncode == 1
+    assert "schema 'subengine_demo' exists, and the demo did not make it" in result.stdout
+    assert "the demo changed nothing" in result.stdout
+    assert everything_in(sql, "subengine_demo") == before
+    assert sql.execute(
+        "SELECT obj_description(oid, 'pg_namespace') FROM pg_namespace"
+        " WHERE nspname = 'subengine_demo'"
+    ).fetchone() == (None,)
+
+
+def everything_in(sql, schema):
+    """Every table and sequence of `schema` with all of its rows (views show the time)."""
+    relations = sql.execute(
+        "SELECT c.relname, c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relkind IN ('r', 'S') ORDER BY 1",
+        (schema,),
+    ).fetchall()
+    return {
+        name: sorted(
+            map(
+                repr,
+                sql.execute(
+                    SQL("SELECT * FROM {}.{}").format(Identifier(schema), Identifier(name))
+                ).fetchall(),
+            )
+        )
+        for name, _kind in relations
+    }

@@ -1,0 +1,93 @@
+"""`subengine worker` stopped while it starts: every SIGTERM or SIGINT ends in exit 0.
+
+A supervisor may stop a worker it has just started. The signal must not find the worker
+without its handlers: during the app's import, or while it waits for PostgreSQL, it ends
+the start-up at once with a line saying so.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from conftest import APPS, subengine_command
+
+
+def start_worker(env, app, *args):
+    return subprocess.Popen(
+        [subengine_command(), "worker", "--app", app, *args],
+        cwd=APPS,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(condition, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_apps_import_exits_0(worker_app_env, tmp_path, signum):
+    marker = tmp_path / "importing"
+    env = dict(worker_app_env, SLOW_IMPORT_MARKER=str(marker), SLOW_IMPORT_SECONDS="600")
+    worker = start_worker(env, "slow_import_app:app")
+    try:
+        wait_for(marker.exists, "the app's import to begin")
+        worker.send_signal(signum)
+        _out, err = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, err
+    name = signal.Signals(signum).name
+    assert f"{name} before the worker started: it stopped without starting" in err
+    assert "Traceback" not in err
+
+
+def test_a_sigterm_while_waiting_for_postgresql_exits_0(worker_app_env):
+    env = dict(
+        worker_app_env,
+        SUBENGINE_DSN="postgresql://app@127.0.0.1:1/db",  # port 1: connections refused
+        SUBENGINE_CONNECT_TIMEOUT="600",
+    )
+    worker = start_worker(env, "worker_app:app")
+    bound = threading.Timer(60, worker.kill)  # only if the waiting line never comes
+    bound.start()
+    try:
+        said = ""
+        while "waiting for PostgreSQL" not in said:  # after the pool's own warnings
+            line = worker.stderr.readline()
+            assert line, said
+            said += line
+        worker.send_signal(signal.SIGTERM)
+        _out, err = worker.communicate(timeout=60)
+    finally:
+        bound.cancel()
+        worker.kill()
+    assert worker.returncode == 0, said + err
+    assert "SIGTERM before the worker started: it stopped without starting" in err
+
+
+def test_a_sigterm_once_the_worker_runs_still_finishes_cleanly(worker_app_env, engine, sql):
+    engine.create_stream("orders", partitions=2)
+    worker = start_worker(worker_app_env, "worker_app:app")
+    try:
+        wait_for(
+            lambda: sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 1,
+            "the worker to register",
+        )
+        worker.send_signal(signal.SIGTERM)
+        _out, err = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, err
+    assert "SIGTERM: finishing the current batches, then exiting" in err
+    assert sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 0
