@@ -19,8 +19,8 @@ from subengine._errors import ConfigurationError
 from subengine._names import shown_value, validate_schema_name
 
 
-def _setting(default: Any, env: str, doc: str) -> Any:
-    return field(default=default, metadata={"env": env, "doc": doc})
+def _setting(default: Any, env: str, doc: str, *, shown: bool = True) -> Any:
+    return field(default=default, repr=shown, metadata={"env": env, "doc": doc})
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Settings:
         None,
         "SUBENGINE_DSN",
         "PostgreSQL URL or libpq conninfo. Unset: an embedded PostgreSQL in SUBENGINE_HOME.",
+        shown=False,  # it may hold a password: never in a repr, so never in a log line
     )
     home: Path = _setting(
         Path(".subengine"),

@@ -142,3 +142,10 @@ def test_a_worker_with_a_non_finite_poll_interval_exits_with_one_line(orders, wo
         "error: setting poll_interval must be a number of seconds above 0 and at most 604800"
         f" (a week), not {raw} (environment variable SUBENGINE_POLL_INTERVAL)\n"
     )
+
+
+def test_settings_never_show_the_dsn_and_its_password():
+    settings = subengine.Settings(dsn="postgresql://app:Sup3rSecret@db.example/app")
+    assert "Sup3rSecret" not in repr(settings)
+    assert "Sup3rSecret" not in str(settings)
+    assert settings.dsn == "postgresql://app:Sup3rSecret@db.example/app"
