@@ -11,6 +11,7 @@ local[2] with up to 2 attempts per task, is shared by every test of the session.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -42,7 +43,14 @@ from pyspark.cloudpickle import register_pickle_by_value  # noqa: E402
 from pyspark.errors import PySparkException  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
+from pyspark.sql.datasource import (  # noqa: E402
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    InputPartition,
+)
 from pyspark.sql.streaming import StreamingQueryException  # noqa: E402
+from pyspark.sql.types import StructType  # noqa: E402
 
 import subengine.spark  # noqa: E402
 from subengine.spark import _offsets  # noqa: E402
@@ -50,6 +58,7 @@ from subengine.spark._source import StreamWriter, SubengineDataSource  # noqa: E
 
 ROOT = Path(__file__).parent.parent
 DSN_ENV = "SUBENGINE_SPARK_TEST_DSN"
+LOCAL_DIR_ENV = "SUBENGINE_SPARK_TEST_LOCAL_DIR"
 DATABASE = "subengine_spark_tests"
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -77,13 +86,18 @@ def spark_dsn(postgresql_migrated_server):
 
 
 @pytest.fixture(scope="session")
-def spark(spark_dsn):
+def spark(spark_dsn, tmp_path_factory):
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ[DSN_ENV] = spark_dsn
+    # Shuffle files go to a directory of this session's own, which LosingShuffleWrites
+    # empties to make Spark recompute a shuffle.
+    local_dir = tmp_path_factory.mktemp("spark-local")
+    os.environ[LOCAL_DIR_ENV] = str(local_dir)
     session = (
         SparkSession.builder.master("local[2,2]")
         .appName("subengine-tests")
         .config("spark.ui.enabled", "false")
+        .config("spark.local.dir", str(local_dir))
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.streaming.stopTimeout", "30s")
@@ -92,6 +106,10 @@ def spark(spark_dsn):
     session.sparkContext.setLogLevel("ERROR")
     subengine.spark.register(session)
     session.dataSource.register(FlakyWrites)
+    session.dataSource.register(EarlyFlakyWrites)
+    session.dataSource.register(ShiftingRows)
+    session.dataSource.register(LosingShuffleWrites)
+    session.dataSource.register(ForgetfulWrites)
     yield session
     session.stop()
 
@@ -428,9 +446,10 @@ def test_reading_positions_that_retention_removed_fails_clearly(
 
 
 class FlakyWrites(SubengineDataSource):
-    """The subengine source, whose writers fail once after their work committed: a batch
-    write's task 0 on its first attempt, a streaming write's driver-side commit of
-    micro-batch 0. Each failure is recorded in the table `injected_failures`."""
+    """The subengine source, whose writers fail once after their work is done: a batch
+    write's task 0 on its first attempt, after it staged its rows; a streaming write's
+    driver-side commit of micro-batch 0, after it appended the micro-batch. Each failure is
+    recorded in the table `injected_failures`."""
 
     @classmethod
     def name(cls):
@@ -438,11 +457,11 @@ class FlakyWrites(SubengineDataSource):
 
     def writer(self, schema, overwrite):
         writer = super().writer(schema, overwrite)
-        return FlakyBatchWriter(writer.target, writer.identity, writer.whole_task)
+        return FlakyBatchWriter(writer.target, writer.partitions, writer.write_id)
 
     def streamWriter(self, schema, overwrite):
         writer = super().streamWriter(schema, overwrite)
-        return FlakyStreamWriter(writer.target, writer.whole_task)
+        return FlakyStreamWriter(writer.target, writer.partitions)
 
 
 def record_failure(target, what):
@@ -461,14 +480,34 @@ class FlakyBatchWriter(subengine.spark._source.BatchWriter):
         message = super().write(iterator)
         context = TaskContext.get()
         if context.partitionId() == 0 and context.attemptNumber() == 0:
-            record_failure(self.target, "task 0 after its commit")
+            record_failure(self.target, "task 0 after it staged its rows")
         return message
 
 
 class FlakyStreamWriter(StreamWriter):
     def commit(self, messages, batchId):
+        super().commit(messages, batchId)
         if batchId == 0:
-            record_failure(self.target, "micro-batch 0 after its tasks")
+            record_failure(self.target, "micro-batch 0 after its commit")
+
+
+class EarlyFlakyWrites(SubengineDataSource):
+    """The subengine source, whose streaming writes fail once in the driver-side commit of
+    micro-batch 0, before it appends anything (after the tasks staged their rows)."""
+
+    @classmethod
+    def name(cls):
+        return "subengine_flaky_early"
+
+    def streamWriter(self, schema, overwrite):
+        writer = super().streamWriter(schema, overwrite)
+        return EarlyFlakyStreamWriter(writer.target, writer.partitions)
+
+
+class EarlyFlakyStreamWriter(StreamWriter):
+    def commit(self, messages, batchId):
+        if batchId == 0:
+            record_failure(self.target, "micro-batch 0 before its commit")
         super().commit(messages, batchId)
 
 
@@ -486,15 +525,20 @@ def test_a_retried_write_task_stores_each_row_once(spark, db, sql, new_stream):
     frame.write.format("subengine_flaky").option("stream", stream).option("dsnEnv", DSN_ENV).mode(
         "append"
     ).save()
-    assert injected(sql, stream) == ["task 0 after its commit"]
+    assert injected(sql, stream) == ["task 0 after it staged its rows"]
     stored = sql.execute(
         "SELECT key, type, data::text FROM subengine.events WHERE stream = %s", (stream,)
     ).fetchall()
     assert sorted(stored) == sorted((k, t, json.dumps(json.loads(d))) for k, t, d in rows)
 
 
-def test_a_replayed_micro_batch_of_a_streaming_write_stores_nothing_twice(
-    spark, db, sql, new_stream, tmp_path
+@pytest.mark.parametrize(
+    ("source_name", "stored_by_the_failed_run"),
+    [("subengine_flaky", 40), ("subengine_flaky_early", 0)],
+    ids=["after-its-commit", "before-its-commit"],
+)
+def test_a_replayed_micro_batch_of_a_streaming_write_stores_each_row_once(
+    spark, db, sql, new_stream, tmp_path, source_name, stored_by_the_failed_run
 ):
     source, target = new_stream(partitions=3), new_stream(partitions=2)
     db.append(source, orders(40))
@@ -505,7 +549,7 @@ def test_a_replayed_micro_batch_of_a_streaming_write_stores_nothing_twice(
             "key", F.lit("Seen").alias("type"), F.to_json(F.struct("position", "id")).alias("data")
         )
         query = (
-            derived.writeStream.format("subengine_flaky")
+            derived.writeStream.format(source_name)
             .option("stream", target)
             .option("dsnEnv", DSN_ENV)
             .option("checkpointLocation", str(checkpoint))
@@ -513,18 +557,19 @@ def test_a_replayed_micro_batch_of_a_streaming_write_stores_nothing_twice(
             .start()
         )
         query.awaitTermination()
+        return query.id
 
     with pytest.raises(StreamingQueryException, match="injected failure"):
         run()
-    assert injected(sql, target) == ["micro-batch 0 after its tasks"]
+    assert len(injected(sql, target)) == 1
     assert (
         sql.execute(
             "SELECT count(*) FROM subengine.events WHERE stream = %s", (target,)
         ).fetchone()[0]
-        == 40
+        == stored_by_the_failed_run
     )
     db.append(source, orders(5, prefix="after"))
-    run()
+    query_id = run()
     seen = sql.execute(
         "SELECT data->>'id' FROM subengine.events WHERE stream = %s", (target,)
     ).fetchall()
@@ -532,27 +577,288 @@ def test_a_replayed_micro_batch_of_a_streaming_write_stores_nothing_twice(
         "SELECT id::text FROM subengine.events WHERE stream = %s", (source,)
     ).fetchall()
     assert sorted(seen) == sorted(source_ids)
+    staged = sql.execute(
+        "SELECT count(*) FROM subengine.spark_staged_events WHERE write_id = %s",
+        (f"query:{query_id}",),
+    ).fetchone()[0]
+    assert staged == 0
 
 
-def test_expected_version_is_checked_per_key_and_task(spark, db, sql, new_stream):
+class ShiftingRows(DataSource):
+    """A source of `rows` rows (key, type, data, computation) in two partitions, which are
+    cut differently every time they are computed again: the first time into halves, after
+    that into even and odd rows, as an upstream whose output depends on when it runs.
+    `computation` counts the times the partition was computed before (from 0)."""
+
+    @classmethod
+    def name(cls):
+        return "shifting_rows"
+
+    def schema(self):
+        return "key string, type string, data string, computation int"
+
+    def reader(self, schema):
+        return ShiftingReader(self.options["stream"], int(self.options["rows"]))
+
+
+class ShiftingReader(DataSourceReader):
+    def __init__(self, stream, rows):
+        self.stream = stream
+        self.rows = rows
+
+    def partitions(self):
+        return [InputPartition(0), InputPartition(1)]
+
+    def read(self, partition):
+        half = partition.value
+        with psycopg.connect(os.environ[DSN_ENV], autocommit=True) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS upstream_reads (stream text, half int)")
+            computation = conn.execute(
+                "SELECT count(*) FROM upstream_reads WHERE stream = %s AND half = %s",
+                (self.stream, half),
+            ).fetchone()[0]
+            conn.execute("INSERT INTO upstream_reads VALUES (%s, %s)", (self.stream, half))
+        for n in range(self.rows):
+            if (n < self.rows // 2) == (half == 0) if computation == 0 else n % 2 == half:
+                yield (f"k{n % 13}", "Counted", json.dumps({"n": n}), computation)
+
+
+class LosingShuffleWrites(SubengineDataSource):
+    """The subengine source, writing what ShiftingRows produces (without its computation
+    column). A task attempt that received rows of the upstream's first computation fails
+    after its rows are written, and the first such attempt first deletes the shuffle
+    files it read, as when an executor dies with the shuffle output it served. Spark's
+    retry finds the files gone, computes the upstream stage again, and runs the write tasks
+    again. Every attempt records the rows it received in the table `write_attempts`."""
+
+    @classmethod
+    def name(cls):
+        return "subengine_losing_shuffle"
+
+    def writer(self, schema, overwrite):
+        written = StructType([f for f in schema.fields if f.name != "computation"])
+        return LosingShuffleWriter(super().writer(written, overwrite), self.options["stream"])
+
+
+class LosingShuffleWriter(DataSourceArrowWriter):
+    def __init__(self, writer, stream):
+        self.writer = writer
+        self.stream = stream
+
+    def write(self, iterator):
+        received, computations = [], set()
+
+        def without_computation(batches):
+            for batch in batches:
+                received.extend(batch.column("data").to_pylist())
+                computations.update(batch.column("computation").to_pylist())
+                yield batch.drop_columns(["computation"])
+
+        message = self.writer.write(without_computation(iterator))
+        partition = TaskContext.get().partitionId()
+        with psycopg.connect(os.environ[DSN_ENV], autocommit=True) as conn:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS write_attempts"
+                " (stream text, partition int, first_computation bool, rows text[])"
+            )
+            conn.execute(
+                "INSERT INTO write_attempts VALUES (%s, %s, %s, %s)",
+                (self.stream, partition, 0 in computations, sorted(received)),
+            )
+            if 0 not in computations:
+                return message
+            conn.execute("CREATE TABLE IF NOT EXISTS lost_shuffles (stream text PRIMARY KEY)")
+            claimed = conn.execute(
+                "INSERT INTO lost_shuffles VALUES (%s) ON CONFLICT DO NOTHING RETURNING 1",
+                (self.stream,),
+            ).fetchone()
+        if claimed:
+            lose_newest_shuffle()
+        raise RuntimeError(f"injected failure: task {partition} had rows of a lost computation")
+
+    def commit(self, messages):
+        self.writer.commit(messages)
+
+    def abort(self, messages):
+        self.writer.abort(messages)
+
+
+def lose_newest_shuffle():
+    """Delete the files of the newest shuffle in this Spark session's local directory."""
+    files = list(Path(os.environ[LOCAL_DIR_ENV]).glob("blockmgr-*/*/shuffle_*"))
+    newest = max(int(f.name.split("_")[1]) for f in files)
+    for file in files:
+        if int(file.name.split("_")[1]) == newest:
+            file.unlink()
+
+
+def test_a_write_stage_rerun_after_a_round_robin_repartition_stores_each_row_once(
+    spark, sql, new_stream
+):
+    stream = new_stream(partitions=3)
+    rows = 200
+    frame = (
+        spark.read.format("shifting_rows")
+        .option("stream", stream)
+        .option("rows", str(rows))
+        .load()
+        .repartition(2)  # round robin
+    )
+    frame.write.format("subengine_losing_shuffle").option("stream", stream).option(
+        "dsnEnv", DSN_ENV
+    ).option("writeId", stream).mode("append").save()
+
+    # The upstream ran again, and rows reached other tasks than in the attempts that
+    # received the first computation's rows.
+    reads = sql.execute(
+        "SELECT half, count(*) FROM upstream_reads WHERE stream = %s GROUP BY half ORDER BY half",
+        (stream,),
+    ).fetchall()
+    assert [half for half, count in reads if count >= 2] == [0, 1]
+    attempts = sql.execute(
+        "SELECT partition, first_computation, rows FROM write_attempts WHERE stream = %s",
+        (stream,),
+    ).fetchall()
+    first = {(partition, tuple(rows)) for partition, early, rows in attempts if early}
+    last = {(partition, tuple(rows)) for partition, early, rows in attempts if not early}
+    assert first and len(last) == 2 and not first & last
+
+    stored = sql.execute(
+        "SELECT data->>'n' FROM subengine.events WHERE stream = %s", (stream,)
+    ).fetchall()
+    assert sorted(int(n) for (n,) in stored) == list(range(rows))
+    assert staged_rows(sql, stream) == 0  # the failed attempts' rows are gone too
+
+
+def write_rows(spark, stream, rows, schema, slices=1, **options):
+    """Write `rows` to `stream` from `slices` Spark partitions, in the order given."""
+    frame = spark.createDataFrame(spark.sparkContext.parallelize(rows, slices), schema)
+    writer = frame.write.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV)
+    for key, value in options.items():
+        writer = writer.option(key, value)
+    writer.mode("append").save()
+
+
+EXPECTING = "key string, type string, data string, expected_version long"
+
+
+def test_expected_version_is_checked_per_key_and_write(spark, db, sql, new_stream):
     stream = new_stream(partitions=1)
     db.append(stream, [NewEvent("a", "T", {}), NewEvent("a", "T", {})])
 
-    def write(rows):
-        frame = spark.createDataFrame(
-            rows, "key string, type string, data string, expected_version long"
-        )
-        frame.coalesce(1).write.format("subengine").option("stream", stream).option(
-            "dsnEnv", DSN_ENV
-        ).mode("append").save()
-
-    write([("a", "T", "{}", 2), ("a", "T", "{}", None), ("b", "T", "{}", 0)])
-    assert db.heads(stream) == {0: 5}
+    # Key a's rows sit in two tasks: the version is the one before the whole write.
+    write_rows(
+        spark,
+        stream,
+        [
+            ("a", "T", "{}", 2),
+            ("b", "T", "{}", 0),
+            ("a", "T", '{"n": 2}', None),
+            ("a", "T", "{}", 2),
+        ],
+        EXPECTING,
+        slices=2,
+    )
+    assert db.heads(stream) == {0: 6}
     with pytest.raises(
-        PySparkException, match="is at version 4, but the append expected version 2"
+        PySparkException, match="is at version 5, but the append expected version 2"
     ):
-        write([("a", "T", '{"late": true}', 2), ("c", "T", "{}", None)])
-    assert db.heads(stream) == {0: 5}
+        write_rows(
+            spark, stream, [("c", "T", "{}", None), ("a", "T", '{"late": true}', 2)], EXPECTING
+        )
+    assert db.heads(stream) == {0: 6}
+
+
+def test_rows_of_one_key_in_two_tasks_must_agree_on_expected_version(spark, db, new_stream):
+    stream = new_stream(partitions=1)
+    with pytest.raises(
+        PySparkException, match="rows of key 'a' in this write say expected_version 0 and 1"
+    ):
+        write_rows(
+            spark,
+            stream,
+            [("a", "T", "{}", 0), ("b", "T", "{}", 0), ("a", "T", "{}", 1)],
+            EXPECTING,
+            slices=2,
+        )
+    assert db.heads(stream) == {0: 0}
+
+
+def test_a_write_run_again_with_other_partitioning_stores_nothing_twice(spark, db, sql, new_stream):
+    stream = new_stream(partitions=2)
+    rows = [(f"k{n % 5}", "Counted", json.dumps({"n": n % 40})) for n in range(120)]
+    schema = "key string, type string, data string"
+    write_rows(spark, stream, rows, schema, slices=3, writeId="nightly-1")
+    write_rows(spark, stream, rows[::-1], schema, slices=2, writeId="nightly-1")
+    write_rows(spark, stream, rows, schema, slices=1, writeId="nightly-1")
+    stored = sql.execute(
+        "SELECT key, type, data::text FROM subengine.events WHERE stream = %s", (stream,)
+    ).fetchall()
+    # Each row is stored once, identical rows as often as the write holds them.
+    assert sorted(stored) == sorted((k, t, json.dumps(json.loads(d))) for k, t, d in rows)
+    write_rows(spark, stream, rows, schema, slices=2, writeId="nightly-2")
+    assert sum(db.heads(stream).values()) == 2 * len(rows)
+
+
+def staged_rows(sql, write_id):
+    return sql.execute(
+        "SELECT count(*) FROM subengine.spark_staged_events WHERE write_id = %s",
+        (f"write:{write_id}",),
+    ).fetchone()[0]
+
+
+class ForgetfulWrites(SubengineDataSource):
+    """The subengine source, whose batch writes lose their staged rows before the
+    driver's commit, as when PostgreSQL restarts after a crash (the staging table is
+    UNLOGGED)."""
+
+    @classmethod
+    def name(cls):
+        return "subengine_forgetful"
+
+    def writer(self, schema, overwrite):
+        writer = super().writer(schema, overwrite)
+        return ForgetfulBatchWriter(writer.target, writer.partitions, writer.write_id)
+
+
+class ForgetfulBatchWriter(subengine.spark._source.BatchWriter):
+    def commit(self, messages):
+        with psycopg.connect(os.environ[self.target.dsn_env], autocommit=True) as conn:
+            conn.execute(
+                "DELETE FROM subengine.spark_staged_events WHERE write_id = %s", (self.write_id,)
+            )
+        super().commit(messages)
+
+
+def test_a_write_whose_staged_rows_are_lost_appends_nothing_and_says_so(spark, db, sql, new_stream):
+    stream = new_stream(partitions=2)
+    frame = spark.createDataFrame(
+        spark.sparkContext.parallelize([(f"k{n}", "T", "{}") for n in range(10)], 2),
+        "key string, type string, data string",
+    )
+    with pytest.raises(
+        PySparkException, match=r"the rows 2 task\(s\) of this write staged .* are gone"
+    ):
+        frame.write.format("subengine_forgetful").option("stream", stream).option(
+            "dsnEnv", DSN_ENV
+        ).option("writeId", f"{stream}-lost").mode("append").save()
+    assert db.heads(stream) == {0: 0, 1: 0}
+    assert staged_rows(sql, f"{stream}-lost") == 0
+
+
+def test_derived_ids_are_the_documented_uuids(sql):
+    content = uuid.uuid4()
+    for occurrence in (0, 1, 70_000):
+        digest = bytearray(
+            hashlib.sha256(content.bytes + occurrence.to_bytes(8, "big")).digest()[:16]
+        )
+        digest[6] = digest[6] & 0x0F | 0x80
+        digest[8] = digest[8] & 0x3F | 0x80
+        derived = sql.execute(
+            "SELECT subengine.spark_event_id(%s, %s)", (content, occurrence)
+        ).fetchone()[0]
+        assert derived == uuid.UUID(bytes=bytes(digest))
+        assert derived.version == 8
 
 
 def test_a_bad_row_fails_the_write_naming_the_row(spark, new_stream):

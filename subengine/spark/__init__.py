@@ -5,8 +5,9 @@
     orders = spark.read.format("subengine").option("stream", "orders").load()
 
 Batch and streaming reads (per-partition offsets, admission control, Trigger.AvailableNow)
-and batch and streaming writes that store every row once however often Spark runs a
-task. Needs the `spark` extra: pip install 'subengine[spark]'. See docs/spark.md.
+and batch and streaming writes that are all or nothing and store every row once however
+Spark runs and re-runs their tasks. Needs the `spark` extra: pip install
+'subengine[spark]'. See docs/spark.md.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ if tuple(int(part) for part in pyspark.__version__.split(".")[:2]) < (4, 2):
 
 from subengine.spark._options import DEFAULT_DSN_ENV  # noqa: E402
 from subengine.spark._source import SubengineDataSource  # noqa: E402
+from subengine.spark._staging import StagedRowsLost  # noqa: E402
 from subengine.spark._store import RetentionGap  # noqa: E402
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["DEFAULT_DSN_ENV", "RetentionGap", "SubengineDataSource", "register"]
+__all__ = ["DEFAULT_DSN_ENV", "RetentionGap", "StagedRowsLost", "SubengineDataSource", "register"]
 
 
 def register(spark: SparkSession) -> None:

@@ -1,19 +1,20 @@
-"""Spark rows to appended events, exactly once however often a task runs.
+"""Spark rows to staged events: what a write task sends to the staging table.
 
-A Spark task can run more than once for the same data: a failed task is retried, a
-speculative copy runs beside a slow one, a micro-batch is replayed after a restart. Each
-run appends its rows in one transaction, and each row without an `id` column value gets a
-deterministic id, a UUID (version 5) of
+A write task does not append: it checks its rows as `append` checks events and stages
+them under an attempt id of its own (see `_staging`). The driver's commit appends the
+rows of the attempts Spark committed, and gives each row without an `id` a deterministic
+one: a UUID of
 
-    the write's identity, the Spark partition, the row's content, and how many
-    identical rows came before it in the task.
+    the write's identity and stream and the row's content (the row's `content`, a UUID
+    (version 5) computed here), and the row's number among the identical rows of the
+    whole write (its `occurrence`, counted here within the task and completed in SQL
+    across the tasks at commit).
 
-The identity is the streaming query's id (kept in its checkpoint) and the micro-batch
-id, or for a batch write the `writeId` option (else a random id drawn once per write, on
-the driver). Neither the Spark partition's contents nor a batch's are ordered the same
-way on every run (rows come out of shuffles in any order), but they hold the same rows,
-so content-derived ids are the same on every run; the idempotent append stores an id
-already in the stream only once (DESIGN.md, Append flow).
+The identity is the streaming query's id (kept in its checkpoint) and the micro-batch id,
+or for a batch write the `writeId` option (else a random id drawn once per write, on the
+driver). Nothing in an id depends on which task held the row or in which order, so a
+write run again with the same rows, however Spark distributes them, derives the same ids,
+and the idempotent append stores an id already in the stream only once.
 """
 
 from __future__ import annotations
@@ -22,32 +23,58 @@ import json
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import psycopg
 import pyarrow as pa
 
-from subengine._append import append_prepared, prepare
+from subengine._append import prepare
 from subengine._errors import InvalidEvent, InvalidInput
-from subengine._events import NewEvent
+from subengine._events import NewEvent, partition_for
 from subengine._settings import Settings
 
-# uuid5 namespace of event ids the Spark writer derives (a fixed random UUID).
+# uuid5 namespace of the content UUIDs the Spark writer derives (a fixed random UUID).
 SPARK_ID_NAMESPACE = uuid.UUID("0b7e4c1e-5d0a-4f57-9a65-3f2b1c8e6d42")
 REQUIRED_COLUMNS = ("key", "type", "data")
 OPTIONAL_COLUMNS = ("id", "metadata", "occurred_at", "expected_version")
-# Events per append_events call; a task's calls share one transaction.
-APPEND_CHUNK = 5_000
+# Rows checked together by one `prepare` call: bounds a task's memory.
+CHECK_CHUNK = 5_000
+
+# How a staged row's write_id begins: a batch write's, or a streaming query's.
+WRITE_PREFIX = "write:"
+QUERY_PREFIX = "query:"
+
+# A staged row, in the column order of the spark_stage query.
+StagedRow = tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class WriteCounts:
-    """What one task appended: events stored now, and ones a former run had stored."""
+class WriteAttempt:
+    """Which write and which task attempt a task's rows belong to."""
 
-    stored: int
-    duplicates: int
+    write_id: str
+    batch: int
+    attempt: uuid.UUID
+    spark_partition: int
+
+    @property
+    def identity(self) -> str:
+        """What the content UUIDs of the write derive from: the write, and the micro-batch
+        of a streaming one."""
+        if self.write_id.startswith(QUERY_PREFIX):
+            return f"{self.write_id}:batch:{self.batch}"
+        return self.write_id
+
+
+@dataclass(slots=True)
+class StagingSummary:
+    """What a task staged: its rows, the stream partitions they go to, and whether any
+    row has an expected version."""
+
+    rows: int = 0
+    partitions: set[int] = field(default_factory=set)
+    expects_versions: bool = False
 
 
 def _json_value(value: Any, column: str) -> Any:
@@ -89,13 +116,9 @@ def _rows(batches: Iterable[pa.RecordBatch]) -> Iterator[dict[str, Any]]:
         yield from batch.to_pylist()
 
 
-def derived_id(
-    identity: str, stream: str, spark_partition: int, content: str, seen: int
-) -> uuid.UUID:
-    """The id of the `seen`-th row (from 0) of this content in a task of a write."""
-    return uuid.uuid5(
-        SPARK_ID_NAMESPACE, f"{identity}\n{stream}\n{spark_partition}\n{seen}\n{content}"
-    )
+def content_id(identity: str, stream: str, content: str) -> uuid.UUID:
+    """The UUID of a row's content in a write: identical rows of a write share it."""
+    return uuid.uuid5(SPARK_ID_NAMESPACE, f"{identity}\n{stream}\n{content}")
 
 
 def _content(params: dict[str, Any], i: int) -> str:
@@ -112,39 +135,28 @@ def _content(params: dict[str, Any], i: int) -> str:
     )
 
 
-class TaskAppender:
-    """Appends the rows of one Spark task in one transaction on `conn`."""
+class TaskRows:
+    """The rows of one Spark task attempt, checked and turned into staged rows."""
 
     def __init__(
-        self,
-        conn: psycopg.Connection[Any],
-        settings: Settings,
-        stream: str,
-        identity: str,
-        spark_partition: int,
+        self, settings: Settings, stream: str, partitions: int, attempt: WriteAttempt
     ) -> None:
-        self.conn = conn
         self.settings = settings
         self.stream = stream
-        self.identity = identity
-        self.spark_partition = spark_partition
-        self.seen: Counter[str] = Counter()
+        self.partitions = partitions
+        self.attempt = attempt
+        self.identity = attempt.identity
+        self.seen: Counter[uuid.UUID] = Counter()
         self.expected: dict[str, int] = {}
-        self.keys_appended: set[str] = set()
-        self.stored = 0
-        self.duplicates = 0
+        self.summary = StagingSummary()
 
     def _where(self, row_number: int, key: object) -> str:
-        return f"row {row_number} of Spark partition {self.spark_partition} (key {key!r})"
+        return f"row {row_number} of Spark partition {self.attempt.spark_partition} (key {key!r})"
 
-    def write(self, batches: Iterable[pa.RecordBatch], *, whole_task: bool) -> WriteCounts:
-        """Validate and append every row; raises InvalidInput naming a bad row.
-
-        With `whole_task` (the rows carry expected_version) every row is read before the
-        first append, so that each key's expected version is known where its first event
-        goes; otherwise rows go to the database in chunks as they come.
-        """
-        pending: list[tuple[int, NewEvent]] = []
+    def staged(self, batches: Iterable[pa.RecordBatch]) -> Iterator[StagedRow]:
+        """Every row as a staged row, in the task's order; raises InvalidInput naming the
+        first bad row. `summary` counts what was produced."""
+        pending: list[tuple[int, NewEvent, int | None]] = []
         for number, row in enumerate(_rows(batches)):
             try:
                 event, expected = _event(row)
@@ -154,40 +166,51 @@ class TaskAppender:
                 known = self.expected.setdefault(event.key, expected)
                 if known != expected:
                     raise InvalidInput(
-                        f"{self._where(number, event.key)}: rows of one key in one task must "
+                        f"{self._where(number, event.key)}: rows of one key in one write must "
                         f"agree on expected_version, and this one says {expected} where an "
-                        f"earlier one says {known} (it is the key's version before the task's "
-                        "append)"
+                        f"earlier one says {known} (it is the key's version before the write)"
                     )
-            pending.append((number, event))
-            if not whole_task and len(pending) == APPEND_CHUNK:
-                self._append(pending)
+            pending.append((number, event, expected))
+            if len(pending) == CHECK_CHUNK:
+                yield from self._chunk(pending)
                 pending = []
-        for start in range(0, len(pending), APPEND_CHUNK):
-            self._append(pending[start : start + APPEND_CHUNK])
-        return WriteCounts(self.stored, self.duplicates)
+        yield from self._chunk(pending)
 
-    def _append(self, numbered: list[tuple[int, NewEvent]]) -> None:
-        events = [event for _, event in numbered]
-        new_keys = {e.key for e in events} - self.keys_appended
-        # Each key's expected version is checked where its first event is appended.
-        expected = {k: v for k, v in self.expected.items() if k in new_keys} or None
+    def _chunk(self, numbered: list[tuple[int, NewEvent, int | None]]) -> Iterator[StagedRow]:
+        if not numbered:
+            return
+        events = [event for _, event, _ in numbered]
         try:
-            params = prepare(self.stream, events, expected, self.settings)
+            params = prepare(self.stream, events, None, self.settings)
         except InvalidEvent as error:
             number = numbered[error.index][0]
             raise InvalidInput(
                 f"{self._where(number, events[error.index].key)}: {error.reason}"
             ) from None
-        for i, event in enumerate(events):
+        attempt = self.attempt
+        for i, (number, event, expected) in enumerate(numbered):
+            content = content_id(self.identity, self.stream, _content(params, i))
+            occurrence = 0
             if event.id is None:
-                content = _content(params, i)
-                params["ids"][i] = derived_id(
-                    self.identity, self.stream, self.spark_partition, content, self.seen[content]
-                )
+                occurrence = self.seen[content]
                 self.seen[content] += 1
-        appended = append_prepared(self.conn, params, self.settings)
-        self.keys_appended |= new_keys
-        duplicates = sum(1 for a in appended if a.duplicate)
-        self.duplicates += duplicates
-        self.stored += len(appended) - duplicates
+            self.summary.rows += 1
+            self.summary.partitions.add(partition_for(event.key, self.partitions))
+            if expected is not None:
+                self.summary.expects_versions = True
+            yield (
+                attempt.write_id,
+                attempt.batch,
+                attempt.attempt,
+                number + 1,
+                attempt.spark_partition,
+                content,
+                occurrence,
+                event.id,
+                event.key,
+                event.type,
+                params["data"][i],
+                params["metadata"][i],
+                event.occurred_at,
+                expected,
+            )

@@ -43,12 +43,20 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from subengine._errors import ConfigurationError, InvalidInput
+from subengine._errors import ConfigurationError, InvalidInput, SubengineError
 from subengine._events import PartitionState
 from subengine._settings import Settings
-from subengine.spark import _offsets, _options, _store
+from subengine.spark import _offsets, _options, _staging, _store
 from subengine.spark._offsets import Positions
-from subengine.spark._rows import OPTIONAL_COLUMNS, REQUIRED_COLUMNS, TaskAppender
+from subengine.spark._rows import (
+    OPTIONAL_COLUMNS,
+    QUERY_PREFIX,
+    REQUIRED_COLUMNS,
+    WRITE_PREFIX,
+    TaskRows,
+    WriteAttempt,
+)
+from subengine.spark._staging import StagedAttempt
 
 log = logging.getLogger("subengine.spark")
 
@@ -121,18 +129,18 @@ class SubengineDataSource(DataSource):
         return StreamReader(options)
 
     def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:
-        options = _prepare_write(self.options, schema, overwrite)
-        identity = f"write:{options.write_id or uuid.uuid4()}"
-        return BatchWriter(options.target, identity, "expected_version" in schema.fieldNames())
+        options, partitions = _prepare_write(self.options, schema, overwrite)
+        write_id = f"{WRITE_PREFIX}{options.write_id or uuid.uuid4()}"
+        return BatchWriter(options.target, partitions, write_id)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> StreamWriter:
-        options = _prepare_write(self.options, schema, overwrite)
+        options, partitions = _prepare_write(self.options, schema, overwrite)
         if options.write_id is not None:
             raise InvalidInput(
                 "option writeId is for batch writes; a streaming write derives its event ids "
                 "from the query's id and the micro-batch id"
             )
-        return StreamWriter(options.target, "expected_version" in schema.fieldNames())
+        return StreamWriter(options.target, partitions)
 
 
 def _check_source(options: _options.ReadOptions) -> None:
@@ -311,8 +319,11 @@ _COLUMN_TYPES: dict[str, tuple[type[DataType], ...]] = {
 }
 
 
-def _prepare_write(options: Any, schema: StructType, overwrite: bool) -> _options.WriteOptions:
-    """Check a write's options and columns, and that its stream exists, on the driver."""
+def _prepare_write(
+    options: Any, schema: StructType, overwrite: bool
+) -> tuple[_options.WriteOptions, int]:
+    """Check a write's options and columns, and that its stream exists, on the driver;
+    returns the options and the stream's partition count."""
     if overwrite:
         raise InvalidInput("a subengine stream is append-only: write with mode('append')")
     parsed = _options.write_options(options)
@@ -342,76 +353,128 @@ def _prepare_write(options: Any, schema: StructType, overwrite: bool) -> _option
             )
     target = parsed.target
     with _store.connect(target.dsn(ON_DRIVER)) as conn:
-        _store.partition_bounds(conn, target.schema, target.stream)
-    return parsed
+        bounds = _store.partition_bounds(conn, target.schema, target.stream)
+    return parsed, len(bounds)
 
 
 @dataclass
 class WriteCommit(WriterCommitMessage):
-    """One task's result: its Spark partition, events stored and duplicates skipped."""
+    """One task attempt's result: the write, and what the attempt staged."""
 
-    spark_partition: int
-    stored: int
-    duplicates: int
+    write_id: str
+    batch: int
+    staged: StagedAttempt
 
 
 def _write_task(
-    target: _options.Target, identity: str, whole_task: bool, batches: Iterator[pa.RecordBatch]
+    target: _options.Target,
+    partitions: int,
+    write_id: str,
+    batch: int,
+    batches: Iterator[pa.RecordBatch],
 ) -> WriteCommit:
+    """Stage the task's rows in one transaction, under a new attempt id."""
     context = TaskContext.get()
     if context is None:
         raise ConfigurationError("the subengine writer runs only inside a Spark task")
-    partition = context.partitionId()
-    settings = Settings.from_env(schema=target.schema)
+    attempt = WriteAttempt(write_id, batch, uuid.uuid4(), context.partitionId())
+    rows = TaskRows(Settings.from_env(schema=target.schema), target.stream, partitions, attempt)
     with _store.connect(target.dsn(ON_EXECUTOR)) as conn:
-        appender = TaskAppender(conn, settings, target.stream, identity, partition)
-        counts = appender.write(batches, whole_task=whole_task)
-    return WriteCommit(partition, counts.stored, counts.duplicates)
+        _staging.stage(conn, target.schema, rows.staged(batches))
+    summary = rows.summary
+    staged = StagedAttempt(
+        attempt.attempt,
+        attempt.spark_partition,
+        summary.rows,
+        tuple(sorted(summary.partitions)),
+        summary.expects_versions,
+    )
+    return WriteCommit(write_id, batch, staged)
 
 
-def _totals(messages: Sequence[WriterCommitMessage | None]) -> tuple[int, int]:
+def _committed(
+    messages: Sequence[WriterCommitMessage | None], write_id: str | None, batch: int
+) -> tuple[str | None, list[StagedAttempt]]:
+    """The write and the attempts of the messages of a commit, checked to be one attempt
+    per Spark partition of one write."""
     commits = [m for m in messages if isinstance(m, WriteCommit)]
-    return sum(m.stored for m in commits), sum(m.duplicates for m in commits)
+    writes = {m.write_id for m in commits} | ({write_id} if write_id is not None else set())
+    if len(writes) > 1 or any(m.batch != batch for m in commits):
+        raise SubengineError(
+            f"a subengine write's commit received the messages of other writes ({sorted(writes)}"
+            f", micro-batch {batch}); nothing was appended"
+        )
+    attempts = [m.staged for m in commits]
+    if len({a.spark_partition for a in attempts}) != len(attempts):
+        raise SubengineError(
+            "a subengine write's commit received two attempts of one Spark partition; "
+            "nothing was appended"
+        )
+    return (writes.pop() if writes else None), attempts
+
+
+def _commit(
+    target: _options.Target, write_id: str, batch: int, attempts: Sequence[StagedAttempt]
+) -> _staging.CommitCounts:
+    """Append the attempts' staged rows in one transaction, then delete the write's
+    staged rows, those of failed attempts included."""
+    with _store.connect(target.dsn(ON_DRIVER)) as conn:
+        counts = _staging.commit_staged(
+            conn, target.schema, target.stream, write_id, batch, attempts
+        )
+        with conn.transaction():
+            _staging.discard_staged(conn, target.schema, write_id, batch)
+    return counts
+
+
+def _discard(target: _options.Target, write_id: str, batch: int) -> None:
+    with _store.connect(target.dsn(ON_DRIVER)) as conn, conn.transaction():
+        _staging.discard_staged(conn, target.schema, write_id, batch)
 
 
 class BatchWriter(DataSourceArrowWriter):
-    """Appends a DataFrame's rows; each task appends its rows in one transaction."""
+    """Appends a DataFrame's rows, all or nothing: tasks stage their rows, and the
+    driver's commit appends those of the attempts Spark committed in one transaction."""
 
-    def __init__(self, target: _options.Target, identity: str, whole_task: bool) -> None:
+    def __init__(self, target: _options.Target, partitions: int, write_id: str) -> None:
         self.target = target
-        self.identity = identity
-        self.whole_task = whole_task
+        self.partitions = partitions
+        self.write_id = write_id
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
-        return _write_task(self.target, self.identity, self.whole_task, iterator)
+        return _write_task(self.target, self.partitions, self.write_id, 0, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        stored, duplicates = _totals(messages)
+        _, attempts = _committed(messages, self.write_id, 0)
+        counts = _commit(self.target, self.write_id, 0, attempts)
         log.info(
             "appended %d events to stream %s (%d stored by an earlier run)",
-            stored,
+            counts.stored,
             self.target.stream,
-            duplicates,
-            extra={"stream": self.target.stream, "stored": stored, "duplicates": duplicates},
+            counts.duplicates,
+            extra={
+                "stream": self.target.stream,
+                "stored": counts.stored,
+                "duplicates": counts.duplicates,
+            },
         )
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        stored, _ = _totals(messages)
+        _discard(self.target, self.write_id, 0)
         log.warning(
-            "a write to stream %s failed; %d events of its finished tasks are stored and "
-            "stay (run it again with the same writeId to complete it without duplicates)",
+            "a write to stream %s failed; none of its rows were appended",
             self.target.stream,
-            stored,
-            extra={"stream": self.target.stream, "stored": stored},
+            extra={"stream": self.target.stream},
         )
 
 
 class StreamWriter(DataSourceStreamArrowWriter):
-    """Appends every micro-batch's rows; a replayed micro-batch stores nothing twice."""
+    """Appends every micro-batch's rows, all or nothing, as BatchWriter does; a replayed
+    micro-batch stores nothing twice."""
 
-    def __init__(self, target: _options.Target, whole_task: bool) -> None:
+    def __init__(self, target: _options.Target, partitions: int) -> None:
         self.target = target
-        self.whole_task = whole_task
+        self.partitions = partitions
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
         context = TaskContext.get()
@@ -422,26 +485,31 @@ class StreamWriter(DataSourceStreamArrowWriter):
                 "the subengine stream writer found no streaming query id or micro-batch id "
                 "in its task; it runs only in a Structured Streaming micro-batch query"
             )
-        identity = f"query:{query_id}:batch:{batch_id}"
-        return _write_task(self.target, identity, self.whole_task, iterator)
+        write_id = f"{QUERY_PREFIX}{query_id}"
+        return _write_task(self.target, self.partitions, write_id, int(batch_id), iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        stored, duplicates = _totals(messages)
+        write_id, attempts = _committed(messages, None, batchId)
+        if write_id is None:  # no task ran, so none staged anything
+            return
+        counts = _commit(self.target, write_id, batchId, attempts)
         log.info(
             "micro-batch %d appended %d events to stream %s (%d stored by an earlier run)",
             batchId,
-            stored,
+            counts.stored,
             self.target.stream,
-            duplicates,
-            extra={"stream": self.target.stream, "batch": batchId, "stored": stored},
+            counts.duplicates,
+            extra={"stream": self.target.stream, "batch": batchId, "stored": counts.stored},
         )
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        stored, _ = _totals(messages)
+        write_id, _ = _committed(messages, None, batchId)
+        if write_id is not None:
+            _discard(self.target, write_id, batchId)
         log.warning(
-            "micro-batch %d failed; %d events of its finished tasks are stored and stay "
-            "(the replayed micro-batch completes it without duplicates)",
+            "micro-batch %d failed; none of its rows were appended to stream %s (the "
+            "replayed micro-batch appends them)",
             batchId,
-            stored,
-            extra={"stream": self.target.stream, "batch": batchId, "stored": stored},
+            self.target.stream,
+            extra={"stream": self.target.stream, "batch": batchId},
         )

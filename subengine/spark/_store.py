@@ -1,5 +1,5 @@
-"""The Spark data source's database work: partition heads, ranges of events as Arrow
-batches, a subscription's positions, and appends.
+"""The Spark data source's database work for reads: partition heads, ranges of events as
+Arrow batches, and a subscription's positions (writes: `_staging`).
 
 Reads come out of PostgreSQL through `COPY ... TO STDOUT (FORMAT csv)`, the server's
 fastest way out, and are parsed by Arrow's CSV reader in native code; building Python

@@ -402,3 +402,112 @@ UPDATE {schema}.subscription_positions sp
        retry_at = NULL, updated_at = now()
   FROM unnest(%(partitions)s::integer[], %(positions)s::bigint[]) AS x(partition, position)
  WHERE sp.subscription = %(name)s AND sp.partition = x.partition AND sp.position < x.position
+
+-- name: spark_stage
+-- A Spark write task's rows, staged under its attempt until the write commits.
+COPY {schema}.spark_staged_events (
+    write_id, batch, attempt, row_number, spark_partition, content, occurrence, id, key, type,
+    data, metadata, occurred_at, expected_version
+) FROM STDIN
+
+-- name: spark_staged_counts
+-- How many rows each of these attempts of a write has staged.
+SELECT s.attempt, count(*)
+  FROM {schema}.spark_staged_events s
+ WHERE s.write_id = %(write_id)s AND s.batch = %(batch)s AND s.attempt = ANY (%(attempts)s)
+ GROUP BY s.attempt
+
+-- name: spark_lock_partitions
+-- Take the append locks of the partitions a write's commit appends to, in ascending order
+-- as append_events does, before its first append: the commit appends in chunks, and
+-- chunks taking the locks one after another could deadlock with another commit.
+SELECT p.partition
+  FROM {schema}.partitions p
+ WHERE p.stream = %(stream)s AND p.partition = ANY (%(partitions)s)
+ ORDER BY p.partition
+   FOR NO KEY UPDATE
+
+-- name: spark_plan_by_hashing
+-- For the next statement of a commit, which joins a write's staged rows with themselves:
+-- no nested loops. The staging table's statistics say little about the write at hand (its
+-- rows came in after the last analyze), and a nested loop over rows estimated as a few
+-- costs the square of the write's size; hashing costs its size. Returns the setting to
+-- restore with spark_plan_restore.
+SELECT current_setting('enable_nestloop'), set_config('enable_nestloop', 'off', true)
+
+-- name: spark_plan_restore
+SELECT set_config('enable_nestloop', %(setting)s, true)
+
+-- name: spark_number_shared_rows
+-- Number the identical rows of a write's committed attempts: a row's occurrence, staged
+-- as its number among the identical rows of its attempt, becomes its number among those
+-- of the whole write, counted in the order of the Spark partitions and of the rows in
+-- each, so that each row of a content has a number of its own whichever task held it.
+-- Rows with an id of their own need none. Updates only rows whose content other
+-- attempts hold too.
+UPDATE {schema}.spark_staged_events s
+   SET occurrence = n.numbered
+  FROM (SELECT attempt, row_number, occurrence,
+               row_number() OVER (PARTITION BY content ORDER BY spark_partition, row_number) - 1
+               AS numbered
+          FROM {schema}.spark_staged_events
+         WHERE write_id = %(write_id)s AND batch = %(batch)s AND attempt = ANY (%(attempts)s)
+           AND id IS NULL) AS n
+ WHERE s.write_id = %(write_id)s AND s.batch = %(batch)s AND s.attempt = n.attempt
+   AND s.row_number = n.row_number AND n.numbered <> n.occurrence
+
+-- name: spark_expected_versions
+-- A key whose rows in a write disagree on expected_version (low <> high), or whose version
+-- is not the expected one unless the write stored its rows already (it is run again after
+-- it committed: its first row of the key with an expected version is stored); nothing
+-- when every key is as expected. One pass over the write's rows with an expected version,
+-- then index lookups per key. Run under the append locks, after spark_number_shared_rows.
+WITH firsts AS (
+    SELECT DISTINCT ON (s.key) s.key,
+           coalesce(s.id, {schema}.spark_event_id(s.content, s.occurrence)) AS first_id,
+           min(s.expected_version) OVER per_key AS low,
+           max(s.expected_version) OVER per_key AS high
+      FROM {schema}.spark_staged_events s
+     WHERE s.write_id = %(write_id)s AND s.batch = %(batch)s AND s.attempt = ANY (%(attempts)s)
+       AND s.expected_version IS NOT NULL
+    WINDOW per_key AS (PARTITION BY s.key)
+     ORDER BY s.key, s.spark_partition, s.row_number
+)
+SELECT f.key, f.low, f.high, v.version
+  FROM firsts f
+ CROSS JOIN LATERAL (
+        SELECT coalesce(max(e.key_version), 0) AS version FROM {schema}.events e
+         WHERE e.stream = %(stream)s AND e.key = f.key) AS v
+ WHERE f.low <> f.high
+    OR (v.version <> f.low
+        AND NOT EXISTS (SELECT 1 FROM {schema}.events e
+                         WHERE e.stream = %(stream)s AND e.id = f.first_id))
+ LIMIT 1
+
+-- name: spark_append_staged
+-- Append rows (after, upto] of one staged attempt with append_events, ids derived from
+-- each row's content and number in the write; returns the events stored and the rows
+-- whose id was stored already.
+WITH chunk AS (
+    SELECT array_agg(coalesce(s.id, {schema}.spark_event_id(s.content, s.occurrence))
+                     ORDER BY s.row_number) AS ids,
+           array_agg(s.key ORDER BY s.row_number) AS keys,
+           array_agg(s.type ORDER BY s.row_number) AS types,
+           array_agg(s.data ORDER BY s.row_number) AS data,
+           array_agg(s.metadata ORDER BY s.row_number) AS metadata,
+           array_agg(s.occurred_at ORDER BY s.row_number) AS occurred_at
+      FROM {schema}.spark_staged_events s
+     WHERE s.write_id = %(write_id)s AND s.batch = %(batch)s AND s.attempt = %(attempt)s
+       AND s.row_number > %(after)s AND s.row_number <= %(upto)s
+)
+SELECT count(*) FILTER (WHERE NOT a.duplicate), count(*) FILTER (WHERE a.duplicate)
+  FROM chunk
+ CROSS JOIN LATERAL {schema}.append_events(
+        %(stream)s::text, chunk.ids, chunk.keys, chunk.types, chunk.data, chunk.metadata,
+        chunk.occurred_at) AS a
+
+-- name: spark_discard_staged
+-- Delete the staged rows of a write, of every attempt: after its commit or abort, and for
+-- a streaming query those of its earlier micro-batches too.
+DELETE FROM {schema}.spark_staged_events
+ WHERE write_id = %(write_id)s AND batch <= %(batch)s
