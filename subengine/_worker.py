@@ -263,6 +263,7 @@ class Worker:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "names": list(self.subscriptions),
+            "serves_metrics": self.metrics_port is not None,
         }
 
     def _unregister(self) -> None:

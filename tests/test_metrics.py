@@ -12,6 +12,7 @@ import subprocess
 import time
 import urllib.request
 
+import psycopg
 import pytest
 from conftest import APPS, subengine_command
 from prometheus_client.parser import text_string_to_metric_families
@@ -497,3 +498,30 @@ def test_summing_the_lag_gauges_over_workers_counts_each_partition_once(metered_
         )
         time.sleep(0.5)  # several readings later, still once
         assert sum(sum(lag_gauges(scrape(port)).values()) for port in ports) == behind
+
+
+def test_the_lag_is_exported_when_a_worker_of_lower_id_serves_no_metrics(metered_engine, sql, dsn):
+    stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
+    poison = first_of_a_partition(stored)
+    app = poisoned_app(poison, "stop")
+    metered_engine.ensure_subscription(app.subscriptions["billing"])
+    # a connected worker of the lowest id there is, running billing without metrics
+    quiet = "00000000-0000-0000-0000-000000000000"
+    with psycopg.connect(dsn, application_name=f"subengine worker {quiet}") as other:
+        other.execute(
+            "INSERT INTO subengine.workers (id, host, pid, subscriptions)"
+            " VALUES (%s, 'elsewhere', 1, '{billing}')",
+            (quiet,),
+        )
+        other.commit()
+        port = free_port()
+        with Running(app, metered_engine, metrics_port=port):
+            wait_for(
+                lambda: any(p.stopped for p in metered_engine.subscription_positions("billing")),
+                what="the poison's partition to stop",
+            )
+            behind = sum(expected_lag(metered_engine, "billing").values())
+            wait_for(
+                lambda: sum(lag_gauges(scrape(port)).values()) == behind,
+                what="the lag gauges",
+            )

@@ -9,6 +9,7 @@ import pytest
 from conftest import subengine_command
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
+from test_worker import Running, wait_for
 
 import subengine
 from subengine import _migrate
@@ -243,3 +244,39 @@ def test_an_applications_table_of_the_same_name_is_one_line(blank_dsn, tmp_path)
     assert_one_line_error(result, "could not migrate schema 'public': relation")
     assert "give subengine a schema of its own" in result.stderr
     assert tables(blank_dsn, "public") == {"events"}
+
+
+def test_a_dead_letter_from_before_0004_does_not_block_its_replay(blank_dsn):
+    # An event dead-lettered, then a reset, then the upgrade: the replay fails on the
+    # event again and must record a dead letter of its own.
+    migrate_as_before(blank_dsn, "0003")
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single", on_error="dead_letter", max_attempts=1)
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.position == 2:
+            raise ValueError("poison")
+
+    settings = subengine.Settings(dsn=blank_dsn, poll_interval=0.2, retry_delay=0.05)
+    with subengine.Engine(settings=settings) as engine, psycopg.connect(blank_dsn) as conn:
+        engine.create_stream("single", partitions=1)
+        stored = engine.append("single", [subengine.NewEvent("k", "T", {}) for _ in range(3)])
+        engine.ensure_subscription(sub)
+        # as 0003's worker left it: the poison dead-lettered, then a reset to the beginning
+        conn.execute(
+            "INSERT INTO subengine.dead_letters"
+            " (subscription, partition, position, event_id, error, attempts)"
+            " VALUES ('billing', 0, 2, %s, 'ValueError: poison', 1)",
+            (stored[1].id,),
+        )
+        conn.execute("UPDATE subengine.subscriptions SET generation = 2")
+        conn.execute("UPDATE subengine.subscription_positions SET generation = 2")
+        conn.commit()
+        engine.migrate()
+        with Running(app, engine):
+            wait_for(lambda: engine.subscription_positions("billing")[0].position == 3)
+        letters = conn.execute(
+            "SELECT position, generation, resolution FROM subengine.dead_letters ORDER BY 2"
+        ).fetchall()
+    assert letters == [(2, 1, "superseded"), (2, 2, None)]

@@ -1,4 +1,5 @@
-"""Dead letters per generation: a rebuilt subscription records a repeated failure again.
+"""Dead letters per generation (a rebuilt subscription records a repeated failure again),
+and which workers serve metrics.
 
 Revision ID: 0004
 Revises: 0003
@@ -19,13 +20,12 @@ def upgrade() -> None:
 -- A reset replays events; a poison event then fails again in the new generation. Each
 -- generation's dead letter is its own row. Only one dead letter of an event is open
 -- (unresolved) at a time: recording a new one marks older open ones 'superseded'.
-ALTER TABLE dead_letters ADD COLUMN generation bigint;
-UPDATE dead_letters d SET generation = sp.generation
-  FROM subscription_positions sp
- WHERE sp.subscription = d.subscription AND sp.partition = d.partition;
-UPDATE dead_letters SET generation = 1 WHERE generation IS NULL;
+-- Rows from before are put in generation 1, whatever generation their partition is at
+-- now: a replay that fails on the event again then records a row of its own (an event is
+-- dead-lettered at most once per generation, and comes round again only in a later one).
+ALTER TABLE dead_letters ADD COLUMN generation bigint NOT NULL DEFAULT 1;
 ALTER TABLE dead_letters
-    ALTER COLUMN generation SET NOT NULL,
+    ALTER COLUMN generation DROP DEFAULT,
     ADD CONSTRAINT dead_letters_generation_check CHECK (generation >= 1),
     DROP CONSTRAINT dead_letters_pkey,
     ADD PRIMARY KEY (subscription, partition, position, generation),
@@ -34,6 +34,10 @@ ALTER TABLE dead_letters
         CHECK (resolution IN ('retried', 'discarded', 'superseded'));
 CREATE UNIQUE INDEX dead_letters_one_open ON dead_letters (subscription, partition, position)
  WHERE resolution IS NULL;
+
+-- Whether a worker serves Prometheus metrics: the lag gauges of a subscription are
+-- exported by one of the connected workers that do.
+ALTER TABLE workers ADD COLUMN serves_metrics boolean NOT NULL DEFAULT false;
 """
     )
 
@@ -41,6 +45,7 @@ CREATE UNIQUE INDEX dead_letters_one_open ON dead_letters (subscription, partiti
 def downgrade() -> None:
     op.execute(
         """
+ALTER TABLE workers DROP COLUMN serves_metrics;
 DROP INDEX dead_letters_one_open;
 DELETE FROM dead_letters d
  WHERE EXISTS (SELECT FROM dead_letters n

@@ -189,13 +189,13 @@ SELECT sp.subscription, sp.partition,
 
 -- name: subscription_lag
 -- Position and head of every partition of some subscriptions, whether it is halted
--- (stopped or paused), and whether this worker reports the subscription's lag: the
--- connected worker of lowest id running it does, so that summing the gauges over workers
--- counts each partition once. For the worker's lag gauges and progress lines; unlike the
+-- (stopped or paused), and whether this worker reports the subscription's lag: of the
+-- connected workers running it that serve metrics, the one of lowest id does, so that
+-- summing the gauges over workers counts each partition once. For the worker's lag gauges and progress lines; unlike the
 -- subscription_status view it reads neither pg_locks nor the events.
 WITH reporters AS (
     SELECT name, (SELECT min(w.id::text) FROM {schema}.workers w
-                   WHERE name = ANY (w.subscriptions)
+                   WHERE name = ANY (w.subscriptions) AND w.serves_metrics
                      AND EXISTS (SELECT FROM pg_stat_activity a
                                   WHERE a.application_name = 'subengine worker ' || w.id::text))
                  AS reporter
@@ -261,13 +261,14 @@ RETURNING position
 
 -- name: register_worker
 -- A worker, for inspection.
-INSERT INTO {schema}.workers (id, host, pid, subscriptions) VALUES (%(id)s, %(host)s, %(pid)s, %(names)s)
+INSERT INTO {schema}.workers (id, host, pid, subscriptions, serves_metrics)
+VALUES (%(id)s, %(host)s, %(pid)s, %(names)s, %(serves_metrics)s)
 
 -- name: heartbeat
 -- A worker is alive; its row comes back if a prune removed it while its connections
 -- were being re-established.
-INSERT INTO {schema}.workers (id, host, pid, subscriptions)
-VALUES (%(id)s, %(host)s, %(pid)s, %(names)s)
+INSERT INTO {schema}.workers (id, host, pid, subscriptions, serves_metrics)
+VALUES (%(id)s, %(host)s, %(pid)s, %(names)s, %(serves_metrics)s)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()
 
 -- name: prune_workers
