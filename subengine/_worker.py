@@ -10,6 +10,7 @@ from the position row lock and compare-and-set in every batch (invariants 3 and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -105,13 +106,38 @@ class _Held:
         self._lock: Any = None
 
     def take(self, key: tuple[str, int], lock: Any) -> None:
-        self.release()
-        self.key, self._lock, self.has_work = key, lock, True
+        old, self._lock = self._lock, lock
+        self.key, self.has_work = key, True
+        if old is not None:
+            _release(old)
 
     def release(self) -> None:
         if self._lock is not None:
             lock, self._lock, self.key = self._lock, None, None
-            lock.release()
+            _release(lock)
+
+    def alive(self) -> bool:
+        """Whether the lock's connection still answers: a connection the server ended
+        took the lock with it, and another worker may hold it now."""
+        try:
+            with self._lock.conn.begin():
+                self._lock.conn.exec_driver_sql("SELECT 1")
+        except Exception:
+            return False
+        return True
+
+
+def _release(lock: Any) -> None:
+    """Release a partition lock; if its connection is gone, so is the lock already."""
+    try:
+        lock.release()
+    except Exception as error:
+        log.info("a partition lock's connection was gone (%s); so is the lock", error_text(error))
+        conn, lock.conn = lock.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.invalidate()
+                conn.close()
 
 
 class _Backoff:
@@ -376,6 +402,8 @@ class Worker:
         """The first candidate this slot holds or can lock, skipping partitions that wait
         out a database error; else the held partition if it still has work (older ones
         are all held by others); else None, with nothing held."""
+        if held.key is not None and not held.alive():
+            held.release()
         for candidate in candidates:
             if self._backoff.waiting(candidate.key):
                 continue

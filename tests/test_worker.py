@@ -555,3 +555,50 @@ def test_the_listener_survives_a_notification_it_cannot_parse(dsn, sql, caplog):
     assert any(
         "the listening connection failed (RecursionError" in r.getMessage() for r in caplog.records
     )
+
+
+def slow_backlog(engine, sql, events=400):
+    """One partition with a backlog that takes a few seconds, and an app handling it."""
+    engine.create_stream("single", partitions=1)
+    engine.append("single", [NewEvent("k", "T", {}) for _ in range(events)])
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single", batch_size=5)
+
+    @sub.handler()
+    def handle(event, conn):
+        conn.execute("SELECT pg_sleep(0.005)")
+        record(event, conn)
+
+    return app
+
+
+def lock_holders(sql):
+    return {
+        pid
+        for (pid,) in sql.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        ).fetchall()
+    }
+
+
+def test_a_worker_whose_connections_are_all_ended_goes_on(fast_engine, sql):
+    app = slow_backlog(fast_engine, sql)
+    with Running(app, fast_engine):
+        wait_for(lambda: lock_holders(sql) and 20 < count(sql) < 200)
+        sql.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name LIKE 'subengine worker %'"
+        )
+        wait_for(lambda: count(sql) == 400)
+    assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 400
+
+
+def test_a_held_lock_whose_connection_ended_is_taken_again(fast_engine, sql):
+    # the slot keeps a partition's lock between batches; when the lock's connection ends,
+    # the lock is gone (another worker could take the partition): the slot must notice
+    app = slow_backlog(fast_engine, sql)
+    with Running(app, fast_engine):
+        wait_for(lambda: lock_holders(sql) and 20 < count(sql) < 200)
+        [holder] = lock_holders(sql)
+        sql.execute("SELECT pg_terminate_backend(%s)", (holder,))
+        wait_for(lambda: lock_holders(sql) - {holder} and count(sql) < 400)
