@@ -336,7 +336,8 @@ def _next_batch(
     partition: int,
     size: int | None,
 ) -> _Batch | None:
-    """Lock the position row and read the events after it; None if the partition stopped.
+    """Lock the position row and read the events after it; None if the partition is
+    stopped or the subscription paused.
 
     Positions are dense and commit in order (invariant 1), so the first event after the
     position is position + 1, and the head's events are all committed: a batch that finds

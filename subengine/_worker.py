@@ -400,8 +400,8 @@ class Worker:
 
     def _choose(self, candidates: list[_Candidate], held: _Held) -> tuple[str, int] | None:
         """The first candidate this slot holds or can lock, skipping partitions that wait
-        out a database error; else the held partition if it still has work (older ones
-        are all held by others); else None, with nothing held."""
+        out a database error; else the held partition if it still has work and the look
+        was cut short (older ones are all held by others); else None, with nothing held."""
         if held.key is not None and not held.alive():
             held.release()
         for candidate in candidates:
@@ -415,7 +415,15 @@ class Worker:
                 return candidate.key
             lock.conn.close()  # pals keeps the connection of a failed try: give it back
             lock.conn = None
-        if held.key is not None and held.has_work and not self._backoff.waiting(held.key):
+        # The held partition is not among the candidates: it has no work, or the look's
+        # LIMIT left it out behind older partitions that other slots hold.
+        cut_off = len(candidates) == self.concurrency * _CANDIDATES_PER_SLOT
+        if (
+            held.key is not None
+            and held.has_work
+            and cut_off
+            and not self._backoff.waiting(held.key)
+        ):
             return held.key
         held.release()
         return None

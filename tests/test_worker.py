@@ -602,3 +602,17 @@ def test_a_held_lock_whose_connection_ended_is_taken_again(fast_engine, sql):
         [holder] = lock_holders(sql)
         sql.execute("SELECT pg_terminate_backend(%s)", (holder,))
         wait_for(lambda: lock_holders(sql) - {holder} and count(sql) < 400)
+
+
+def test_a_pause_stops_a_partition_the_slot_holds(fast_engine, sql):
+    app = slow_backlog(fast_engine, sql)
+    with Running(app, fast_engine):
+        wait_for(lambda: 20 < count(sql) < 200)
+        fast_engine.pause_subscription("billing")
+        # the batch in flight may finish; then nothing moves, over several polls
+        wait_for(lambda: lock_holders(sql) == set())
+        paused_at = count(sql)
+        time.sleep(1)
+        assert count(sql) == paused_at < 400
+        fast_engine.resume_subscription("billing")
+        wait_for(lambda: count(sql) == 400)

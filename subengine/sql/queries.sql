@@ -143,8 +143,8 @@ RETURNING stream, generation
 -- name: lock_position
 -- A subscription's position in one partition, locked until the transaction ends, with the
 -- partition's head (events up to it are committed: a batch that finds fewer is missing
--- some).
-SELECT sp.position, sp.generation, sp.stopped, sp.attempts, p.head
+-- some). A paused subscription counts as stopped.
+SELECT sp.position, sp.generation, sp.stopped OR s.paused, sp.attempts, p.head
   FROM {schema}.subscription_positions sp
   JOIN {schema}.subscriptions s ON s.name = sp.subscription
   JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
