@@ -280,17 +280,20 @@ def _transactional_batch(
     size: int | None,
 ) -> BatchOutcome | None:
     batch: _Batch | None = None
+    handled = False
     outcome: BatchOutcome | None = None
     try:
         with conn.transaction():
             batch = _next_batch(conn, schema, subscription, partition, size)
             if batch is not None and batch.missing is None:
                 _run_handlers(subscription, batch, conn)
+                handled = True
                 outcome = _commit_position(conn, schema, subscription, batch)
     except psycopg.Error as error:
-        # With the position moved, only the COMMIT remained: an error there that is not
-        # the database's own trouble came from what the handlers wrote.
-        if batch is not None and outcome is not None and not database_trouble(error):
+        # Once the handlers have run, an error that is not the database's own trouble
+        # comes from what they did: a write that breaks a deferred constraint at COMMIT,
+        # or an error they caught, which left the transaction aborted.
+        if batch is not None and handled and not database_trouble(error):
             raise _failed(error, batch) from error
         raise
     if batch is not None and batch.missing is not None:
@@ -304,13 +307,19 @@ def _run_handlers(
     try:
         subscription.handle(batch.events, conn)
     except Exception as error:
+        if database_trouble(error):
+            raise  # a database error is never the events' failure (invariant 8)
         raise _failed(error, batch) from error
 
 
 def database_trouble(error: BaseException) -> bool:
-    """Whether a database error is the database's trouble (a lost connection, a timeout,
-    a cancelled query, a serialization failure or deadlock, a shutdown, a lack of
-    resources), which a retry may cure and which says nothing about the events."""
+    """Whether an error is the database's trouble (a lost connection, a timeout, a
+    cancelled query, a serialization failure or deadlock, a shutdown, a lack of
+    resources), which a retry may cure and which says nothing about the events. Also
+    for SQLAlchemy's wrappers of such errors, which handlers may raise."""
+    original = getattr(error, "orig", None)
+    if isinstance(original, psycopg.Error):
+        error = original
     return isinstance(error, psycopg.OperationalError | psycopg.InterfaceError)
 
 

@@ -445,12 +445,11 @@ class Worker:
         without counting an attempt; only a lost connection leaves the turn.
         """
         key = (subscription.name, partition)
-        one_by_one_through = 0  # the last position of a failed batch of several events
+        split: BatchFailed | None = None  # a failed batch of several events, handled singly
         while not stop.is_set():
             started = time.monotonic()
-            size = 1 if one_by_one_through else None
             try:
-                outcome = self._batch(conn, subscription, partition, size)
+                outcome = self._batch(conn, subscription, partition, 1 if split else None)
             except Exception as error:
                 if conn.broken or conn.closed:
                     raise _ConnectionLost(f"the worker's connection broke: {error}") from error
@@ -460,11 +459,13 @@ class Worker:
             if outcome is None:
                 return None
             if isinstance(outcome, BatchFailed):
-                one_by_one_through = outcome.last_position
+                split = outcome
                 continue
             if outcome.handled > 0:
                 self._batch_committed(subscription, outcome, time.monotonic() - started)
-            if one_by_one_through and outcome.position < one_by_one_through:
+            # one at a time only through the failed batch's events: a reset that moved
+            # the position elsewhere meanwhile ends it
+            if split is not None and split.position < outcome.position < split.last_position:
                 continue
             return outcome.next_time
         return None

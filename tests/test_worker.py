@@ -616,3 +616,99 @@ def test_a_pause_stops_a_partition_the_slot_holds(fast_engine, sql):
         assert count(sql) == paused_at < 400
         fast_engine.resume_subscription("billing")
         wait_for(lambda: count(sql) == 400)
+
+
+def test_a_handler_that_swallows_a_database_error_fails_its_batch(fast_engine, sql):
+    # The handler catches its statement's error, so the batch's transaction is aborted
+    # and moving the position fails: that failure is the handlers' doing, and counts.
+    # The poison is the batch's last event, so no later statement of the handlers meets
+    # the aborted transaction first.
+    fast_engine.create_stream("single", partitions=1)
+    stored = fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(4)])
+    poison = stored[3]
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single", max_attempts=1, on_error="stop")
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.id == poison.id:
+            try:
+                conn.execute("SELECT 1 / 0")
+            except psycopg.errors.DivisionByZero:
+                return  # the transaction is aborted all the same
+        record(event, conn)
+
+    fast_engine.ensure_subscription(sub)
+    with Running(app, fast_engine):
+        wait_for(lambda: fast_engine.subscription_positions("billing")[0].stopped)
+    [row] = fast_engine.subscription_positions("billing")
+    assert row.position == poison.position - 1
+    assert "InFailedSqlTransaction" in row.last_error
+    assert count(sql) == poison.position - 1
+
+
+def test_a_database_error_raised_by_a_handler_is_not_counted_either(fast_engine, sql):
+    # the handler's own statement times out twice (a lock held elsewhere, say), then works
+    fast_engine.create_stream("single", partitions=1)
+    stored = fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(6)])
+    timeouts = []
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single", max_attempts=1, on_error="stop")
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.id == stored[3].id and len(timeouts) < 2:
+            timeouts.append(event.id)
+            conn.execute("SET LOCAL statement_timeout = 10")
+            conn.execute("SELECT pg_sleep(1)")
+        record(event, conn)
+
+    with Running(app, fast_engine):
+        wait_for(lambda: count(sql) == len(stored))
+    [row] = fast_engine.subscription_positions("billing")
+    assert (row.position, row.stopped, row.attempts, row.last_error) == (6, False, 0, None)
+    assert len(timeouts) == 2
+
+
+def test_a_reset_during_a_split_ends_the_split(fast_engine, sql, dsn):
+    # The batch of positions 401..450 fails once; while it runs, a reset to the beginning
+    # waits for its row lock. The split that follows must not replay the whole stream one
+    # event per transaction.
+    fast_engine.create_stream("single", partitions=1)
+    fast_engine.append("single", [NewEvent("k", "T", {}) for _ in range(500)])
+    sizes, resets = [], []
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single", batch_size=50)
+
+    def reset():
+        with subengine.Engine(dsn) as other:
+            other.reset_subscription("billing", "beginning")
+
+    @sub.batch_handler()
+    def handle(events, conn):
+        sizes.append(len(events))
+        if events[-1].position == 450 and not resets:
+            resets.append(threading.Thread(target=reset))
+            resets[0].start()
+            with psycopg.connect(dsn, autocommit=True) as watcher:
+                wait_for(
+                    lambda: (
+                        watcher.execute(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        ).fetchone()[0]
+                        == 1
+                    )
+                )
+            raise ValueError("once")
+
+    fast_engine.ensure_subscription(sub)
+    with Running(app, fast_engine):
+        wait_for(
+            lambda: (
+                resets
+                and fast_engine.subscription_positions("billing")[0].position == 500
+                and fast_engine.subscription_positions("billing")[0].generation == 2
+            )
+        )
+        resets[0].join()
+    assert sizes.count(1) <= 1, sizes
