@@ -187,6 +187,11 @@ def _check_runnable(function: object, arguments: str, owner: str) -> None:
             "synchronously in the batch's transaction, so it would never run: make it a "
             "plain def"
         )
+    if inspect.isgeneratorfunction(function):
+        raise InvalidInput(
+            f"{owner}: handler {name} is a generator function (it yields), so calling it "
+            "would never run its body: make it a plain def that returns"
+        )
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # some builtins have none to read: trust them
@@ -209,15 +214,16 @@ def _is_async(function: object) -> bool:
 
 
 def _returned(function: object, value: object) -> None:
-    """A handler that returned an awaitable did not do its work: fail the batch."""
-    if inspect.isawaitable(value):
+    """A handler that returned an awaitable or a generator did not do its work: fail the
+    batch."""
+    if inspect.isawaitable(value) or inspect.isgenerator(value):
         close = getattr(value, "close", None)
         if close is not None:
             close()  # no "never awaited" warning: the error says it
         name = getattr(function, "__qualname__", None) or repr(function)
         raise InvalidInput(
-            f"handler {name} returned an awaitable instead of doing its work; the worker "
-            "runs handlers synchronously"
+            f"handler {name} returned {type(value).__name__} instead of doing its work; "
+            "the worker runs handlers synchronously"
         )
 
 

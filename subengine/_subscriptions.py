@@ -151,10 +151,10 @@ def delete_subscription(
                     f"subscription {name!r} is run by connected workers ({pids}); stop "
                     "them first, or delete it anyway with --force (force=True)"
                 )
-        deleted = conn.execute(query(schema, "delete_subscription"), {"name": name}).fetchone()
-        if deleted is None:  # cannot happen: the row is locked by this transaction
-            raise SubscriptionNotFound(f"no subscription named {name!r}")
-        return Deleted(name, *deleted)
+        partitions = conn.execute(query(schema, "delete_positions"), {"name": name}).rowcount
+        letters = conn.execute(query(schema, "delete_dead_letters"), {"name": name}).rowcount
+        conn.execute(query(schema, "delete_subscription"), {"name": name})
+        return Deleted(name, str(row[1]), partitions, letters)
 
 
 def _write_positions(
@@ -355,12 +355,13 @@ def _next_batch(
     never skips them.
     """
     locked = conn.execute(
-        query(schema, "lock_position"), {"name": subscription.name, "partition": partition}
+        query(schema, "lock_position"),
+        {"name": subscription.name, "partition": partition, "stream": subscription.stream},
     ).fetchone()
     if locked is None:
         raise SubscriptionNotFound(
-            f"subscription {subscription.name!r} is not stored (deleted?) or has no "
-            f"partition {partition}"
+            f"subscription {subscription.name!r} is not stored for stream "
+            f"{subscription.stream!r} (deleted?), or has no partition {partition}"
         )
     old, generation, stopped, attempts, head = locked
     if stopped:
@@ -426,6 +427,10 @@ def stop_partition(
     return stopped.rowcount == 1
 
 
+class _EventGone(Exception):
+    """The failing event is no longer stored: nothing to dead-letter."""
+
+
 def error_text(error: BaseException) -> str:
     """An exception as stored in last_error and dead_letters.error."""
     return f"{type(error).__name__}: {error}"[:_MAX_ERROR_LENGTH]
@@ -488,18 +493,24 @@ def record_failure(
             return Failure(attempts, "stopped")
         # dead_letter: the event after the position is the failing one
         failing = failed.position + 1
-        conn.execute(query(schema, "supersede_dead_letters"), {**where, "position": failing})
-        recorded = conn.execute(
-            query(schema, "dead_letter"),
-            {
-                **where,
-                "stream": subscription.stream,
-                "position": failing,
-                "error": text,
-                "attempts": attempts,
-            },
-        ).fetchone()
-        if recorded is None:
+        try:
+            with conn.transaction():  # the older open dead letter stays open if none follows
+                conn.execute(
+                    query(schema, "supersede_dead_letters"), {**where, "position": failing}
+                )
+                recorded = conn.execute(
+                    query(schema, "dead_letter"),
+                    {
+                        **where,
+                        "stream": subscription.stream,
+                        "position": failing,
+                        "error": text,
+                        "attempts": attempts,
+                    },
+                ).fetchone()
+                if recorded is None:
+                    raise _EventGone
+        except _EventGone:
             missing = PositionsMissing(
                 subscription.name, subscription.stream, partition, failing, failing
             )

@@ -214,6 +214,8 @@ class Worker:
         self.application_name = f"subengine worker {self.id}"
         self._locker: Any = None
         self._backoff = _Backoff(self.settings)
+        # subscriptions deleted while the worker runs: it leaves them alone
+        self._left: set[str] = set()
         # set by a slot that gave up on the database; run() raises it
         self.fatal: Exception | None = None
 
@@ -391,9 +393,10 @@ class Worker:
                     break
 
     def _candidates(self, conn: psycopg.Connection[Any]) -> list[_Candidate]:
+        names = [name for name in self.subscriptions if name not in self._left]
         rows = conn.execute(
             query(self.schema, "partitions_with_work"),
-            {"names": list(self.subscriptions), "limit": self.concurrency * _CANDIDATES_PER_SLOT},
+            {"names": names, "limit": self.concurrency * _CANDIDATES_PER_SLOT},
         ).fetchall()
         conn.commit()
         return [_Candidate((name, partition), next_time) for name, partition, next_time in rows]
@@ -485,13 +488,15 @@ class Worker:
             log.info("%s", fenced, extra=self._fields(subscription=subscription.name))
             return None
         except SubscriptionNotFound as gone:
-            # deleted while the worker runs (`subscription delete --force`): its partitions
-            # are no longer candidates, so this is said once per partition in flight
-            log.warning(
-                "%s; this worker leaves it alone until restarted",
-                gone,
-                extra=self._fields(subscription=subscription.name, partition=partition),
-            )
+            # deleted while the worker runs (`subscription delete --force`), and perhaps
+            # declared anew by another app: this worker's declaration is no longer it
+            if subscription.name not in self._left:
+                self._left.add(subscription.name)
+                log.warning(
+                    "%s; this worker leaves it alone until restarted",
+                    gone,
+                    extra=self._fields(subscription=subscription.name, partition=partition),
+                )
             return None
         except PositionsMissing as missing:
             self.metrics.batch_failed(subscription.name, False)
@@ -666,6 +671,8 @@ class Worker:
         while not stop.wait(self.settings.heartbeat_interval):
             try:
                 with self.engine.connection() as conn:
+                    if stop.is_set():  # never register again once the worker is stopping
+                        return
                     conn.execute(query(self.schema, "heartbeat"), self._registration())
             except Exception as error:  # the heartbeat is for inspection only: never fatal
                 log.warning("heartbeat failed: %s", error, extra=self._fields())

@@ -188,12 +188,37 @@ def test_handlers_that_take_event_and_conn_are_accepted(function):
     assert sub.handlers == {"OrderPlaced": function}
 
 
+def generator_handler(event, conn):
+    record(event, conn)
+    yield
+
+
+def test_a_generator_handler_is_refused_when_registered():
+    sub = subengine.App().subscription("billing", stream="orders")
+    with pytest.raises(subengine.InvalidInput, match="is a generator function"):
+        sub.handler()(generator_handler)
+    with pytest.raises(subengine.InvalidInput, match="is a generator function"):
+        sub.batch_handler()(generator_handler)
+    assert (sub.handlers, sub.catch_all, sub.batch) == ({}, None, None)
+
+
+def test_a_handler_that_returns_a_generator_fails_its_batch(engine, projections):
+    one_partition_stream(engine, events=3)
+    sub = subengine.App().subscription("billing", stream="orders")
+    sub.handler()(lambda event, conn: generator_handler(event, conn))
+    engine.ensure_subscription(sub)
+    with pytest.raises(subengine.InvalidInput, match="returned generator instead of doing its"):
+        engine.process_batch(sub, 0)
+    assert engine.subscription_positions("billing")[0].position == 0
+    assert effects(projections) == []
+
+
 def test_a_handler_that_returns_an_awaitable_fails_its_batch(engine, projections):
     one_partition_stream(engine, events=3)
     sub = subengine.App().subscription("billing", stream="orders")
     sub.handler()(lambda event, conn: async_handler(event, conn))  # a coroutine, unawaited
     engine.ensure_subscription(sub)
-    with pytest.raises(subengine.InvalidInput, match="returned an awaitable"):
+    with pytest.raises(subengine.InvalidInput, match="returned coroutine instead of doing its"):
         engine.process_batch(sub, 0)
     assert engine.subscription_positions("billing")[0].position == 0
 

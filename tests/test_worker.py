@@ -712,3 +712,79 @@ def test_a_reset_during_a_split_ends_the_split(fast_engine, sql, dsn):
         )
         resets[0].join()
     assert sizes.count(1) <= 1, sizes
+
+
+def deadlocks(sql):
+    return sql.execute(
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+    ).fetchone()[0]
+
+
+def test_a_forced_delete_while_a_dead_letter_is_recorded_does_not_deadlock(fast_engine, sql):
+    # The dead letter's insert is slowed down by a trigger; the delete comes in meanwhile
+    # and must wait for it, not deadlock with it.
+    sql.execute(
+        "CREATE FUNCTION slowly() RETURNS trigger LANGUAGE plpgsql"
+        " AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$;"
+        " CREATE TRIGGER slowly BEFORE INSERT ON subengine.dead_letters"
+        " FOR EACH ROW EXECUTE FUNCTION slowly()"
+    )
+    poison = fast_engine.append("orders", [NewEvent("k", "T", {})])[0]
+    app = poisoned_app("orders", poison, max_attempts=1, on_error="dead_letter")
+    before = deadlocks(sql)
+    with Running(app, fast_engine):
+        sleeping = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'"
+        wait_for(lambda: sql.execute(sleeping).fetchone()[0] == 1)
+        deleted = fast_engine.delete_subscription("billing", force=True)
+    assert (deleted.partitions, deleted.dead_letters) == (4, 1)
+    assert deadlocks(sql) == before
+    assert count(sql, "subengine.subscriptions") == 0
+
+
+def test_an_event_gone_on_replay_leaves_its_older_dead_letter_open(fast_engine, sql, dsn):
+    fast_engine.create_stream("single", partitions=1)
+    stored = fast_engine.append("single", [NewEvent("k", "T", {}) for _ in range(3)])
+    poison = stored[1]
+    replays = []
+    app = subengine.App()
+    # batches of one event: the failing one is recorded at once, without a split (whose
+    # next read would find the gap itself)
+    sub = app.subscription(
+        "billing", stream="single", max_attempts=1, on_error="dead_letter", batch_size=1
+    )
+
+    @sub.handler()
+    def handle(event, conn):
+        if event.id == poison.id:
+            if fast_engine.subscription_positions("billing")[0].generation == 2:
+                replays.append(event.id)  # on the replay, the event goes before it fails
+                with psycopg.connect(dsn, autocommit=True) as other:
+                    other.execute("DELETE FROM subengine.events WHERE id = %s", (poison.id,))
+            raise ValueError("poison")
+        record(event, conn)
+
+    with Running(app, fast_engine):
+        wait_for(lambda: count(sql, "subengine.dead_letters") == 1 and count(sql) == 2)
+        fast_engine.reset_subscription("billing", "beginning")
+        wait_for(lambda: fast_engine.subscription_positions("billing")[0].stopped)
+    letters = sql.execute(
+        "SELECT position, generation, resolution FROM subengine.dead_letters"
+    ).fetchall()
+    assert letters == [(poison.position, 1, None)]
+    assert replays == [poison.id]
+
+
+def test_a_subscription_declared_anew_on_another_stream_is_left_alone(fast_engine, sql):
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(record)
+    fast_engine.create_stream("other", partitions=2)
+    with Running(app, fast_engine):
+        fast_engine.append("orders", [NewEvent("k", "T", {})])
+        wait_for(lambda: count(sql) == 1)
+        fast_engine.delete_subscription("billing", force=True)
+        fast_engine.ensure_subscription(subengine.Subscription("billing", "other"))
+        fast_engine.append("other", [NewEvent(f"k{n}", "T", {}) for n in range(6)])
+        fast_engine.append("orders", [NewEvent("k", "T", {})])
+        time.sleep(1)  # several polls and notifications
+    assert count(sql) == 1  # this worker's billing is the one on 'orders', deleted
+    assert [p.position for p in fast_engine.subscription_positions("billing")] == [0, 0]

@@ -104,8 +104,10 @@ ON CONFLICT (subscription, partition) DO UPDATE
 RETURNING sp.partition, sp.position
 
 -- name: lock_subscription
--- A stored subscription, locked until the transaction ends.
-SELECT name, stream FROM {schema}.subscriptions WHERE name = %(name)s FOR UPDATE
+-- A stored subscription, locked until the transaction ends against resets and other
+-- deletes; in a mode that still lets a failing batch record its dead letter (whose
+-- foreign key takes a KEY SHARE lock on the row), so the two never deadlock.
+SELECT name, stream FROM {schema}.subscriptions WHERE name = %(name)s FOR NO KEY UPDATE
 
 -- name: workers_running
 -- The connected workers that run a subscription (from their registration, and the
@@ -119,19 +121,16 @@ SELECT w.host, w.pid
                       AND h.lock_class = {schema}.lock_class(%(name)s)))
  ORDER BY w.started_at
 
+-- name: delete_positions
+-- A subscription's positions, first: this waits for its batches in flight (they hold
+-- their position rows) before the subscription's row is locked for the delete.
+DELETE FROM {schema}.subscription_positions WHERE subscription = %(name)s
+
+-- name: delete_dead_letters
+DELETE FROM {schema}.dead_letters WHERE subscription = %(name)s
+
 -- name: delete_subscription
--- Delete a subscription; its positions and dead letters go with it (ON DELETE CASCADE).
--- Returns its stream and how many positions and dead letters went.
-WITH counts AS (
-    SELECT (SELECT count(*) FROM {schema}.subscription_positions
-             WHERE subscription = %(name)s) AS partitions,
-           (SELECT count(*) FROM {schema}.dead_letters
-             WHERE subscription = %(name)s) AS dead_letters
-)
-DELETE FROM {schema}.subscriptions s
- USING counts
- WHERE s.name = %(name)s
-RETURNING s.stream, counts.partitions, counts.dead_letters
+DELETE FROM {schema}.subscriptions WHERE name = %(name)s RETURNING stream
 
 -- name: bump_generation
 -- Start a new generation of a subscription (reset): every compare-and-set of the old one
@@ -143,12 +142,14 @@ RETURNING stream, generation
 -- name: lock_position
 -- A subscription's position in one partition, locked until the transaction ends, with the
 -- partition's head (events up to it are committed: a batch that finds fewer is missing
--- some). A paused subscription counts as stopped.
+-- some). A paused subscription counts as stopped. Nothing when the subscription is not
+-- stored for this stream (deleted, perhaps declared anew on another).
 SELECT sp.position, sp.generation, sp.stopped OR s.paused, sp.attempts, p.head
   FROM {schema}.subscription_positions sp
   JOIN {schema}.subscriptions s ON s.name = sp.subscription
   JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
  WHERE sp.subscription = %(name)s AND sp.partition = %(partition)s
+   AND s.stream = %(stream)s
    FOR UPDATE OF sp
 
 -- name: commit_position
