@@ -185,9 +185,11 @@ LONG_WAIT = "600"  # seconds: a command that waited for it would outlast the tes
 
 
 def test_an_unknown_database_fails_at_once_with_one_line(dsn, cli_env):
+    # the server's own credentials: a server that checks passwords (as CI's PostgreSQL 15
+    # does) refuses a made-up one before it says that the database is unknown
     env = dict(
         cli_env,
-        SUBENGINE_DSN=with_password(dsn, dbname="no_such_database"),
+        SUBENGINE_DSN=make_conninfo(dsn, dbname="no_such_database"),
         SUBENGINE_CONNECT_TIMEOUT=LONG_WAIT,
     )
     result = run_subengine(env, "stream", "list", timeout=60)
@@ -195,7 +197,8 @@ def test_an_unknown_database_fails_at_once_with_one_line(dsn, cli_env):
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("error: cannot connect to PostgreSQL: ")
     assert 'database "no_such_database" does not exist' in line
-    assert_no_password(line)
+    password = conninfo_to_dict(dsn).get("password")
+    assert not password or password not in line
 
 
 def test_an_unknown_host_name_fails_at_once(cli_env):
@@ -215,8 +218,12 @@ def test_a_wrong_dsn_fails_at_once_in_python_too(dsn):
     settings = subengine.Settings(
         dsn=with_password(dsn, user="no_such_role"), connect_timeout=float(LONG_WAIT)
     )
+    # a server that checks passwords says so rather than whether the role exists
+    unknown = (
+        'role "no_such_role" does not exist|password authentication failed for user "no_such_role"'
+    )
     with subengine.Engine(settings=settings) as engine:
-        with pytest.raises(subengine.ConfigurationError, match='role "no_such_role"'):
+        with pytest.raises(subengine.ConfigurationError, match=unknown):
             engine.append("orders", [NewEvent("k", "T", {})])
 
 
