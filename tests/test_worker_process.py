@@ -355,9 +355,10 @@ def test_a_worker_that_loses_a_connection_mid_batch_never_duplicates(
     wait_for(lambda: marks(app_env), what="a batch to start")
     target = (
         "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
         if terminated == "lock"
         else "SELECT pid FROM pg_stat_activity WHERE query LIKE '%pg_sleep%'"
-        " AND pid <> pg_backend_pid()"
+        " AND pid <> pg_backend_pid() AND datname = current_database()"
     )
     [(pid,)] = sql.execute(target).fetchall()
     sql.execute("SELECT pg_terminate_backend(%s)", (pid,))
