@@ -84,7 +84,7 @@ events after 200 warm-up events (50 with `--quick`).
 
 Idle cost. One worker process (concurrency 1) on a subscription with nothing to do. The
 worker process records the time of every statement it sends through a psycopg cursor
-(its own queries and pals' lock queries alike; BEGIN and COMMIT are not statements), and
+(its queries and its partition locks alike; BEGIN and COMMIT are not statements), and
 the figure is the statements per second after its first seconds of start-up: that is the
 one the goal judges. As a cross-check from the server's side, the script counts the
 database's transactions during a short and a long run of the worker and divides the
@@ -498,8 +498,8 @@ class WorkerJob:
 def count_statements(times: list[float]) -> None:
     """Record when this process sends each statement through a psycopg cursor.
 
-    Every query of the worker goes through `Cursor.execute` or `executemany`, its own and
-    SQLAlchemy's (pals) alike; BEGIN and COMMIT do not, so these are statements proper.
+    Every query of the worker goes through `Cursor.execute` or `executemany`, its locks'
+    included; BEGIN and COMMIT do not, so these are statements proper.
     """
     for method in ("execute", "executemany"):
         original = getattr(psycopg.Cursor, method)

@@ -1,8 +1,9 @@
 """The worker: competing consumers of subscriptions (DESIGN.md, Consume flow).
 
 Each of `concurrency` slots loops: find partitions with work, oldest next event first;
-try the partition's advisory lock (pals, on its own autocommit engine); handle batches
-while the partition has work; release; wait for a notification or the poll timer. A
+take the first one whose advisory lock it gets (on a lock connection of the slot's own);
+handle one batch; go on with the oldest of the partitions it found, switching locks, and
+look again after a notification or a poll interval; wait when there is nothing to do. A
 listener thread turns notifications into wake-ups and reconnects when its connection
 drops. Locks only keep workers from wasting effort on one partition: correctness comes
 from the position row lock and compare-and-set in every batch (invariants 3 and 5).
@@ -10,6 +11,7 @@ from the position row lock and compare-and-set in every batch (invariants 3 and 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -20,7 +22,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -95,49 +97,84 @@ class _Candidate:
     key: tuple[str, int]
     next_time: datetime | None
 
+    def order(self) -> tuple[bool, datetime | None]:
+        """Oldest first, unknown times last (as the look orders them)."""
+        return (self.next_time is None, self.next_time)
+
 
 class _Held:
-    """The partition lock a slot holds between batches, and whether that partition had
-    work left after the last one."""
+    """A slot's partition lock: the one it holds between batches (and whether that
+    partition had work left after the last one), on a lock connection of the slot's own.
 
-    def __init__(self) -> None:
+    Invariant 7 makes a slot switch partitions after a batch whenever an older event
+    waits elsewhere, so a switch must be cheap: one statement takes the new lock and
+    releases the old one. The connection is in autocommit mode, so it never sits idle in
+    a transaction; its locks are session locks, gone if it ends.
+    """
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], schema: str) -> None:
+        self._connect = connect
+        self._schema = schema
+        self._conn: psycopg.Connection[Any] | None = None
         self.key: tuple[str, int] | None = None
         self.has_work = False
-        self._lock: Any = None
+        self._lock_key: int | None = None
 
-    def take(self, key: tuple[str, int], lock: Any) -> None:
-        old, self._lock = self._lock, lock
-        self.key, self.has_work = key, True
-        if old is not None:
-            _release(old)
+    def try_lock(self, key: tuple[str, int], lock_key: int) -> bool:
+        """Take the lock of `key` (keyed `lock_key`) and hold it instead of the one held."""
+        for attempt in (1, 2):
+            if self._conn is None or self._conn.closed:
+                self.close()
+                self._conn = self._connect()
+            try:
+                row = self._conn.execute(
+                    query(self._schema, "lock_partition"),
+                    {"key": lock_key, "held": self._lock_key},
+                ).fetchone()
+                break
+            except psycopg.OperationalError:
+                # the connection ended, and the held lock with it: once more on a new one
+                self.close()
+                if attempt == 2:
+                    raise
+        if row is None or not row[0]:
+            return False
+        self.key, self._lock_key, self.has_work = key, lock_key, True
+        return True
 
     def release(self) -> None:
-        if self._lock is not None:
-            lock, self._lock, self.key = self._lock, None, None
-            _release(lock)
+        if self._lock_key is None:
+            return
+        lock_key = self._lock_key
+        self._forget()
+        try:
+            if self._conn is not None:
+                self._conn.execute(query(self._schema, "unlock_partition"), {"key": lock_key})
+        except psycopg.Error as error:  # the connection is gone, and the lock with it
+            log.info("a partition lock's connection was gone (%s); so is the lock", error)
+            self.close()
 
     def alive(self) -> bool:
         """Whether the lock's connection still answers: a connection the server ended
         took the lock with it, and another worker may hold it now."""
         try:
-            with self._lock.conn.begin():
-                self._lock.conn.exec_driver_sql("SELECT 1")
-        except Exception:
-            return False
-        return True
+            if self._conn is not None:
+                self._conn.execute(query(self._schema, "ping"))
+                return True
+        except psycopg.Error:
+            self.close()
+        return False
 
+    def close(self) -> None:
+        """Forget the lock and close the connection (which ends its locks)."""
+        self._forget()
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+            self._conn = None
 
-def _release(lock: Any) -> None:
-    """Release a partition lock; if its connection is gone, so is the lock already."""
-    try:
-        lock.release()
-    except Exception as error:
-        log.info("a partition lock's connection was gone (%s); so is the lock", error_text(error))
-        conn, lock.conn = lock.conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.invalidate()
-                conn.close()
+    def _forget(self) -> None:
+        self.key, self._lock_key = None, None
 
 
 class _Backoff:
@@ -212,7 +249,6 @@ class Worker:
         # every connection of the worker carries it: the status views find the worker's
         # connections, and the holder of each partition lock, by it
         self.application_name = f"subengine worker {self.id}"
-        self._locker: Any = None
         self._backoff = _Backoff(self.settings)
         # subscriptions deleted while the worker runs: it leaves them alone
         self._left: set[str] = set()
@@ -241,7 +277,6 @@ class Worker:
             except Exception:
                 self._unregister()
                 raise
-        self._locker = self._make_locker()
         log.info(
             "worker %s (pid %s) started: subscriptions %s, concurrency %s%s",
             self.id,
@@ -279,7 +314,6 @@ class Worker:
                 slot.join()
             for thread in threads:  # each notices `stop` soon, unless a connect hangs
                 thread.join(timeout=_RECONNECT_DELAY_SECONDS)
-            self._locker.engine.dispose()
             self._unregister()
             self.metrics.close()
         if self.fatal is not None:
@@ -301,98 +335,85 @@ class Worker:
         except psycopg.OperationalError as error:  # the row is for inspection only
             log.warning("could not unregister the worker: %s", error, extra=self._fields())
 
-    def _make_locker(self) -> Any:
-        import pals
-        from sqlalchemy import create_engine
-
-        def connect() -> psycopg.Connection[Any]:
-            return self.engine.connect(application_name=self.application_name)
-
-        def create() -> Any:
-            # pals unlocks everything on check-in; on its own autocommit engine that leaves
-            # no connection idle in a transaction (DESIGN.md, pitfalls)
-            return create_engine(
-                "postgresql+psycopg://",
-                creator=connect,
-                isolation_level="AUTOCOMMIT",
-                pool_size=self.concurrency + 1,
-                max_overflow=self.concurrency,
-            )
-
-        return pals.Locker(f"subengine.{self.schema}", create_engine_callable=create)
-
-    def _lock(self, subscription: str, partition: int) -> Any:
-        """The partition's advisory lock (pals), under the key the status view knows."""
-        from pals.core import Lock
-
-        key = lock_key(self.schema, subscription, partition)
-        return Lock(self._locker.engine, key, f"{subscription}:{partition}", blocking=False)
-
     # one slot
 
     def _slot(self, stop: threading.Event) -> None:
         outage_since: float | None = None
-        held = _Held()
-        while not stop.is_set():
-            try:
-                with self.engine.connect(application_name=self.application_name) as conn:
-                    outage_since = None
-                    self._work(conn, held, stop)
-            except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
-                now = time.monotonic()
-                outage_since = now if outage_since is None else outage_since
-                if now - outage_since >= self.settings.outage_timeout:
-                    self.fatal = DatabaseUnavailable(
-                        f"the database was unreachable for {self.settings.outage_timeout:g} s "
-                        f"(SUBENGINE_OUTAGE_TIMEOUT): {str(error).strip()}"
+        held = _Held(
+            lambda: self.engine.connect(application_name=self.application_name, autocommit=True),
+            self.schema,
+        )
+        try:
+            while not stop.is_set():
+                try:
+                    with self.engine.connect(application_name=self.application_name) as conn:
+                        outage_since = None
+                        self._work(conn, held, stop)
+                except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
+                    now = time.monotonic()
+                    outage_since = now if outage_since is None else outage_since
+                    if now - outage_since >= self.settings.outage_timeout:
+                        self.fatal = DatabaseUnavailable(
+                            f"the database was unreachable for "
+                            f"{self.settings.outage_timeout:g} s (SUBENGINE_OUTAGE_TIMEOUT): "
+                            f"{str(error).strip()}"
+                        )
+                        stop.set()
+                        return
+                    log.warning(
+                        "database connection lost: %s; reconnecting", error, extra=self._fields()
                     )
+                    stop.wait(_RECONNECT_DELAY_SECONDS)
+                except Exception as error:  # looking for work failed: not one partition's
+                    log.exception("worker slot failed; stopping the worker")
+                    self.fatal = error
                     stop.set()
                     return
-                log.warning(
-                    "database connection lost: %s; reconnecting", error, extra=self._fields()
-                )
-                stop.wait(_RECONNECT_DELAY_SECONDS)
-            except Exception as error:  # looking for work failed: not one partition's fault
-                log.exception("worker slot failed; stopping the worker")
-                self.fatal = error
-                stop.set()
-                return
-            finally:
-                held.release()
+                finally:
+                    held.release()
+        finally:
+            held.close()
 
     def _work(self, conn: psycopg.Connection[Any], held: _Held, stop: threading.Event) -> None:
-        """Look for work, take the partition whose next event is oldest and handle its
-        batches, looking again whenever the choice may have changed (invariant 7): after
-        a notification, after a poll interval, or once the partition's next event is
-        younger than another candidate's. Wait when nothing can be taken."""
+        """Look for work and handle the partition whose next event is oldest, one batch at
+        a time (invariant 7). After each batch the slot goes on with the oldest of the
+        partitions the look found, its own included; it looks again after a notification,
+        after a poll interval, or when those run out. It waits when nothing can be taken.
+        """
         while not stop.is_set():
             seen = self.wakeup.count()
-            candidates = self._candidates(conn)
-            chosen = self._choose(candidates, held)
+            queue = self._candidates(conn)
+            # a full look may have left out partitions with work: look again when the
+            # ones it found are used up
+            cut_off = len(queue) == self.concurrency * _CANDIDATES_PER_SLOT
+            looked_at = time.monotonic()
+            if held.key is not None and not held.alive():
+                held.release()
+            chosen = self._choose(queue, held)
             self.metrics.looked_for_work(chosen is not None)
             if chosen is None:
                 wait = min(self.settings.poll_interval, self._backoff.next_retry_in())
                 notified = self.wakeup.wait(seen, wait)
                 self.metrics.woke(by_notification=notified)
                 continue
-            looked_at = time.monotonic()
-            oldest_other = min(
-                (c.next_time for c in candidates if c.key != chosen and c.next_time is not None),
-                default=None,
-            )
-            name, partition = chosen
-            while not stop.is_set():
+            while chosen is not None and not stop.is_set():
+                name, partition = chosen
                 next_time = self._take_turn(conn, self.subscriptions[name], partition, stop)
                 held.has_work = next_time is not None
                 if (
                     next_time is None
+                    or (cut_off and not queue)
                     or self.wakeup.count() != seen
                     or time.monotonic() - looked_at >= self.settings.poll_interval
-                    or (oldest_other is not None and oldest_other < next_time)
                 ):
-                    break
+                    break  # look again
+                if queue and queue[0].next_time is not None and queue[0].next_time < next_time:
+                    # an older event waits elsewhere: go there, and come back in its turn
+                    bisect.insort(queue, _Candidate(chosen, next_time), key=_Candidate.order)
+                    chosen = self._choose(queue, held)
 
     def _candidates(self, conn: psycopg.Connection[Any]) -> list[_Candidate]:
+        """The partitions with work, oldest next event first (at most a few per slot)."""
         names = [name for name in self.subscriptions if name not in self._left]
         rows = conn.execute(
             query(self.schema, "partitions_with_work"),
@@ -401,26 +422,21 @@ class Worker:
         conn.commit()
         return [_Candidate((name, partition), next_time) for name, partition, next_time in rows]
 
-    def _choose(self, candidates: list[_Candidate], held: _Held) -> tuple[str, int] | None:
-        """The first candidate this slot holds or can lock, skipping partitions that wait
-        out a database error; else the held partition if it still has work and the look
-        was cut short (older ones are all held by others); else None, with nothing held."""
-        if held.key is not None and not held.alive():
-            held.release()
-        for candidate in candidates:
+    def _choose(self, queue: list[_Candidate], held: _Held) -> tuple[str, int] | None:
+        """Take candidates off the front of `queue` until one is the held partition or can
+        be locked, skipping partitions that wait out a database error (the ones others
+        hold leave the queue: their holders serve them). Else the held partition if it
+        still has work and the look was cut short (older ones are all held by others);
+        else None, with nothing held."""
+        cut_off = len(queue) == self.concurrency * _CANDIDATES_PER_SLOT
+        while queue:
+            candidate = queue.pop(0)
             if self._backoff.waiting(candidate.key):
                 continue
             if candidate.key == held.key:
                 return held.key
-            lock = self._lock(*candidate.key)
-            if lock.acquire():
-                held.take(candidate.key, lock)
+            if held.try_lock(candidate.key, lock_key(self.schema, *candidate.key)):
                 return candidate.key
-            lock.conn.close()  # pals keeps the connection of a failed try: give it back
-            lock.conn = None
-        # The held partition is not among the candidates: it has no work, or the look's
-        # LIMIT left it out behind older partitions that other slots hold.
-        cut_off = len(candidates) == self.concurrency * _CANDIDATES_PER_SLOT
         if (
             held.key is not None
             and held.has_work

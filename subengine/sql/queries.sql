@@ -188,6 +188,23 @@ SELECT sp.subscription, sp.partition,
  ORDER BY 3 NULLS LAST, 1, 2
  LIMIT %(limit)s
 
+-- name: lock_partition
+-- A worker slot takes the advisory lock of a (subscription, partition) on its lock
+-- connection and, only if it got it, releases the one it held (NULL: none), in one round
+-- trip. Session locks: they live as long as the connection, so a slot whose connection
+-- ends has lost them (correctness never rests on them: DESIGN.md invariant 3).
+WITH try AS MATERIALIZED (SELECT pg_try_advisory_lock(%(key)s) AS got)
+SELECT got, CASE WHEN got THEN pg_advisory_unlock(%(held)s) END FROM try
+
+-- name: unlock_partition
+-- A worker slot gives a partition's lock back.
+SELECT pg_advisory_unlock(%(key)s)
+
+-- name: ping
+-- Whether a connection still answers (a slot's lock connection: its locks went with it
+-- if not).
+SELECT 1
+
 -- name: subscription_lag
 -- Position and head of every partition of some subscriptions, whether it is halted
 -- (stopped or paused), and whether this worker reports the subscription's lag: of the
