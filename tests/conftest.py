@@ -230,19 +230,23 @@ def worker_app_env(cli_env: dict[str, str], sql: psycopg.Connection[Any]) -> dic
 
 
 class Proxy:
-    """A TCP proxy to PostgreSQL; leaving the `with` block closes it and every connection
-    through it, as a network outage would. While `silent` is set, new connections are
-    accepted and then never answered, as a host that drops packets would."""
+    """A TCP proxy to the PostgreSQL of `dsn`; leaving the `with` block closes it and every
+    connection through it, as a network outage would. While `silent` is set, new
+    connections are accepted and then never answered, as a host that drops packets would.
+    `listener`: a socket bound but not yet listening, which refuses connections until the
+    proxy starts (a server that is not up yet)."""
 
-    def __init__(self, host, port):
-        self.target = (host, port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, dsn, listener=None):
+        params = conninfo_to_dict(dsn)
+        self.target = (params.get("host") or "localhost", int(params.get("port") or 5432))
+        self.listener = listener or socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.sockets: list[socket.socket] = [self.listener]
         self.lock = threading.Lock()
         self.silent = False
 
     def __enter__(self):
+        self.listener.listen()
         threading.Thread(target=self._accept, daemon=True).start()
         return self
 

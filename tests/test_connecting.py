@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy.exc
-from conftest import APPS, run_subengine, subengine_command
+from conftest import APPS, Proxy, run_subengine, subengine_command
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.sql import SQL, Identifier, Literal
 
@@ -274,7 +274,7 @@ def test_a_server_that_comes_up_while_waited_for_is_used(dsn):
                 caller.start()
                 assert waiting.wait(timeout=60)
                 assert caller.is_alive()
-                with _forwarding(listener, dsn):
+                with Proxy(dsn, listener):
                     caller.join(timeout=60)
                 assert result == [[]]
     finally:
@@ -289,54 +289,6 @@ class _Said(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if "waiting for PostgreSQL" in record.getMessage():
             self.waiting.set()
-
-
-class _forwarding:
-    """Accept on `listener` and forward every connection to the server of `dsn`."""
-
-    def __init__(self, listener: socket.socket, dsn: str) -> None:
-        self.listener = listener
-        params = conninfo_to_dict(dsn)
-        self.host = str(params.get("host") or "localhost")
-        self.port = int(params.get("port") or 5432)
-        self.sockets: list[socket.socket] = []
-
-    def __enter__(self) -> None:
-        self.listener.listen()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def __exit__(self, *exc: object) -> None:
-        for s in self.sockets:
-            s.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.host.startswith("/"):
-                server = socket.socket(socket.AF_UNIX)
-                server.connect(f"{self.host}/.s.PGSQL.{self.port}")
-            else:
-                server = socket.create_connection((self.host, self.port))
-            self.sockets += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
-
-
-def _pipe(source: socket.socket, sink: socket.socket) -> None:
-    try:
-        while data := source.recv(65536):
-            sink.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for s in (source, sink):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 # a real wrong password: the suite's server trusts local connections, so this one checks

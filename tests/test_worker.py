@@ -459,6 +459,26 @@ def test_a_failing_event_that_is_gone_is_not_skipped_by_its_dead_letter(fast_eng
     assert count(sql) == 1  # the event after the gone one waits behind it
 
 
+def reset_waiting_for_the_batch(dsn, name="billing"):
+    """Start resetting subscription `name` to the beginning, from a thread, and return
+    once the reset waits for the running batch's position row: it moves the position as
+    soon as that batch ends (the caller joins the returned thread)."""
+
+    def reset():
+        with subengine.Engine(dsn) as other:
+            other.reset_subscription(name, "beginning")
+
+    thread = threading.Thread(target=reset)
+    thread.start()
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND datname = current_database() AND application_name = 'subengine'"
+    )
+    with psycopg.connect(dsn, autocommit=True) as watcher:
+        wait_for(lambda: watcher.execute(waiting).fetchone()[0] == 1)
+    return thread
+
+
 @pytest.mark.parametrize("policy", ["dead_letter", "stop"])
 def test_a_reset_during_a_failing_retry_charges_nothing_to_the_new_generation(
     fast_engine, sql, dsn, policy
@@ -472,29 +492,12 @@ def test_a_reset_during_a_failing_retry_charges_nothing_to_the_new_generation(
         "billing", stream="single", batch_size=1, max_attempts=1, on_error=policy
     )
 
-    def reset():
-        with subengine.Engine(dsn) as other:
-            other.reset_subscription("billing", "beginning")
-
     @sub.handler()
     def handle(event, conn):
         if event.id != poison.id:
             return record(event, conn)
         if not resets:
-            # a reset to the beginning while this failing batch runs: it waits for the
-            # batch's row lock, and moves the position as soon as the batch rolls back
-            resets.append(threading.Thread(target=reset))
-            resets[0].start()
-            with psycopg.connect(dsn, autocommit=True) as watcher:
-                wait_for(
-                    lambda: (
-                        watcher.execute(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                            " AND datname = current_database() AND application_name = 'subengine'"
-                        ).fetchone()[0]
-                        == 1
-                    )
-                )
+            resets.append(reset_waiting_for_the_batch(dsn))
         raise ValueError("poison")
 
     with Running(app, fast_engine):
@@ -693,26 +696,11 @@ def test_a_reset_during_a_split_ends_the_split(fast_engine, sql, dsn):
     app = subengine.App()
     sub = app.subscription("billing", stream="single", batch_size=50)
 
-    def reset():
-        with subengine.Engine(dsn) as other:
-            other.reset_subscription("billing", "beginning")
-
     @sub.batch_handler()
     def handle(events, conn):
         sizes.append(len(events))
         if events[-1].position == 450 and not resets:
-            resets.append(threading.Thread(target=reset))
-            resets[0].start()
-            with psycopg.connect(dsn, autocommit=True) as watcher:
-                wait_for(
-                    lambda: (
-                        watcher.execute(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                            " AND datname = current_database() AND application_name = 'subengine'"
-                        ).fetchone()[0]
-                        == 1
-                    )
-                )
+            resets.append(reset_waiting_for_the_batch(dsn))
             raise ValueError("once")
 
     fast_engine.ensure_subscription(sub)

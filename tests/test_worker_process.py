@@ -15,7 +15,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import psycopg
 import pytest
 from conftest import APPS, README, Proxy, run_subengine, subengine_command, write_readme_app
 
@@ -169,7 +168,7 @@ def test_a_database_lost_for_longer_than_the_outage_timeout_exits_non_zero(
 ):
     engine_of.create_stream("orders", partitions=2)
     engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
-    with proxy_to(app_env["SUBENGINE_DSN"]) as proxy:
+    with Proxy(app_env["SUBENGINE_DSN"]) as proxy:
         worker = workers.start(
             SUBENGINE_DSN=proxy.dsn(app_env["SUBENGINE_DSN"]),
             SUBENGINE_OUTAGE_TIMEOUT="3",
@@ -181,11 +180,6 @@ def test_a_database_lost_for_longer_than_the_outage_timeout_exits_non_zero(
     assert "the database was unreachable for 3 s" in workers.log(worker)
 
 
-def proxy_to(dsn):
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    return Proxy(params.get("host") or "localhost", int(params.get("port") or 5432))
-
-
 def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
     app_env, engine_of, sql, workers
 ):
@@ -193,7 +187,7 @@ def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
     # partition locks take a connection of their own only when a partition has work, and
     # that connection is opened after the host went silent.
     engine_of.create_stream("orders", partitions=2)
-    with proxy_to(app_env["SUBENGINE_DSN"]) as proxy:
+    with Proxy(app_env["SUBENGINE_DSN"]) as proxy:
         worker = workers.start(
             SUBENGINE_DSN=proxy.dsn(app_env["SUBENGINE_DSN"]),
             SUBENGINE_OUTAGE_TIMEOUT="3",
@@ -211,7 +205,7 @@ def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
 
 
 def test_migrate_gives_up_on_a_host_that_never_answers(cli_env):
-    with proxy_to(cli_env["SUBENGINE_DSN"]) as proxy:
+    with Proxy(cli_env["SUBENGINE_DSN"]) as proxy:
         proxy.silent = True
         env = dict(
             cli_env,
