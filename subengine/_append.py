@@ -37,8 +37,8 @@ from subengine._names import (
     validate_type,
     validate_whole_number,
 )
-from subengine._queries import query
 from subengine._settings import Settings
+from subengine._sql import SQL, Query, Result
 
 ExpectedVersion = int | Mapping[str, int] | None
 
@@ -221,15 +221,23 @@ def schema_not_ready(error: psycopg.Error) -> SchemaNotReady | None:
     return None
 
 
+def _appended(result: Result) -> list[Appended]:
+    rows = sorted(result.rows)  # by ordinal: duplicates come back after the events stored now
+    return [Appended(row[1], row[2], row[3], row[4], row[5]) for row in rows]
+
+
+def append_events(params: dict[str, Any]) -> Query[list[Appended]]:
+    """The append of events `prepare` checked, in the caller's transaction."""
+    stream = params["stream"]
+    return Query("append_events", params, _appended, lambda error: translate_error(error, stream))
+
+
 def append_prepared(
     conn: psycopg.Connection[Any], params: dict[str, Any], settings: Settings
 ) -> list[Appended]:
     if not params["keys"]:
         return []
-    with subengine_errors(params["stream"]):
-        rows = conn.execute(query(settings.schema, "append_events"), params).fetchall()
-    rows.sort()  # by ordinal: duplicates come back after the events stored now
-    return [Appended(row[1], row[2], row[3], row[4], row[5]) for row in rows]
+    return SQL(settings.schema).run(conn, append_events(params))
 
 
 def append(

@@ -15,14 +15,13 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from subengine import _embedded, _migrate, _operations, _read, _subscriptions
+from subengine import _embedded, _migrate, _operations, _read, _streams, _subscriptions
 from subengine._app import Start, Subscription
 from subengine._append import (
     ExpectedVersion,
     append_prepared,
     prepare,
     schema_not_ready,
-    subengine_errors,
 )
 from subengine._connection import (
     APPLICATION_NAME,
@@ -38,9 +37,8 @@ from subengine._connection import (
 )
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
-from subengine._names import validate_partition_count, validate_stream_name
-from subengine._queries import query
 from subengine._settings import Settings
+from subengine._sql import SQL
 from subengine._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
 
 log = logging.getLogger("subengine")
@@ -87,6 +85,7 @@ class Engine:
             if problem is not None:
                 raise ConfigurationError(f"invalid DSN: {problem}")
         self.schema = self.settings.schema
+        self.sql = SQL(self.schema)
         # the pool's count of failed connection attempts when it last gave a connection
         self._pool_errors_seen = 0
         self._pool = ConnectionPool(
@@ -251,29 +250,24 @@ class Engine:
 
     def create_stream(self, name: str, partitions: int) -> Stream:
         """Create a stream with a fixed number of partitions."""
-        validate_stream_name(name)
-        validate_partition_count(partitions)
+        query = _streams.create_stream(name, partitions)
         with self.connection() as conn:
-            row = self._run(conn, "create_stream", {"stream": name, "partitions": partitions})
-            if row is None:
-                existing = _read.get_stream(conn, self.schema, name)
+            created = self.sql.run(conn, query)
+            if created is None:
+                existing = self.sql.run(conn, _streams.get_stream(name))
                 raise StreamExists(name, existing.partitions)
-            return Stream(*row)
+            return created
 
     def streams(self) -> list[Stream]:
         """Every stream, by name."""
         with self.connection() as conn:
-            rows = conn.execute(query(self.schema, "list_streams")).fetchall()
-        return [Stream(*row) for row in rows]
+            return self.sql.run(conn, _streams.list_streams())
 
     def stream(self, name: str) -> Stream:
         """One stream; raises StreamNotFound when it does not exist."""
+        query = _streams.get_stream(name)
         with self.connection() as conn:
-            return _read.get_stream(conn, self.schema, name)
-
-    def _run(self, conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> Any:
-        with subengine_errors(str(params.get("stream"))):
-            return conn.execute(query(self.schema, name), params).fetchone()
+            return self.sql.run(conn, query)
 
     # append and read
 
@@ -292,34 +286,28 @@ class Engine:
         self, stream: str, partition: int, after: int = 0, limit: int | None = None
     ) -> list[Event]:
         """Events of one partition after position `after`, in position order."""
+        query = _read.read_after(
+            stream, partition, after, self.settings.read_limit if limit is None else limit
+        )
         with self.connection() as conn:
-            return _read.read_after(
-                conn,
-                self.schema,
-                stream,
-                partition,
-                after,
-                self.settings.read_limit if limit is None else limit,
-            )
+            return self.sql.run(conn, query)
 
     def read_since(self, stream: str, since: datetime, limit: int | None = None) -> list[Event]:
         """Events of every partition recorded at or after `since`, oldest first.
 
         For finding a starting point by time; to catch up, keep positions and use `read`.
         """
+        query = _read.read_since(
+            stream, since, self.settings.read_limit if limit is None else limit
+        )
         with self.connection() as conn:
-            return _read.read_since(
-                conn,
-                self.schema,
-                stream,
-                since,
-                self.settings.read_limit if limit is None else limit,
-            )
+            return self.sql.run(conn, query)
 
     def partitions(self, stream: str) -> list[PartitionState]:
         """Head, head time and floor of every partition of a stream."""
+        query = _streams.partition_states(stream)
         with self.connection() as conn:
-            return _read.partition_states(conn, self.schema, stream)
+            return self.sql.run(conn, query)
 
     # subscriptions
 
@@ -413,4 +401,6 @@ class Engine:
 
     def heads(self, stream: str) -> dict[int, int]:
         """The head (last committed position) of every partition of a stream."""
-        return {state.partition: state.head for state in self.partitions(stream)}
+        query = _streams.heads(stream)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)

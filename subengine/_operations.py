@@ -14,6 +14,7 @@ from subengine._errors import InvalidInput, SubscriptionNotFound
 from subengine._names import BIGINT_MAX, INTEGER_MAX, validate_stream_name, validate_whole_number
 from subengine._queries import query
 from subengine._read import read_after
+from subengine._sql import SQL
 from subengine._subscriptions import error_text
 
 Row = dict[str, Any]
@@ -116,7 +117,7 @@ def retry_dead_letter(
                     f"subscription {subscription.name!r} is stored on stream {stream!r}, "
                     f"but the app declares it on {subscription.stream!r}"
                 )
-            events = read_after(conn, schema, stream, partition, position - 1, 1)
+            events = SQL(schema).run(conn, read_after(stream, partition, position - 1, 1))
             if not events or events[0].position != position:
                 raise InvalidInput(
                     f"the event at position {position} of partition {partition} is no longer stored"

@@ -29,8 +29,10 @@ from subengine._errors import (
 from subengine._events import Event
 from subengine._names import validate_stream_name
 from subengine._queries import query
-from subengine._read import get_stream, partition_states, read_after
+from subengine._read import read_after
 from subengine._settings import Settings
+from subengine._sql import SQL
+from subengine._streams import get_stream, partition_states
 
 _MAX_ERROR_LENGTH = 4000
 
@@ -63,7 +65,7 @@ def ensure_subscription(
 ) -> None:
     """Store `subscription` if it is new; check it agrees with the stored one if not."""
     with conn.transaction():
-        get_stream(conn, schema, subscription.stream)  # raises StreamNotFound
+        SQL(schema).run(conn, get_stream(subscription.stream))  # raises StreamNotFound
         start = subscription.start_json
         _check_start_positions(conn, schema, subscription.stream, start)
         created = conn.execute(
@@ -187,7 +189,7 @@ def _check_start_positions(
 ) -> None:
     if start["kind"] != "positions":
         return
-    heads = {s.partition: s.head for s in partition_states(conn, schema, stream)}
+    heads = {s.partition: s.head for s in SQL(schema).run(conn, partition_states(stream))}
     for partition, position in start["positions"].items():
         head = heads.get(int(partition))
         if head is None:
@@ -368,7 +370,7 @@ def _next_batch(
         return None
     # after a failure, the failing event is retried on its own
     size = 1 if attempts > 0 else size or subscription.batch_size
-    events = read_after(conn, schema, subscription.stream, partition, old, size + 1)
+    events = SQL(schema).run(conn, read_after(subscription.stream, partition, old, size + 1))
     first_found = events[0].position if events else head + 1
     if first_found > old + 1 and head > old:
         missing = PositionsMissing(

@@ -31,8 +31,9 @@ from subengine._errors import (
 )
 from subengine._events import PartitionState
 from subengine._queries import query
-from subengine._read import partition_states
 from subengine._settings import Settings
+from subengine._sql import SQL
+from subengine._streams import partition_states
 from subengine.spark._offsets import Positions
 
 log = logging.getLogger("subengine.spark")
@@ -98,7 +99,7 @@ def partition_bounds(
     conn: psycopg.Connection[Any], schema: str, stream: str
 ) -> dict[int, PartitionState]:
     """Head and floor of every partition of `stream`; StreamNotFound if there is none."""
-    return {state.partition: state for state in partition_states(conn, schema, stream)}
+    return {state.partition: state for state in SQL(schema).run(conn, partition_states(stream))}
 
 
 def chosen(

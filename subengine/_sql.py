@@ -1,0 +1,153 @@
+"""The SQL layer: the only code that executes SQL (DESIGN.md, "Layers").
+
+Every statement the engine runs is a named block in `sql/*.sql`. A concept module (read,
+append, subscriptions, ...) never touches a connection to run one: it builds a `Query`,
+which names the block, binds its parameters and says how to turn the rows into typed
+values and which database errors stand for subengine errors. `SQL`, bound to a schema,
+runs a `Query` on a psycopg `Connection` or, with the same text, the same parameters and
+the same conversion, on an `AsyncConnection`. So the sync and the async engine share
+everything but the connection.
+
+Blocks are rendered once per schema, with the schema quoted by `psycopg.sql.Identifier`;
+values are always bound parameters, never formatted into the text.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Generic, TypeVar
+
+import psycopg
+from psycopg import sql
+
+T = TypeVar("T")
+
+Row = tuple[Any, ...]
+
+_BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
+
+
+@functools.cache
+def _templates() -> dict[str, str]:
+    """Every named block of every `sql/*.sql` file; a name may appear only once."""
+    blocks: dict[str, str] = {}
+    folder = resources.files("subengine").joinpath("sql")
+    for file in sorted(folder.iterdir(), key=lambda entry: entry.name):
+        if not file.name.endswith(".sql"):
+            continue
+        parts = _BLOCK.split(file.read_text("utf-8"))
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in blocks:
+                raise RuntimeError(f"the query {name!r} is named twice in sql/*.sql")
+            blocks[name] = body.strip()
+    return blocks
+
+
+def names() -> frozenset[str]:
+    """The names of every query in `sql/*.sql`."""
+    return frozenset(_templates())
+
+
+@functools.cache
+def _render(schema: str, name: str) -> bytes:
+    return sql.SQL(_templates()[name]).format(schema=sql.Identifier(schema)).as_bytes(None)
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a statement gave back: its rows (none for a statement without a result) and
+    the number of rows it affected."""
+
+    rows: Sequence[Row]
+    rowcount: int
+
+
+def _rows(result: Result) -> Sequence[Row]:
+    return result.rows
+
+
+def _translate_nothing(error: psycopg.Error) -> Exception | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Query(Generic[T]):
+    """One run of a named statement: its name, its parameters, how to read its result
+    and which database errors mean something to subengine.
+
+    `read` turns the `Result` into the value the caller gets (default: the rows as
+    tuples). `translate` maps a database error to a subengine error, or returns None to
+    let the database error through.
+    """
+
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    read: Callable[[Result], T] = _rows  # type: ignore[assignment]
+    translate: Callable[[psycopg.Error], Exception | None] = _translate_nothing
+
+
+def _result(cursor: psycopg.Cursor[Row] | psycopg.AsyncCursor[Row], rows: list[Row]) -> Result:
+    return Result(rows, cursor.rowcount)
+
+
+class SQL:
+    """The named queries bound to one schema."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+
+    def __repr__(self) -> str:
+        return f"SQL(schema={self.schema!r})"
+
+    def text(self, name: str) -> bytes:
+        """The statement `name` for tables in this schema, ready to execute."""
+        return _render(self.schema, name)
+
+    def run(self, conn: psycopg.Connection[Any], query: Query[T]) -> T:
+        """Run `query` on `conn` (in whatever transaction `conn` is in)."""
+        text = self.text(query.name)
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(text, query.params)
+                rows = cursor.fetchall() if cursor.description is not None else []
+                result = _result(cursor, rows)
+        except psycopg.Error as error:
+            translated = query.translate(error)
+            if translated is None:
+                raise
+            raise translated from error
+        return query.read(result)
+
+    async def run_async(self, conn: psycopg.AsyncConnection[Any], query: Query[T]) -> T:
+        """Run `query` on an asyncio connection: the same statement, parameters and
+        conversion as `run`."""
+        text = self.text(query.name)
+        try:
+            async with conn.cursor() as cursor:
+                await cursor.execute(text, query.params)
+                rows = await cursor.fetchall() if cursor.description is not None else []
+                result = _result(cursor, rows)
+        except psycopg.Error as error:
+            translated = query.translate(error)
+            if translated is None:
+                raise
+            raise translated from error
+        return query.read(result)
+
+
+class Db:
+    """A connection and the schema's queries: what a concept module's multi-statement
+    operation runs on (in the caller's transaction)."""
+
+    __slots__ = ("conn", "sql")
+
+    def __init__(self, conn: psycopg.Connection[Any], sql: SQL) -> None:
+        self.conn = conn
+        self.sql = sql
+
+    def run(self, query: Query[T]) -> T:
+        return self.sql.run(self.conn, query)

@@ -1,0 +1,58 @@
+"""Streams and their partitions: creating them and looking at their heads and floors."""
+
+from __future__ import annotations
+
+from subengine._errors import StreamNotFound
+from subengine._events import PartitionState, Stream
+from subengine._names import validate_partition_count, validate_stream_name
+from subengine._sql import Query, Result
+
+
+def create_stream(stream: str, partitions: int) -> Query[Stream | None]:
+    """Create a stream with a fixed number of partitions; None when the name is taken."""
+    validate_stream_name(stream)
+    validate_partition_count(partitions)
+
+    def read(result: Result) -> Stream | None:
+        return Stream(*result.rows[0]) if result.rows else None
+
+    return Query("create_stream", {"stream": stream, "partitions": partitions}, read)
+
+
+def get_stream(stream: str) -> Query[Stream]:
+    """One stream by name; StreamNotFound when there is none."""
+    validate_stream_name(stream)
+
+    def read(result: Result) -> Stream:
+        if not result.rows:
+            raise StreamNotFound(stream)
+        return Stream(*result.rows[0])
+
+    return Query("get_stream", {"stream": stream}, read)
+
+
+def list_streams() -> Query[list[Stream]]:
+    """Every stream, by name."""
+    return Query("list_streams", {}, lambda result: [Stream(*row) for row in result.rows])
+
+
+def partition_states(stream: str) -> Query[list[PartitionState]]:
+    """Head, head time and floor of every partition of a stream."""
+    validate_stream_name(stream)
+
+    def read(result: Result) -> list[PartitionState]:
+        if not result.rows:
+            raise StreamNotFound(stream)
+        return [PartitionState(*row) for row in result.rows]
+
+    return Query("partitions", {"stream": stream}, read)
+
+
+def heads(stream: str) -> Query[dict[int, int]]:
+    """The head position of every partition of a stream."""
+    query = partition_states(stream)
+    return Query(
+        query.name,
+        query.params,
+        lambda result: {state.partition: state.head for state in query.read(result)},
+    )
