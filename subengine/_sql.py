@@ -43,7 +43,11 @@ def _templates() -> dict[str, str]:
         for name, body in zip(parts[1::2], parts[2::2], strict=True):
             if name in blocks:
                 raise RuntimeError(f"the query {name!r} is named twice in sql/*.sql")
-            blocks[name] = body.strip()
+            # the comment under a name documents the block; the server needn't see it
+            lines = body.strip().splitlines()
+            while lines and lines[0].startswith("--"):
+                lines.pop(0)
+            blocks[name] = "\n".join(lines)
     return blocks
 
 

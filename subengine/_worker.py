@@ -29,7 +29,6 @@ from typing import Any
 
 import psycopg
 import sqlalchemy.exc
-from psycopg import sql
 
 from subengine import _metrics
 from subengine._app import Subscription
@@ -649,13 +648,12 @@ class Worker:
         """Turn notifications into wake-ups. Whatever goes wrong (a lost connection, a
         payload that breaks the parser, a bug) is logged and counted, and the listener
         connects again: push only saves time, so it must never stop for good."""
-        channel = sql.Identifier(self.schema)
         while not stop.is_set():
             try:
                 with self.engine.connect(
                     application_name=self.application_name, autocommit=True
                 ) as conn:
-                    conn.execute(sql.SQL("LISTEN {}").format(channel))
+                    conn.execute(self.engine.sql.text("listen"))
                     self.wakeup.notify()  # whatever came while we were not listening
                     while not stop.is_set():
                         for notification in conn.notifies(timeout=_LISTEN_CHECK_SECONDS):
