@@ -46,7 +46,7 @@ from subengine._records import (
     WorkerStatus,
 )
 from subengine._settings import Settings
-from subengine._sql import SQL
+from subengine._sql import SQL, Db
 from subengine._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
 
 log = logging.getLogger("subengine")
@@ -317,93 +317,98 @@ class Engine:
         with self.connection() as conn:
             return self.sql.run(conn, query)
 
+    @contextmanager
+    def db(self) -> Iterator[Db]:
+        """`connection()` with the schema's queries: a transaction of its own."""
+        with self.connection() as conn:
+            yield Db(conn, self.sql)
+
     # subscriptions
 
     def ensure_subscription(self, subscription: Subscription) -> None:
         """Store a subscription on first use; raise SubscriptionMismatch if it disagrees."""
-        with self.connection() as conn:
-            _subscriptions.ensure_subscription(conn, self.schema, subscription)
+        with self.db() as db:
+            _subscriptions.ensure_subscription(db, subscription)
 
     def reset_subscription(self, name: str, to: Start, *, dry_run: bool = False) -> dict[int, int]:
         """Move the positions of subscription `name` to `to` ('beginning', 'end', a time,
         or a map of partition to position, which moves only the partitions it names) in a
         new generation; every partition's position after the reset. With `dry_run`, what
         the reset would do, changing nothing."""
-        with self.connection() as conn:
-            return _subscriptions.reset_subscription(conn, self.schema, name, to, dry_run=dry_run)
+        with self.db() as db:
+            return _subscriptions.reset_subscription(db, name, to, dry_run=dry_run)
 
     def delete_subscription(self, name: str, *, force: bool = False) -> Deleted:
         """Delete a stored subscription with its positions and dead letters, in one
         transaction. Refused while connected workers run it, unless `force` (their
         batches then commit nothing, and they leave it alone)."""
-        with self.connection() as conn:
-            return _subscriptions.delete_subscription(conn, self.schema, name, force=force)
+        with self.db() as db:
+            return _subscriptions.delete_subscription(db, name, force=force)
 
     def subscription_positions(self, name: str) -> list[SubscriptionPosition]:
         """Every partition's position of a stored subscription."""
         with self.connection() as conn:
-            return _subscriptions.positions(conn, self.schema, name)
+            return self.sql.run(conn, _subscriptions.positions(name))
 
     def process_batch(self, subscription: Subscription, partition: int) -> BatchOutcome | None:
         """Handle the next batch of one partition exactly once (see process_batch)."""
-        with self.connection() as conn:
-            return _subscriptions.process_batch(conn, self.schema, subscription, partition)
+        with self.db() as db:
+            return _subscriptions.process_batch(db, subscription, partition)
 
     # operating
 
     def subscriptions(self) -> list[StoredSubscription]:
         """Every stored subscription: name, stream, start, generation, paused, created_at."""
         with self.connection() as conn:
-            return _operations.subscriptions(conn, self.schema)
+            return self.sql.run(conn, _operations.subscriptions())
 
     def subscription_summary(self, name: str | None = None) -> list[SubscriptionSummary]:
         """Per subscription: partitions, lag (events, seconds), states, workers."""
-        with self.connection() as conn:
-            return _operations.summary(conn, self.schema, name)
+        with self.db() as db:
+            return _operations.summary(db, name)
 
     def subscription_status(self, name: str | None = None) -> list[PartitionStatus]:
         """The subscription_status view's rows (one per subscription and partition)."""
-        with self.connection() as conn:
-            return _operations.status(conn, self.schema, name)
+        with self.db() as db:
+            return _operations.status(db, name)
 
     def pause_subscription(self, name: str) -> None:
         """Stop workers from taking the subscription's partitions (batches in flight end)."""
-        with self.connection() as conn:
-            _operations.set_paused(conn, self.schema, name, True)
+        with self.db() as db:
+            _operations.set_paused(db, name, True)
 
     def resume_subscription(self, name: str) -> list[int]:
         """Lift a pause and restart stopped partitions; the partitions restarted."""
-        with self.connection() as conn:
-            return _operations.set_paused(conn, self.schema, name, False)
+        with self.db() as db:
+            return _operations.set_paused(db, name, False)
 
     def workers(self) -> list[WorkerStatus]:
         """The workers_status view's rows."""
         with self.connection() as conn:
-            return _operations.workers(conn, self.schema)
+            return self.sql.run(conn, _operations.workers())
 
     def prune_workers(self) -> list[WorkerRegistration]:
         """Remove the registrations of workers that are gone; the rows removed."""
         with self.connection() as conn:
-            return _operations.prune_workers(conn, self.schema)
+            return self.sql.run(conn, _operations.prune_workers())
 
     def dead_letters(self, name: str | None = None, everything: bool = False) -> list[DeadLetter]:
         """Unresolved dead letters (all of them with `everything`), oldest first."""
+        query = _operations.dead_letters(name, everything)
         with self.connection() as conn:
-            return _operations.dead_letters(conn, self.schema, name, everything)
+            return self.sql.run(conn, query)
 
     def retry_dead_letter(
         self, subscription: Subscription, partition: int, position: int
     ) -> str | None:
         """Run a dead letter through the handlers again; None on success, else the error."""
-        with self.connection() as conn:
-            return _operations.retry_dead_letter(
-                conn, self.schema, subscription, partition, position
-            )
+        with self.db() as db:
+            return _operations.retry_dead_letter(db, subscription, partition, position)
 
     def discard_dead_letter(self, name: str, partition: int, position: int) -> None:
         """Mark a dead letter discarded (it stays, resolved)."""
-        with self.connection() as conn:
-            _operations.discard_dead_letter(conn, self.schema, name, partition, position)
+        with self.db() as db:
+            _operations.discard_dead_letter(db, name, partition, position)
 
     def heads(self, stream: str) -> dict[int, int]:
         """The head (last committed position) of every partition of a stream."""

@@ -16,13 +16,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from subengine._errors import ConfigurationError
-from subengine._queries import query
+from subengine._sql import Query
 
 ALL_INTERFACES = "0.0.0.0"
 _BATCH_SIZE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000)
@@ -47,15 +46,14 @@ class PartitionLag:
         return max(self.head - self.position, 0)
 
 
-def read_lag(
-    conn: psycopg.Connection[Any], schema: str, names: Sequence[str], worker: uuid.UUID
-) -> list[PartitionLag]:
+def read_lag(names: Sequence[str], worker: uuid.UUID) -> Query[list[PartitionLag]]:
     """Position and head of every partition of the named subscriptions, in one query, and
     whether `worker` reports each subscription's lag."""
-    rows = conn.execute(
-        query(schema, "subscription_lag"), {"names": list(names), "worker": str(worker)}
-    ).fetchall()
-    return [PartitionLag(*row) for row in rows]
+    return Query(
+        "subscription_lag",
+        {"names": list(names), "worker": str(worker)},
+        lambda result: [PartitionLag(*row) for row in result.rows],
+    )
 
 
 class _LagCollector(Collector):

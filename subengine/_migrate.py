@@ -20,6 +20,7 @@ import psycopg
 
 from subengine._connection import connect
 from subengine._errors import MigrationError
+from subengine._sql import SQL, Query
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 # migrations/ is installed as the package subengine.migrations (see pyproject.toml)
 MIGRATIONS_DIR = Path(str(resources.files("subengine.migrations")))
+# sql/migrate.sql names it too
 VERSION_TABLE = "subengine_alembic_version"
 
 
@@ -135,17 +137,15 @@ def upgrade_sql(schema: str) -> str:
 
 def current_revision(dsn: str, schema: str, connect_timeout: float) -> str | None:
     """The revision the schema is at, or None when it has never been migrated."""
-    table = psycopg.sql.SQL("{}.{}").format(
-        psycopg.sql.Identifier(schema), psycopg.sql.Identifier(VERSION_TABLE)
+    queries = SQL(schema)
+    exists = Query("version_table_exists", {"schema": schema}, lambda result: result.rows[0][0])
+    revision = Query(
+        "schema_revision", {}, lambda result: str(result.rows[0][0]) if result.rows else None
     )
     with connect(dsn, connect_timeout, application_name=APPLICATION_NAME) as conn:
-        found = conn.execute(
-            "SELECT to_regclass(%s) IS NOT NULL", (table.as_string(conn),)
-        ).fetchone()
-        if not found or not found[0]:
+        if not queries.run(conn, exists):
             return None
-        row = conn.execute(psycopg.sql.SQL("SELECT version_num FROM {}").format(table)).fetchone()
-        return str(row[0]) if row else None
+        return queries.run(conn, revision)
 
 
 def known_revisions() -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from subengine._app import Start
 from subengine._connection import psycopg_connection
 from subengine._settings import Settings
+from subengine._sql import SQL, Db
 from subengine._subscriptions import reset_subscription as reset_positions
 
 
@@ -40,4 +41,4 @@ def reset_subscription(
         alone="the reset would commit on its own",
         instead="engine.reset_subscription()",
     )
-    return reset_positions(target, settings.schema, name, to)
+    return reset_positions(Db(target, SQL(settings.schema)), name, to)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Generic, TypeVar
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 T = TypeVar("T")
 
@@ -72,6 +73,20 @@ class Result:
 
 def _rows(result: Result) -> Sequence[Row]:
     return result.rows
+
+
+def first_row(result: Result) -> Row | None:
+    """A `Query.read`: the first row, or None when there is none."""
+    return result.rows[0] if result.rows else None
+
+
+def rowcount(result: Result) -> int:
+    """A `Query.read`: how many rows the statement affected."""
+    return result.rowcount
+
+
+def nothing(result: Result) -> None:
+    """A `Query.read` for a statement whose result says nothing."""
 
 
 def _translate_nothing(error: psycopg.Error) -> Exception | None:
@@ -142,6 +157,44 @@ class SQL:
             raise translated from error
         return query.read(result)
 
+    def copy_in(
+        self, conn: psycopg.Connection[Any], name: str, rows: Iterable[Sequence[Any]]
+    ) -> None:
+        """Run the `COPY ... FROM STDIN` statement `name` on `conn`, sending `rows`."""
+        with conn.cursor() as cursor, cursor.copy(self.text(name)) as copy:
+            for row in rows:
+                copy.write_row(row)
+
+    def copy_out(self, conn: psycopg.Connection[Any], query: Query[Any]) -> bytes:
+        """Everything the `COPY ... TO STDOUT` statement of `query` sends, in one buffer.
+
+        PostgreSQL sends a message per row. psycopg's Copy object takes each through a
+        Python generator, which costs about twice what libpq's own call does, and a bulk
+        read's client time is mostly that; so this drives libpq directly. Parameters are
+        bound on the client, as psycopg binds them for COPY (the server takes none there).
+        """
+        text = psycopg.ClientCursor(conn).mogrify(self.text(query.name), query.params)
+        pgconn = conn.pgconn
+        pgconn.send_query(text.encode(conn.info.encoding))
+        result = pgconn.get_result()
+        chunks: list[memoryview] = []
+        if result is not None and result.status == pq.ExecStatus.COPY_OUT:
+            receive = pgconn.get_copy_data
+            while True:
+                size, data = receive(0)  # 0: wait for the next row
+                if size < 0:
+                    break
+                chunks.append(data)
+            result = pgconn.get_result()
+        error = None
+        while result is not None:  # the COPY's outcome, then the end of the results
+            if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.COPY_OUT):
+                error = error or psycopg.errors.error_from_result(result, conn.info.encoding)
+            result = pgconn.get_result()
+        if error is not None:
+            raise error
+        return b"".join(chunks)
+
 
 class Db:
     """A connection and the schema's queries: what a concept module's multi-statement
@@ -155,3 +208,9 @@ class Db:
 
     def run(self, query: Query[T]) -> T:
         return self.sql.run(self.conn, query)
+
+    @contextmanager
+    def transaction(self, force_rollback: bool = False) -> Iterator[psycopg.Transaction]:
+        """A transaction (a savepoint inside one) on the connection."""
+        with self.conn.transaction(force_rollback=force_rollback) as transaction:
+            yield transaction

@@ -5,7 +5,7 @@ from __future__ import annotations
 from subengine._errors import StreamNotFound
 from subengine._events import PartitionState, Stream
 from subengine._names import validate_partition_count, validate_stream_name
-from subengine._sql import Query, Result
+from subengine._sql import Query, Result, nothing
 
 
 def create_stream(stream: str, partitions: int) -> Query[Stream | None]:
@@ -56,3 +56,9 @@ def heads(stream: str) -> Query[dict[int, int]]:
         query.params,
         lambda result: {state.partition: state.head for state in query.read(result)},
     )
+
+
+def listen() -> Query[None]:
+    """Start receiving the notifications of appends to the schema's streams (on an
+    autocommit connection); see sql/listen.sql for the payload."""
+    return Query("listen", {}, nothing)

@@ -11,6 +11,7 @@ at all (invariant 2).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -28,10 +29,9 @@ from subengine._errors import (
 )
 from subengine._events import Event
 from subengine._names import validate_stream_name
-from subengine._queries import query
 from subengine._read import read_after
 from subengine._settings import Settings
-from subengine._sql import SQL
+from subengine._sql import Db, Query, Result, Row, first_row, nothing, rowcount
 from subengine._streams import get_stream, partition_states
 
 _MAX_ERROR_LENGTH = 4000
@@ -60,26 +60,19 @@ class BatchOutcome:
     next_time: datetime | None
 
 
-def ensure_subscription(
-    conn: psycopg.Connection[Any], schema: str, subscription: Subscription
-) -> None:
+def ensure_subscription(db: Db, subscription: Subscription) -> None:
     """Store `subscription` if it is new; check it agrees with the stored one if not."""
-    with conn.transaction():
-        SQL(schema).run(conn, get_stream(subscription.stream))  # raises StreamNotFound
+    with db.transaction():
+        db.run(get_stream(subscription.stream))  # raises StreamNotFound
         start = subscription.start_json
-        _check_start_positions(conn, schema, subscription.stream, start)
-        created = conn.execute(
-            query(schema, "create_subscription"),
-            {"name": subscription.name, "stream": subscription.stream, "start": Jsonb(start)},
-        ).fetchone()
-        if created is not None:
-            _write_positions(
-                conn, schema, subscription.name, subscription.stream, start, 1, only_named=False
+        _check_start_positions(db, subscription.stream, start)
+        params = {"name": subscription.name, "stream": subscription.stream, "start": Jsonb(start)}
+        if db.run(Query("create_subscription", params, first_row)) is not None:
+            db.run(
+                _write_positions(subscription.name, subscription.stream, start, 1, only_named=False)
             )
             return
-        stored = conn.execute(
-            query(schema, "get_subscription"), {"name": subscription.name}
-        ).fetchone()
+        stored = db.run(Query("get_subscription", {"name": subscription.name}, first_row))
         if stored is None:  # deleted between the two statements: nothing to agree with
             raise SubscriptionMismatch(f"subscription {subscription.name!r} vanished; try again")
         name, stream, stored_start, _generation, _paused = stored
@@ -93,9 +86,7 @@ def ensure_subscription(
             )
 
 
-def reset_subscription(
-    conn: psycopg.Connection[Any], schema: str, name: str, to: Start, *, dry_run: bool = False
-) -> dict[int, int]:
+def reset_subscription(db: Db, name: str, to: Start, *, dry_run: bool = False) -> dict[int, int]:
     """Move positions of a stored subscription to `to`, in a new generation.
 
     `to` is 'beginning', 'end', a time, or a map of partition to position; a map moves
@@ -109,16 +100,14 @@ def reset_subscription(
     """
     validate_stream_name(name)
     start = start_to_json(to)
-    with conn.transaction(force_rollback=dry_run):
-        bumped = conn.execute(query(schema, "bump_generation"), {"name": name}).fetchone()
+    with db.transaction(force_rollback=dry_run):
+        bumped = db.run(Query("bump_generation", {"name": name}, first_row))
         if bumped is None:
             raise SubscriptionNotFound(f"no subscription named {name!r}")
         stream, generation = bumped
-        _check_start_positions(conn, schema, stream, start)
-        moved = _write_positions(conn, schema, name, stream, start, generation, only_named=True)
-        return {
-            p.partition: moved.get(p.partition, p.position) for p in positions(conn, schema, name)
-        }
+        _check_start_positions(db, stream, start)
+        moved = db.run(_write_positions(name, stream, start, generation, only_named=True))
+        return {p.partition: moved.get(p.partition, p.position) for p in db.run(positions(name))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +120,7 @@ class Deleted:
     dead_letters: int
 
 
-def delete_subscription(
-    conn: psycopg.Connection[Any], schema: str, name: str, *, force: bool = False
-) -> Deleted:
+def delete_subscription(db: Db, name: str, *, force: bool = False) -> Deleted:
     """Delete a subscription, its positions and its dead letters in one transaction.
 
     Refused (InvalidInput, nothing changed) while connected workers run it or hold its
@@ -141,36 +128,34 @@ def delete_subscription(
     position rows); a batch that started after it finds the subscription gone.
     """
     validate_stream_name(name)
-    with conn.transaction():
-        row = conn.execute(query(schema, "lock_subscription"), {"name": name}).fetchone()
+    where = {"name": name}
+    with db.transaction():
+        row = db.run(Query("lock_subscription", where, first_row))
         if row is None:
             raise SubscriptionNotFound(f"no subscription named {name!r}")
         if not force:
-            running = conn.execute(query(schema, "workers_running"), {"name": name}).fetchall()
+            running: Sequence[Row] = db.run(Query("workers_running", where))
             if running:
                 pids = ", ".join(f"pid {pid} on {host}" for host, pid in running)
                 raise InvalidInput(
                     f"subscription {name!r} is run by connected workers ({pids}); stop "
                     "them first, or delete it anyway with --force (force=True)"
                 )
-        partitions = conn.execute(query(schema, "delete_positions"), {"name": name}).rowcount
-        letters = conn.execute(query(schema, "delete_dead_letters"), {"name": name}).rowcount
-        conn.execute(query(schema, "delete_subscription"), {"name": name})
+        partitions = db.run(Query("delete_positions", where, rowcount))
+        letters = db.run(Query("delete_dead_letters", where, rowcount))
+        db.run(Query("delete_subscription", where, nothing))
         return Deleted(name, str(row[1]), partitions, letters)
 
 
+def _positions_written(result: Result) -> dict[int, int]:
+    return dict(sorted((partition, position) for partition, position in result.rows))
+
+
 def _write_positions(
-    conn: psycopg.Connection[Any],
-    schema: str,
-    name: str,
-    stream: str,
-    start: dict[str, Any],
-    generation: int,
-    *,
-    only_named: bool,
-) -> dict[int, int]:
-    rows = conn.execute(
-        query(schema, "write_positions"),
+    name: str, stream: str, start: dict[str, Any], generation: int, *, only_named: bool
+) -> Query[dict[int, int]]:
+    return Query(
+        "write_positions",
         {
             "name": name,
             "stream": stream,
@@ -180,16 +165,14 @@ def _write_positions(
             "generation": generation,
             "only_named": only_named,
         },
-    ).fetchall()
-    return dict(sorted((partition, position) for partition, position in rows))
+        _positions_written,
+    )
 
 
-def _check_start_positions(
-    conn: psycopg.Connection[Any], schema: str, stream: str, start: dict[str, Any]
-) -> None:
+def _check_start_positions(db: Db, stream: str, start: dict[str, Any]) -> None:
     if start["kind"] != "positions":
         return
-    heads = {s.partition: s.head for s in SQL(schema).run(conn, partition_states(stream))}
+    heads = {s.partition: s.head for s in db.run(partition_states(stream))}
     for partition, position in start["positions"].items():
         head = heads.get(int(partition))
         if head is None:
@@ -203,10 +186,23 @@ def _check_start_positions(
             )
 
 
-def positions(conn: psycopg.Connection[Any], schema: str, name: str) -> list[SubscriptionPosition]:
+def positions(name: str) -> Query[list[SubscriptionPosition]]:
     """Every partition's position of a stored subscription, by partition."""
-    rows = conn.execute(query(schema, "subscription_positions"), {"name": name}).fetchall()
-    return [SubscriptionPosition(*row) for row in rows]
+    return Query(
+        "subscription_positions",
+        {"name": name},
+        lambda result: [SubscriptionPosition(*row) for row in result.rows],
+    )
+
+
+def partitions_with_work(names: list[str], limit: int) -> Query[list[tuple[str, int, Any]]]:
+    """Up to `limit` (subscription, partition, next event's time) of these subscriptions
+    with events to handle, oldest next event first (DESIGN.md invariant 7)."""
+    return Query(
+        "partitions_with_work",
+        {"names": names, "limit": limit},
+        lambda result: [(str(name), int(p), time) for name, p, time in result.rows],
+    )
 
 
 class BatchFailed(Exception):
@@ -228,9 +224,7 @@ class BatchFailed(Exception):
         self.generation = generation
 
 
-def process_batch(
-    conn: psycopg.Connection[Any], schema: str, subscription: Subscription, partition: int
-) -> BatchOutcome | None:
+def process_batch(db: Db, subscription: Subscription, partition: int) -> BatchOutcome | None:
     """Handle the next batch of one partition.
 
     Transactional subscriptions run the handlers inside the transaction that moves the
@@ -242,14 +236,13 @@ def process_batch(
     stored (the partition is then stopped before them).
     """
     try:
-        return handle_batch(conn, schema, subscription, partition)
+        return handle_batch(db, subscription, partition)
     except BatchFailed as failed:
         raise failed.error from None
 
 
 def handle_batch(
-    conn: psycopg.Connection[Any],
-    schema: str,
+    db: Db,
     subscription: Subscription,
     partition: int,
     size: int | None = None,
@@ -262,21 +255,20 @@ def handle_batch(
     the connection) propagates as it is: it says nothing about the events.
     """
     if subscription.ack == "transactional":
-        return _transactional_batch(conn, schema, subscription, partition, size)
-    with conn.transaction():
-        batch = _next_batch(conn, schema, subscription, partition, size)
+        return _transactional_batch(db, subscription, partition, size)
+    with db.transaction():
+        batch = _next_batch(db, subscription, partition, size)
     if batch is None:
         return None
     if batch.missing is not None:
         raise batch.missing
     _run_handlers(subscription, batch, None)
-    with conn.transaction():
-        return _commit_position(conn, schema, subscription, batch)
+    with db.transaction():
+        return _commit_position(db, subscription, batch)
 
 
 def _transactional_batch(
-    conn: psycopg.Connection[Any],
-    schema: str,
+    db: Db,
     subscription: Subscription,
     partition: int,
     size: int | None,
@@ -285,12 +277,12 @@ def _transactional_batch(
     handled = False
     outcome: BatchOutcome | None = None
     try:
-        with conn.transaction():
-            batch = _next_batch(conn, schema, subscription, partition, size)
+        with db.transaction():
+            batch = _next_batch(db, subscription, partition, size)
             if batch is not None and batch.missing is None:
-                _run_handlers(subscription, batch, conn)
+                _run_handlers(subscription, batch, db.conn)
                 handled = True
-                outcome = _commit_position(conn, schema, subscription, batch)
+                outcome = _commit_position(db, subscription, batch)
     except psycopg.Error as error:
         # Once the handlers have run, an error that is not the database's own trouble
         # comes from what they did: a write that breaks a deferred constraint at COMMIT,
@@ -341,8 +333,7 @@ class _Batch:
 
 
 def _next_batch(
-    conn: psycopg.Connection[Any],
-    schema: str,
+    db: Db,
     subscription: Subscription,
     partition: int,
     size: int | None,
@@ -356,10 +347,8 @@ def _next_batch(
     this transaction) and returns a batch of no events that names them (`missing`); it
     never skips them.
     """
-    locked = conn.execute(
-        query(schema, "lock_position"),
-        {"name": subscription.name, "partition": partition, "stream": subscription.stream},
-    ).fetchone()
+    params = {"name": subscription.name, "partition": partition, "stream": subscription.stream}
+    locked = db.run(Query("lock_position", params, first_row))
     if locked is None:
         raise SubscriptionNotFound(
             f"subscription {subscription.name!r} is not stored for stream "
@@ -370,34 +359,35 @@ def _next_batch(
         return None
     # after a failure, the failing event is retried on its own
     size = 1 if attempts > 0 else size or subscription.batch_size
-    events = SQL(schema).run(conn, read_after(subscription.stream, partition, old, size + 1))
+    events = db.run(read_after(subscription.stream, partition, old, size + 1))
     first_found = events[0].position if events else head + 1
     if first_found > old + 1 and head > old:
         missing = PositionsMissing(
             subscription.name, subscription.stream, partition, old + 1, first_found - 1
         )
-        stop_partition(conn, schema, subscription.name, partition, old, generation, missing)
+        db.run(stop_partition(subscription.name, partition, old, generation, missing))
         return _Batch(partition, old, generation, [], None, missing)
     next_time = events[size].occurred_at if len(events) > size else None
     return _Batch(partition, old, generation, events[:size], next_time)
 
 
-def _commit_position(
-    conn: psycopg.Connection[Any], schema: str, subscription: Subscription, batch: _Batch
-) -> BatchOutcome:
+def _commit_position(db: Db, subscription: Subscription, batch: _Batch) -> BatchOutcome:
     new = batch.events[-1].position if batch.events else batch.old
-    moved = conn.execute(
-        query(schema, "commit_position"),
-        {
-            "name": subscription.name,
-            "partition": batch.partition,
-            "old": batch.old,
-            "generation": batch.generation,
-            "new": new,
-            "next_time": batch.next_time,
-        },
+    moved = db.run(
+        Query(
+            "commit_position",
+            {
+                "name": subscription.name,
+                "partition": batch.partition,
+                "old": batch.old,
+                "generation": batch.generation,
+                "new": new,
+                "next_time": batch.next_time,
+            },
+            rowcount,
+        )
     )
-    if moved.rowcount != 1:
+    if moved != 1:
         raise Fenced(
             f"the position of {subscription.name!r} in partition {batch.partition} moved "
             "during the batch; nothing of it was committed"
@@ -406,18 +396,16 @@ def _commit_position(
 
 
 def stop_partition(
-    conn: psycopg.Connection[Any],
-    schema: str,
     name: str,
     partition: int,
     position: int,
     generation: int,
     error: BaseException | None = None,
-) -> bool:
+) -> Query[bool]:
     """Halt a partition of a subscription still at (position, generation), recording
     `error` as its last error when given; False when the position moved (fenced)."""
-    stopped = conn.execute(
-        query(schema, "stop_partition"),
+    return Query(
+        "stop_partition",
         {
             "name": name,
             "partition": partition,
@@ -425,8 +413,8 @@ def stop_partition(
             "generation": generation,
             "error": None if error is None else error_text(error),
         },
+        lambda result: result.rowcount == 1,
     )
-    return stopped.rowcount == 1
 
 
 class _EventGone(Exception):
@@ -450,8 +438,7 @@ class Failure:
 
 
 def record_failure(
-    conn: psycopg.Connection[Any],
-    schema: str,
+    db: Db,
     subscription: Subscription,
     partition: int,
     failed: BatchFailed,
@@ -472,16 +459,19 @@ def record_failure(
         "position": failed.position,
         "generation": failed.generation,
     }
-    with conn.transaction():
-        attempts_row = conn.execute(
-            query(schema, "record_failure"),
-            {
-                **where,
-                "error": text,
-                "delay": settings.retry_delay,
-                "delay_max": settings.retry_delay_max,
-            },
-        ).fetchone()
+    with db.transaction():
+        attempts_row = db.run(
+            Query(
+                "record_failure",
+                {
+                    **where,
+                    "error": text,
+                    "delay": settings.retry_delay,
+                    "delay_max": settings.retry_delay_max,
+                },
+                first_row,
+            )
+        )
         if attempts_row is None:
             return Failure(0, "fenced")
         # the row is locked from here on: the writes below cannot be fenced
@@ -489,42 +479,37 @@ def record_failure(
         if attempts < subscription.max_attempts:
             return Failure(attempts, "retry")
         if subscription.on_error == "stop":
-            stop_partition(
-                conn, schema, subscription.name, partition, failed.position, failed.generation
-            )
+            db.run(stop_partition(subscription.name, partition, failed.position, failed.generation))
             return Failure(attempts, "stopped")
         # dead_letter: the event after the position is the failing one
         failing = failed.position + 1
         try:
-            with conn.transaction():  # the older open dead letter stays open if none follows
-                conn.execute(
-                    query(schema, "supersede_dead_letters"), {**where, "position": failing}
+            with db.transaction():  # the older open dead letter stays open if none follows
+                db.run(Query("supersede_dead_letters", {**where, "position": failing}, nothing))
+                recorded = db.run(
+                    Query(
+                        "dead_letter",
+                        {
+                            **where,
+                            "stream": subscription.stream,
+                            "position": failing,
+                            "error": text,
+                            "attempts": attempts,
+                        },
+                        first_row,
+                    )
                 )
-                recorded = conn.execute(
-                    query(schema, "dead_letter"),
-                    {
-                        **where,
-                        "stream": subscription.stream,
-                        "position": failing,
-                        "error": text,
-                        "attempts": attempts,
-                    },
-                ).fetchone()
                 if recorded is None:
                     raise _EventGone
         except _EventGone:
             missing = PositionsMissing(
                 subscription.name, subscription.stream, partition, failing, failing
             )
-            stop_partition(
-                conn,
-                schema,
-                subscription.name,
-                partition,
-                failed.position,
-                failed.generation,
-                missing,
+            db.run(
+                stop_partition(
+                    subscription.name, partition, failed.position, failed.generation, missing
+                )
             )
             return Failure(attempts, "missing")
-        conn.execute(query(schema, "skip_event"), where)
+        db.run(Query("skip_event", where, nothing))
         return Failure(attempts, "dead_lettered")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -30,13 +29,14 @@ from typing import Any
 import psycopg
 import sqlalchemy.exc
 
-from subengine import _metrics
+from subengine import _metrics, _operations
 from subengine._app import Subscription
 from subengine._engine import Engine
 from subengine._errors import DatabaseUnavailable, Fenced, PositionsMissing, SubscriptionNotFound
-from subengine._operations import prune_workers
-from subengine._queries import query
+from subengine._locks import lock_key, lock_partition, ping, unlock_partition
 from subengine._settings import Settings
+from subengine._sql import SQL, Db
+from subengine._streams import listen
 from subengine._subscriptions import (
     BatchFailed,
     BatchOutcome,
@@ -44,6 +44,7 @@ from subengine._subscriptions import (
     ensure_subscription,
     error_text,
     handle_batch,
+    partitions_with_work,
     record_failure,
 )
 
@@ -57,11 +58,7 @@ _RECONNECT_DELAY_SECONDS = 1.0
 _LISTEN_CHECK_SECONDS = 0.25
 
 
-def lock_key(schema: str, subscription: str, partition: int) -> int:
-    """The advisory lock of (subscription, partition): the SQL function lock_class's
-    31 bits of MD5 of "schema.subscription", shifted left 32 bits, or'ed with the partition."""
-    digest = hashlib.md5(f"{schema}.{subscription}".encode(), usedforsecurity=False).digest()
-    return (int.from_bytes(digest[:4], "big") & 0x7FFFFFFF) << 32 | partition
+__all__ = ["Worker", "lock_key"]
 
 
 class _Wakeup:
@@ -111,9 +108,9 @@ class _Held:
     a transaction; its locks are session locks, gone if it ends.
     """
 
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], schema: str) -> None:
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], sql: SQL) -> None:
         self._connect = connect
-        self._schema = schema
+        self._sql = sql
         self._conn: psycopg.Connection[Any] | None = None
         self.key: tuple[str, int] | None = None
         self.has_work = False
@@ -126,17 +123,14 @@ class _Held:
                 self.close()
                 self._conn = self._connect()
             try:
-                row = self._conn.execute(
-                    query(self._schema, "lock_partition"),
-                    {"key": lock_key, "held": self._lock_key},
-                ).fetchone()
+                taken = self._sql.run(self._conn, lock_partition(lock_key, self._lock_key))
                 break
             except psycopg.OperationalError:
                 # the connection ended, and the held lock with it: once more on a new one
                 self.close()
                 if attempt == 2:
                     raise
-        if row is None or not row[0]:
+        if not taken:
             return False
         self.key, self._lock_key, self.has_work = key, lock_key, True
         return True
@@ -148,7 +142,7 @@ class _Held:
         self._forget()
         try:
             if self._conn is not None:
-                self._conn.execute(query(self._schema, "unlock_partition"), {"key": lock_key})
+                self._sql.run(self._conn, unlock_partition(lock_key))
         except psycopg.Error as error:  # the connection is gone, and the lock with it
             log.info("a partition lock's connection was gone (%s); so is the lock", error)
             self.close()
@@ -158,7 +152,7 @@ class _Held:
         took the lock with it, and another worker may hold it now."""
         try:
             if self._conn is not None:
-                self._conn.execute(query(self._schema, "ping"))
+                self._sql.run(self._conn, ping())
                 return True
         except psycopg.Error:
             self.close()
@@ -258,11 +252,11 @@ class Worker:
 
     def run(self, stop: threading.Event) -> None:
         """Work until `stop` is set; the current batches finish and every lock is released."""
-        with self.engine.connection() as conn:
+        with self.engine.db() as db:
             for subscription in self.subscriptions.values():
-                ensure_subscription(conn, self.schema, subscription)
-            pruned = prune_workers(conn, self.schema)
-            conn.execute(query(self.schema, "register_worker"), self._registration())
+                ensure_subscription(db, subscription)
+            pruned = db.run(_operations.prune_workers())
+            db.run(_operations.register_worker(self._registration()))
         if pruned:
             log.info(
                 "removed the registrations of %s workers that are gone (pids %s)",
@@ -330,7 +324,7 @@ class Worker:
     def _unregister(self) -> None:
         try:
             with self.engine.connect(application_name=self.application_name) as conn:
-                conn.execute(query(self.schema, "unregister_worker"), {"id": self.id})
+                self.engine.sql.run(conn, _operations.unregister_worker(self.id))
         except psycopg.OperationalError as error:  # the row is for inspection only
             log.warning("could not unregister the worker: %s", error, extra=self._fields())
 
@@ -340,14 +334,14 @@ class Worker:
         outage_since: float | None = None
         held = _Held(
             lambda: self.engine.connect(application_name=self.application_name, autocommit=True),
-            self.schema,
+            self.engine.sql,
         )
         try:
             while not stop.is_set():
                 try:
                     with self.engine.connect(application_name=self.application_name) as conn:
                         outage_since = None
-                        self._work(conn, held, stop)
+                        self._work(Db(conn, self.engine.sql), held, stop)
                 except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
                     now = time.monotonic()
                     outage_since = now if outage_since is None else outage_since
@@ -373,7 +367,7 @@ class Worker:
         finally:
             held.close()
 
-    def _work(self, conn: psycopg.Connection[Any], held: _Held, stop: threading.Event) -> None:
+    def _work(self, db: Db, held: _Held, stop: threading.Event) -> None:
         """Look for work and handle the partition whose next event is oldest, one batch at
         a time (invariant 7). After each batch the slot goes on with the oldest of the
         partitions the look found, its own included; it looks again after a notification,
@@ -381,7 +375,7 @@ class Worker:
         """
         while not stop.is_set():
             seen = self.wakeup.count()
-            queue = self._candidates(conn)
+            queue = self._candidates(db)
             # a full look may have left out partitions with work: look again when the
             # ones it found are used up
             cut_off = len(queue) == self.concurrency * _CANDIDATES_PER_SLOT
@@ -397,7 +391,7 @@ class Worker:
                 continue
             while chosen is not None and not stop.is_set():
                 name, partition = chosen
-                next_time = self._take_turn(conn, self.subscriptions[name], partition, stop)
+                next_time = self._take_turn(db, self.subscriptions[name], partition, stop)
                 held.has_work = next_time is not None
                 if (
                     next_time is None
@@ -411,14 +405,11 @@ class Worker:
                     bisect.insort(queue, _Candidate(chosen, next_time), key=_Candidate.order)
                     chosen = self._choose(queue, held)
 
-    def _candidates(self, conn: psycopg.Connection[Any]) -> list[_Candidate]:
+    def _candidates(self, db: Db) -> list[_Candidate]:
         """The partitions with work, oldest next event first (at most a few per slot)."""
         names = [name for name in self.subscriptions if name not in self._left]
-        rows = conn.execute(
-            query(self.schema, "partitions_with_work"),
-            {"names": names, "limit": self.concurrency * _CANDIDATES_PER_SLOT},
-        ).fetchall()
-        conn.commit()
+        rows = db.run(partitions_with_work(names, self.concurrency * _CANDIDATES_PER_SLOT))
+        db.conn.commit()
         return [_Candidate((name, partition), next_time) for name, partition, next_time in rows]
 
     def _choose(self, queue: list[_Candidate], held: _Held) -> tuple[str, int] | None:
@@ -448,7 +439,7 @@ class Worker:
 
     def _take_turn(
         self,
-        conn: psycopg.Connection[Any],
+        db: Db,
         subscription: Subscription,
         partition: int,
         stop: threading.Event,
@@ -467,9 +458,9 @@ class Worker:
         while not stop.is_set():
             started = time.monotonic()
             try:
-                outcome = self._batch(conn, subscription, partition, 1 if split else None)
+                outcome = self._batch(db, subscription, partition, 1 if split else None)
             except Exception as error:
-                if conn.broken or conn.closed:
+                if db.conn.broken or db.conn.closed:
                     raise _ConnectionLost(f"the worker's connection broke: {error}") from error
                 self._database_trouble(subscription, partition, error)
                 return None
@@ -490,7 +481,7 @@ class Worker:
 
     def _batch(
         self,
-        conn: psycopg.Connection[Any],
+        db: Db,
         subscription: Subscription,
         partition: int,
         size: int | None,
@@ -498,7 +489,7 @@ class Worker:
         """One batch: its outcome; a failed batch of several events (to split); None when
         the partition has nothing to do now (stopped, failed, fenced or missing events)."""
         try:
-            return handle_batch(conn, self.schema, subscription, partition, size)
+            return handle_batch(db, subscription, partition, size)
         except Fenced as fenced:
             log.info("%s", fenced, extra=self._fields(subscription=subscription.name))
             return None
@@ -527,14 +518,12 @@ class Worker:
             )
             return None
         except BatchFailed as failed:
-            if conn.broken or conn.closed:  # the handlers met the connection's end
+            if db.conn.broken or db.conn.closed:  # the handlers met the connection's end
                 raise
             if failed.events > 1:
                 self._batch_split(subscription, partition, failed)
                 return failed
-            failure = record_failure(
-                conn, self.schema, subscription, partition, failed, self.settings
-            )
+            failure = record_failure(db, subscription, partition, failed, self.settings)
             self._batch_failed(subscription, partition, failure, failed.error)
             return None
 
@@ -653,7 +642,7 @@ class Worker:
                 with self.engine.connect(
                     application_name=self.application_name, autocommit=True
                 ) as conn:
-                    conn.execute(self.engine.sql.text("listen"))
+                    self.engine.sql.run(conn, listen())
                     self.wakeup.notify()  # whatever came while we were not listening
                     while not stop.is_set():
                         for notification in conn.notifies(timeout=_LISTEN_CHECK_SECONDS):
@@ -687,7 +676,7 @@ class Worker:
                 with self.engine.connection() as conn:
                     if stop.is_set():  # never register again once the worker is stopping
                         return
-                    conn.execute(query(self.schema, "heartbeat"), self._registration())
+                    self.engine.sql.run(conn, _operations.heartbeat(self._registration()))
             except Exception as error:  # the heartbeat is for inspection only: never fatal
                 log.warning("heartbeat failed: %s", error, extra=self._fields())
 
@@ -703,7 +692,7 @@ class Worker:
             else:
                 try:
                     with self.engine.connection() as conn:
-                        reading = _metrics.read_lag(conn, self.schema, names, self.id)
+                        reading = self.engine.sql.run(conn, _metrics.read_lag(names, self.id))
                 except Exception as error:  # progress is for people: never fatal
                     log.warning("could not read the lag: %s", error, extra=self._fields())
                 else:

@@ -350,8 +350,9 @@ def test_two_workers_on_one_partition_never_handle_an_event_twice(engine, projec
 
     def work():
         with psycopg.connect(dsn) as conn:
+            db = subengine._sql.Db(conn, subengine._sql.SQL("subengine"))
             while (
-                outcome := subengine._subscriptions.process_batch(conn, "subengine", sub, 0)
+                outcome := subengine._subscriptions.process_batch(db, sub, 0)
             ) is not None and outcome.handled:
                 pass
 

@@ -46,6 +46,7 @@ from pyspark.sql.types import (
 from subengine._errors import ConfigurationError, InvalidInput, SubengineError
 from subengine._events import PartitionState
 from subengine._settings import Settings
+from subengine._sql import Db
 from subengine.spark import _offsets, _options, _staging, _store
 from subengine.spark._offsets import Positions
 from subengine.spark._rows import (
@@ -147,16 +148,16 @@ def _check_source(options: _options.ReadOptions) -> None:
     """Connect from the driver and check the stream, the partitions, the starting
     positions and the subscription exist and fit."""
     target = options.target
-    with _store.connect(target.dsn(ON_DRIVER)) as conn:
-        bounds = _store.partition_bounds(conn, target.schema, target.stream)
+    with _store.connect(target.dsn(ON_DRIVER), target.schema) as db:
+        bounds = _store.partition_bounds(db, target.stream)
         chosen = _store.chosen(bounds, target.stream, options.partitions)
-        _starting_positions(conn, options, bounds, chosen)
+        _starting_positions(db, options, bounds, chosen)
         if options.subscription is not None:
-            _store.subscription_positions(conn, target.schema, options.subscription, target.stream)
+            _store.subscription_positions(db, options.subscription, target.stream)
 
 
 def _starting_positions(
-    conn: Any,
+    db: Db,
     options: _options.ReadOptions,
     bounds: dict[int, PartitionState],
     chosen: tuple[int, ...],
@@ -170,7 +171,7 @@ def _starting_positions(
         return {p: bounds[p].head for p in chosen}
     if isinstance(starting, str):
         name = starting.removeprefix(_options.SUBSCRIPTION_PREFIX)
-        positions = _store.subscription_positions(conn, target.schema, name, target.stream)
+        positions = _store.subscription_positions(db, name, target.stream)
         return {p: positions.get(p, 0) for p in chosen}
     for partition, position in starting.items():
         if partition not in chosen:
@@ -195,8 +196,8 @@ class BatchReader(DataSourceReader):
 
     def partitions(self) -> list[InputPartition]:
         target = self.options.target
-        with _store.connect(target.dsn(ON_DRIVER)) as conn:
-            bounds = _store.partition_bounds(conn, target.schema, target.stream)
+        with _store.connect(target.dsn(ON_DRIVER), target.schema) as db:
+            bounds = _store.partition_bounds(db, target.stream)
         chosen = _store.chosen(bounds, target.stream, self.options.partitions)
         ranges = [(p, bounds[p].floor - 1, bounds[p].head) for p in chosen]
         return _ranges(ranges, self.options.rows_per_split) or [EventRange(chosen[0], 0, 0)]
@@ -232,8 +233,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.available_now: Positions | None = None
 
     def _bounds(self) -> tuple[dict[int, PartitionState], tuple[int, ...]]:
-        with _store.connect(self.target.dsn(ON_DRIVER)) as conn:
-            bounds = _store.partition_bounds(conn, self.target.schema, self.target.stream)
+        with _store.connect(self.target.dsn(ON_DRIVER), self.target.schema) as db:
+            bounds = _store.partition_bounds(db, self.target.stream)
         return bounds, _store.chosen(bounds, self.target.stream, self.options.partitions)
 
     def _heads(self) -> Positions:
@@ -241,10 +242,10 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {p: bounds[p].head for p in chosen}
 
     def initialOffset(self) -> dict[str, int]:
-        with _store.connect(self.target.dsn(ON_DRIVER)) as conn:
-            bounds = _store.partition_bounds(conn, self.target.schema, self.target.stream)
+        with _store.connect(self.target.dsn(ON_DRIVER), self.target.schema) as db:
+            bounds = _store.partition_bounds(db, self.target.stream)
             chosen = _store.chosen(bounds, self.target.stream, self.options.partitions)
-            return _offsets.to_offset(_starting_positions(conn, self.options, bounds, chosen))
+            return _offsets.to_offset(_starting_positions(db, self.options, bounds, chosen))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         limit = self.options.max_records_per_trigger
@@ -352,8 +353,8 @@ def _prepare_write(
                 "timestamp (with the session's zone) so that the instant is unambiguous"
             )
     target = parsed.target
-    with _store.connect(target.dsn(ON_DRIVER)) as conn:
-        bounds = _store.partition_bounds(conn, target.schema, target.stream)
+    with _store.connect(target.dsn(ON_DRIVER), target.schema) as db:
+        bounds = _store.partition_bounds(db, target.stream)
     return parsed, len(bounds)
 
 
@@ -379,8 +380,8 @@ def _write_task(
         raise ConfigurationError("the subengine writer runs only inside a Spark task")
     attempt = WriteAttempt(write_id, batch, uuid.uuid4(), context.partitionId())
     rows = TaskRows(Settings.from_env(schema=target.schema), target.stream, partitions, attempt)
-    with _store.connect(target.dsn(ON_EXECUTOR)) as conn:
-        _staging.stage(conn, target.schema, rows.staged(batches))
+    with _store.connect(target.dsn(ON_EXECUTOR), target.schema) as db:
+        _staging.stage(db, rows.staged(batches))
     summary = rows.summary
     staged = StagedAttempt(
         attempt.attempt,
@@ -418,18 +419,16 @@ def _commit(
 ) -> _staging.CommitCounts:
     """Append the attempts' staged rows in one transaction, then delete the write's
     staged rows, those of failed attempts included."""
-    with _store.connect(target.dsn(ON_DRIVER)) as conn:
-        counts = _staging.commit_staged(
-            conn, target.schema, target.stream, write_id, batch, attempts
-        )
-        with conn.transaction():
-            _staging.discard_staged(conn, target.schema, write_id, batch)
+    with _store.connect(target.dsn(ON_DRIVER), target.schema) as db:
+        counts = _staging.commit_staged(db, target.stream, write_id, batch, attempts)
+        with db.transaction():
+            db.run(_staging.discard_staged(write_id, batch))
     return counts
 
 
 def _discard(target: _options.Target, write_id: str, batch: int) -> None:
-    with _store.connect(target.dsn(ON_DRIVER)) as conn, conn.transaction():
-        _staging.discard_staged(conn, target.schema, write_id, batch)
+    with _store.connect(target.dsn(ON_DRIVER), target.schema) as db, db.transaction():
+        db.run(_staging.discard_staged(write_id, batch))
 
 
 class BatchWriter(DataSourceArrowWriter):

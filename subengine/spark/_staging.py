@@ -21,11 +21,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
-
 from subengine._append import subengine_errors
 from subengine._errors import InvalidInput, SubengineError, WrongExpectedVersion
-from subengine._queries import query
+from subengine._sql import Db, Query, Row, first_row, nothing
 from subengine.spark._rows import StagedRow
 
 # Rows per append_events call of a commit; the calls share the commit's transaction.
@@ -56,16 +54,13 @@ class CommitCounts:
     duplicates: int
 
 
-def stage(conn: psycopg.Connection[Any], schema: str, rows: Iterable[StagedRow]) -> None:
+def stage(db: Db, rows: Iterable[StagedRow]) -> None:
     """Stage `rows` with one COPY, in the connection's transaction."""
-    with conn.cursor().copy(query(schema, "spark_stage")) as copy:
-        for row in rows:
-            copy.write_row(row)
+    db.sql.copy_in(db.conn, "spark_stage", rows)
 
 
 def commit_staged(
-    conn: psycopg.Connection[Any],
-    schema: str,
+    db: Db,
     stream: str,
     write_id: str,
     batch: int,
@@ -81,8 +76,9 @@ def commit_staged(
     key = {"write_id": write_id, "batch": batch, "attempts": [a.attempt for a in attempts]}
     ordered = sorted(attempts, key=lambda a: a.spark_partition)
     stored = duplicates = 0
-    with conn.transaction(), subengine_errors(stream):
-        counts = dict(conn.execute(query(schema, "spark_staged_counts"), key).fetchall())
+    with db.transaction(), subengine_errors(stream):
+        staged: Sequence[Row] = db.run(Query("spark_staged_counts", key))
+        counts: dict[uuid.UUID, int] = {attempt: count for attempt, count in staged}
         lost = [a for a in attempts if counts.get(a.attempt, 0) != a.rows]
         if lost:
             raise StagedRowsLost(
@@ -91,41 +87,34 @@ def commit_staged(
                 "crash); nothing of the write was appended: run it again"
             )
         partitions = sorted({p for a in attempts for p in a.partitions})
-        conn.execute(
-            query(schema, "spark_lock_partitions"), {"stream": stream, "partitions": partitions}
-        ).fetchall()
-        setting = conn.execute(query(schema, "spark_plan_by_hashing")).fetchone()
-        conn.execute(query(schema, "spark_number_shared_rows"), key)
+        db.run(
+            Query("spark_lock_partitions", {"stream": stream, "partitions": partitions}, nothing)
+        )
+        setting = db.run(Query("spark_plan_by_hashing", {}, first_row))
+        db.run(Query("spark_number_shared_rows", key, nothing))
         if setting is not None:
-            conn.execute(query(schema, "spark_plan_restore"), {"setting": setting[0]})
+            db.run(Query("spark_plan_restore", {"setting": setting[0]}, nothing))
         if any(a.expects_versions for a in attempts):
-            _check_expected_versions(conn, schema, stream, key)
-        statement = query(schema, "spark_append_staged")
+            _check_expected_versions(db, stream, key)
         for attempt in ordered:
             for after in range(0, attempt.rows, APPEND_CHUNK):
-                row = conn.execute(
-                    statement,
-                    {
-                        "stream": stream,
-                        "write_id": write_id,
-                        "batch": batch,
-                        "attempt": attempt.attempt,
-                        "after": after,
-                        "upto": after + APPEND_CHUNK,
-                    },
-                ).fetchone()
+                params = {
+                    "stream": stream,
+                    "write_id": write_id,
+                    "batch": batch,
+                    "attempt": attempt.attempt,
+                    "after": after,
+                    "upto": after + APPEND_CHUNK,
+                }
+                row = db.run(Query("spark_append_staged", params, first_row))
                 if row is not None:
                     stored += row[0]
                     duplicates += row[1]
     return CommitCounts(stored, duplicates)
 
 
-def _check_expected_versions(
-    conn: psycopg.Connection[Any], schema: str, stream: str, key: dict[str, Any]
-) -> None:
-    found = conn.execute(
-        query(schema, "spark_expected_versions"), {**key, "stream": stream}
-    ).fetchone()
+def _check_expected_versions(db: Db, stream: str, key: dict[str, Any]) -> None:
+    found = db.run(Query("spark_expected_versions", {**key, "stream": stream}, first_row))
     if found is None:
         return
     name, low, high, actual = found
@@ -137,7 +126,7 @@ def _check_expected_versions(
     raise WrongExpectedVersion(stream, name, low, actual)
 
 
-def discard_staged(conn: psycopg.Connection[Any], schema: str, write_id: str, batch: int) -> None:
+def discard_staged(write_id: str, batch: int) -> Query[None]:
     """Delete the staged rows of a write (of a streaming query: up to micro-batch
     `batch`), of every attempt, in the connection's transaction."""
-    conn.execute(query(schema, "spark_discard_staged"), {"write_id": write_id, "batch": batch})
+    return Query("spark_discard_staged", {"write_id": write_id, "batch": batch}, nothing)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
 
 import psycopg
 import pyarrow as pa
 import pyarrow.csv as pa_csv
-from psycopg import pq
 
 from subengine import _connection
 from subengine._append import EARLIEST, LATEST
@@ -30,9 +29,8 @@ from subengine._errors import (
     SubscriptionNotFound,
 )
 from subengine._events import PartitionState
-from subengine._queries import query
 from subengine._settings import Settings
-from subengine._sql import SQL
+from subengine._sql import SQL, Db, Query, Row, nothing
 from subengine._streams import partition_states
 from subengine.spark._offsets import Positions
 
@@ -88,18 +86,19 @@ class RetentionGap(SubengineError, LookupError):
         self.partition = partition
 
 
-def connect(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
-    """A new connection; the data source opens one per task or driver call."""
-    return _connection.connect(
+@contextmanager
+def connect(dsn: str, schema: str) -> Iterator[Db]:
+    """A new connection with the queries of `schema`, in a transaction that commits when
+    the block ends; the data source opens one per task or driver call."""
+    with _connection.connect(
         dsn, Settings.from_env().connect_timeout, application_name="subengine-spark"
-    )
+    ) as conn:
+        yield Db(conn, SQL(schema))
 
 
-def partition_bounds(
-    conn: psycopg.Connection[Any], schema: str, stream: str
-) -> dict[int, PartitionState]:
+def partition_bounds(db: Db, stream: str) -> dict[int, PartitionState]:
     """Head and floor of every partition of `stream`; StreamNotFound if there is none."""
-    return {state.partition: state for state in SQL(schema).run(conn, partition_states(stream))}
+    return {state.partition: state for state in db.run(partition_states(stream))}
 
 
 def chosen(
@@ -138,16 +137,15 @@ def read_range(
 ) -> Iterator[pa.RecordBatch]:
     """The events of positions (after, upto] of one partition, in position order, as
     Arrow batches of ARROW_SCHEMA. The same range always gives the same rows."""
-    with connect(dsn) as conn:
-        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        conn.read_only = True
-        bounds = partition_bounds(conn, schema, stream).get(partition)
+    with connect(dsn, schema) as db:
+        db.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        db.conn.read_only = True
+        bounds = partition_bounds(db, stream).get(partition)
         if bounds is None:
             raise PartitionNotFound(stream, partition, 0)
         check_stored(stream, bounds, after, upto)
-        conn.execute(query(schema, "spark_read_plan"))
+        db.run(Query("spark_read_plan", {}, nothing))
         filtered = since is not None or until is not None
-        statement = query(schema, "spark_read_range")
         for low in range(after, upto, COPY_POSITIONS):
             high = min(low + COPY_POSITIONS, upto)
             params = {
@@ -158,7 +156,7 @@ def read_range(
                 "since": since or EARLIEST,
                 "until": until or LATEST,
             }
-            table = _parse(_copy_out(conn, statement, params))
+            table = _parse(db.sql.copy_out(db.conn, Query("spark_read_range", params)))
             if not filtered and table.num_rows != high - low:
                 # Dense positions under a checked floor: anything else is a broken invariant.
                 raise SubengineError(
@@ -166,37 +164,6 @@ def read_range(
                     f"hold {table.num_rows} events, not {high - low}: positions must be dense"
                 )
             yield from _batches(table, stream, partition)
-
-
-def _copy_out(conn: psycopg.Connection[Any], statement: bytes, params: dict[str, Any]) -> bytes:
-    """Everything a `COPY ... TO STDOUT` statement sends, in one buffer.
-
-    PostgreSQL sends a message per row. psycopg's Copy object takes each through a Python
-    generator, which costs about twice what libpq's own call does, and a read's client time
-    is mostly that; so this drives libpq directly. Parameters are bound on the client, as
-    psycopg binds them for COPY (the server takes none there).
-    """
-    text = psycopg.ClientCursor(conn).mogrify(statement, params)
-    pgconn = conn.pgconn
-    pgconn.send_query(text.encode(conn.info.encoding))
-    result = pgconn.get_result()
-    chunks: list[memoryview] = []
-    if result is not None and result.status == pq.ExecStatus.COPY_OUT:
-        receive = pgconn.get_copy_data
-        while True:
-            size, data = receive(0)  # 0: wait for the next row
-            if size < 0:
-                break
-            chunks.append(data)
-        result = pgconn.get_result()
-    error = None
-    while result is not None:  # the COPY's outcome, then the end of the results
-        if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.COPY_OUT):
-            error = error or psycopg.errors.error_from_result(result, conn.info.encoding)
-        result = pgconn.get_result()
-    if error is not None:
-        raise error
-    return b"".join(chunks)
 
 
 def _parse(text: bytes) -> pa.Table:
@@ -229,11 +196,9 @@ def _batches(table: pa.Table, stream: str, partition: int) -> Iterator[pa.Record
 # subscriptions
 
 
-def subscription_positions(
-    conn: psycopg.Connection[Any], schema: str, name: str, stream: str
-) -> Positions:
+def subscription_positions(db: Db, name: str, stream: str) -> Positions:
     """The positions of subscription `name`, which must read `stream`."""
-    rows = conn.execute(query(schema, "spark_subscription"), {"name": name}).fetchall()
+    rows: Sequence[Row] = db.run(Query("spark_subscription", {"name": name}))
     if not rows:
         raise SubscriptionNotFound(
             f"no subscription named {name!r}; create it with "
@@ -248,8 +213,6 @@ def subscription_positions(
 
 def advance_subscription(dsn: str, schema: str, name: str, positions: Positions) -> None:
     """Move subscription `name` forward to `positions` (never back)."""
-    with connect(dsn) as conn:
-        conn.execute(
-            query(schema, "spark_advance_subscription"),
-            {"name": name, "partitions": list(positions), "positions": list(positions.values())},
-        )
+    params = {"name": name, "partitions": list(positions), "positions": list(positions.values())}
+    with connect(dsn, schema) as db:
+        db.run(Query("spark_advance_subscription", params, nothing))

@@ -327,7 +327,10 @@ SELECT subscription, stream, count(*) AS partitions, sum(lag) AS lag,
 
 -- name: subscription_status
 -- The status view's rows of one subscription, or of all.
-SELECT * FROM {schema}.subscription_status
+SELECT subscription, stream, partition, position, head, lag, next_event_at, lag_seconds,
+       state, attempts, last_error, retry_at, generation, worker_id, worker_host, worker_pid,
+       updated_at
+  FROM {schema}.subscription_status
  WHERE %(name)s::text IS NULL OR subscription = %(name)s
  ORDER BY subscription, partition
 
@@ -346,7 +349,10 @@ RETURNING sp.partition
 SELECT 1 FROM {schema}.subscriptions WHERE name = %(name)s
 
 -- name: workers_status
-SELECT * FROM {schema}.workers_status ORDER BY started_at
+SELECT id, host, pid, subscriptions, started_at, heartbeat_at, seconds_since_heartbeat,
+       connected, partitions_held
+  FROM {schema}.workers_status
+ ORDER BY started_at
 
 -- name: list_dead_letters
 -- Dead letters, unresolved ones only unless %(all)s.
