@@ -7,8 +7,9 @@ engine.create_stream("orders", partitions=8)
 engine.append("orders", [subengine.NewEvent("order-1", "OrderPlaced", {"total": 10})])
 """
 
-from subengine._app import App, Subscription
+from subengine._app import App
 from subengine._append import append
+from subengine._declarations import Subscription
 from subengine._engine import Engine
 from subengine._errors import (
     ConfigurationError,

@@ -13,7 +13,7 @@ import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -31,6 +31,8 @@ from subengine._errors import (
 from subengine._events import Appended, NewEvent, new_event_id
 from subengine._names import (
     BIGINT_MAX,
+    EARLIEST,
+    LATEST,
     shown_value,
     validate_key,
     validate_stream_name,
@@ -50,9 +52,6 @@ ID_CONFLICT = "SE410"
 
 # A NUL character as JSON escapes it: \u0000 after an even number of backslashes.
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
-# PostgreSQL stores a wider range, but Python reads back only years 1 to 9999, in any zone.
-EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
-LATEST = datetime(9999, 12, 30, tzinfo=UTC)
 
 
 def _json(value: Any, what: str) -> tuple[str, int]:

@@ -16,7 +16,6 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from subengine import _embedded, _migrate, _operations, _read, _streams, _subscriptions
-from subengine._app import Start, Subscription
 from subengine._append import (
     ExpectedVersion,
     append_prepared,
@@ -35,6 +34,7 @@ from subengine._connection import (
     one_line,
     safe_message,
 )
+from subengine._declarations import Start, Subscription
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
 from subengine._records import (

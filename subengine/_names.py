@@ -7,6 +7,7 @@ the error says exactly which rule it broke.
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 
 from subengine._errors import ConfigurationError, InvalidInput
 
@@ -18,6 +19,10 @@ SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 MAX_KEY_LENGTH = 1000
 MAX_TYPE_LENGTH = 200
 MAX_PARTITIONS = 4096
+# The times an event may carry, and the bounds of every read by time: PostgreSQL stores a
+# wider range, but Python reads back only years 1 to 9999, in any zone.
+EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
+LATEST = datetime(9999, 12, 30, tzinfo=UTC)
 
 
 def _shown(value: str) -> str:

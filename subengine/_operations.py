@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from subengine._app import Subscription
+from subengine._declarations import Subscription
 from subengine._errors import InvalidInput, SubscriptionNotFound
 from subengine._names import BIGINT_MAX, INTEGER_MAX, validate_stream_name, validate_whole_number
 from subengine._read import read_after

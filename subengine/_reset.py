@@ -7,8 +7,8 @@ together: `reset_subscription` here runs on the caller's connection, as `append`
 
 from __future__ import annotations
 
-from subengine._app import Start
 from subengine._connection import psycopg_connection
+from subengine._declarations import Start
 from subengine._settings import Settings
 from subengine._sql import SQL, Db
 from subengine._subscriptions import reset_subscription as reset_positions

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg.types.json import Jsonb
 
-from subengine._app import Start, Subscription, describe_start, start_to_json
+from subengine._declarations import Start, Subscription, describe_start, start_to_json
 from subengine._errors import (
     Fenced,
     InvalidInput,

@@ -30,7 +30,7 @@ import psycopg
 import sqlalchemy.exc
 
 from subengine import _metrics, _operations
-from subengine._app import Subscription
+from subengine._declarations import Subscription
 from subengine._engine import Engine
 from subengine._errors import DatabaseUnavailable, Fenced, PositionsMissing, SubscriptionNotFound
 from subengine._locks import lock_key, lock_partition, ping, unlock_partition

@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 
 from subengine import _connection
-from subengine._append import EARLIEST, LATEST
 from subengine._errors import (
     InvalidInput,
     PartitionNotFound,
@@ -29,6 +28,7 @@ from subengine._errors import (
     SubscriptionNotFound,
 )
 from subengine._events import PartitionState
+from subengine._names import EARLIEST, LATEST
 from subengine._settings import Settings
 from subengine._sql import SQL, Db, Query, Row, nothing
 from subengine._streams import partition_states
