@@ -1,8 +1,12 @@
 """Opening connections, and finding the psycopg connection behind what the caller hands us.
 
-`connect` is the one place subengine opens a connection of its own: every one carries a
-connect timeout (an unreachable host fails instead of hanging) and an application name
-(the status views and `pg_stat_activity` tell subengine's connections apart).
+`connect` is the one place subengine opens a connection of its own (the engine's pool
+opens its connections with the same options): every one carries a connect timeout (an
+unreachable host fails instead of hanging), an application name (the status views and
+`pg_stat_activity` tell subengine's connections apart) and, given one, the schema it
+serves as the session setting `subengine.schema`. The schema is not put on the
+search_path: handlers run on these connections, and their unqualified names must resolve
+as the application expects.
 
 A DSN holds a password, and libpq quotes pieces of the DSN in its messages. Every message
 that leaves this module names no secret: see `dsn_problem` and `connect`. The errors
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import socket
 from collections.abc import Callable
@@ -40,13 +45,35 @@ _HIDDEN = "(hidden)"
 _QUOTED = re.compile(r'"[^"]*"|\'[^\']*\'')
 
 
-def connect_options(connect_timeout: float, application_name: str) -> dict[str, Any]:
-    """The libpq options every connection of subengine carries (a pool's `kwargs`)."""
+def connect_options(
+    connect_timeout: float,
+    application_name: str,
+    *,
+    schema: str | None = None,
+    dsn: str = "",
+) -> dict[str, Any]:
+    """The libpq options every connection of subengine carries (a pool's `kwargs`); with
+    `schema`, the session setting `subengine.schema`, added to the options `dsn` (or else
+    PGOPTIONS) already gives."""
     # libpq's connect_timeout is whole seconds, at least 2 (smaller values mean 2)
-    return {
+    options: dict[str, Any] = {
         "connect_timeout": max(2, math.ceil(connect_timeout)),
         "application_name": application_name,
     }
+    if schema is not None:
+        options["options"] = " ".join(
+            part for part in (_given_options(dsn), f"-c subengine.schema={schema}") if part
+        )
+    return options
+
+
+def _given_options(dsn: str) -> str:
+    # an `options` keyword replaces the DSN's and PGOPTIONS: keep what they say
+    try:
+        given = conninfo_to_dict(dsn).get("options")
+    except psycopg.ProgrammingError:
+        given = None  # psycopg.connect reports the malformed DSN
+    return str(given if given is not None else os.environ.get("PGOPTIONS", "")).strip()
 
 
 def connect(
@@ -55,13 +82,15 @@ def connect(
     *,
     application_name: str = APPLICATION_NAME,
     autocommit: bool = False,
+    schema: str | None = None,
 ) -> PgConnection:
-    """A new connection to `dsn` that gives up after `connect_timeout` seconds.
+    """A new connection to `dsn` that gives up after `connect_timeout` seconds, named
+    `application_name`, serving `schema` (see the module's documentation).
 
     A failure raises the psycopg error libpq gave (OperationalError; ProgrammingError for
     a malformed DSN), its message stripped of the DSN's secrets.
     """
-    options = connect_options(connect_timeout, application_name)
+    options = connect_options(connect_timeout, application_name, schema=schema, dsn=dsn)
     return _opened(lambda: psycopg.connect(dsn, autocommit=autocommit, **options), dsn)
 
 

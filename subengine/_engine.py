@@ -102,7 +102,9 @@ class Engine:
             min_size=self.settings.pool_min_size,
             max_size=self.settings.pool_max_size,
             timeout=self.settings.connect_timeout,
-            kwargs=connect_options(self.settings.connect_timeout, APPLICATION_NAME),
+            kwargs=connect_options(
+                self.settings.connect_timeout, APPLICATION_NAME, schema=self.schema, dsn=self.dsn
+            ),
             name="subengine",
             open=True,
         )
@@ -225,7 +227,8 @@ class Engine:
 
     def _direct_connection(self, deadline: float) -> PgConnection:
         remaining = deadline - time.monotonic()
-        return connect(self.dsn, max(0.1, min(remaining, _DIAGNOSIS_TIMEOUT_SECONDS)))
+        timeout = max(0.1, min(remaining, _DIAGNOSIS_TIMEOUT_SECONDS))
+        return connect(self.dsn, timeout, schema=self.schema)
 
     def connect(
         self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False
@@ -237,6 +240,7 @@ class Engine:
             self.settings.connect_timeout,
             application_name=application_name,
             autocommit=autocommit,
+            schema=self.schema,
         )
 
     # schema
