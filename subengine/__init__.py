@@ -9,6 +9,8 @@ engine.append("orders", [subengine.NewEvent("order-1", "OrderPlaced", {"total": 
 
 from subengine._app import App, Subscription
 from subengine._append import append
+from subengine._append_async import append_async
+from subengine._async_engine import AsyncEngine
 from subengine._engine import Engine
 from subengine._errors import (
     ConfigurationError,
@@ -37,6 +39,7 @@ from subengine._subscriptions import BatchOutcome, SubscriptionPosition
 __all__ = [
     "App",
     "Appended",
+    "AsyncEngine",
     "BatchOutcome",
     "ConfigurationError",
     "DatabaseUnavailable",
@@ -63,6 +66,7 @@ __all__ = [
     "SubscriptionPosition",
     "WrongExpectedVersion",
     "append",
+    "append_async",
     "partition_for",
     "reset_subscription",
     "sqlalchemy_session",
