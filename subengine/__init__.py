@@ -11,6 +11,7 @@ from subengine._app import App, Subscription
 from subengine._append import append
 from subengine._append_async import append_async
 from subengine._async_engine import AsyncEngine
+from subengine._cursor import Cursor
 from subengine._engine import Engine
 from subengine._errors import (
     ConfigurationError,
@@ -35,13 +36,16 @@ from subengine._orm import sqlalchemy_session
 from subengine._reset import reset_subscription
 from subengine._settings import Settings
 from subengine._subscriptions import BatchOutcome, SubscriptionPosition
+from subengine._tail import AsyncTail, Tail
 
 __all__ = [
     "App",
     "Appended",
     "AsyncEngine",
+    "AsyncTail",
     "BatchOutcome",
     "ConfigurationError",
+    "Cursor",
     "DatabaseUnavailable",
     "Engine",
     "Event",
@@ -64,6 +68,7 @@ __all__ = [
     "SubscriptionMismatch",
     "SubscriptionNotFound",
     "SubscriptionPosition",
+    "Tail",
     "WrongExpectedVersion",
     "append",
     "append_async",

@@ -30,10 +30,13 @@ from subengine._connection import (
     may_succeed_later,
     safe_message,
 )
+from subengine._cursor import Cursor
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
+from subengine._listener import AsyncListener
 from subengine._settings import Settings
 from subengine._sql import SQL
+from subengine._tail import LISTENER_APPLICATION_NAME, AsyncTail
 
 log = logging.getLogger("subengine")
 
@@ -85,6 +88,7 @@ class AsyncEngine:
             name="subengine-async",
             open=False,
         )
+        self._listener = AsyncListener(self._listening_connection, self.sql)
 
     async def open(self) -> None:
         """Open the pool (done by the first call that needs a connection)."""
@@ -93,8 +97,9 @@ class AsyncEngine:
         await self._pool.open()
 
     async def close(self) -> None:
-        """Close every connection of the pool."""
+        """Stop its tails' listener and close every connection of the pool."""
         self._closed = True
+        await self._listener.close()
         await self._pool.close()
 
     async def __aenter__(self) -> AsyncEngine:
@@ -203,6 +208,9 @@ class AsyncEngine:
             autocommit=autocommit,
         )
 
+    async def _listening_connection(self) -> psycopg.AsyncConnection[Any]:
+        return await self.connect(application_name=LISTENER_APPLICATION_NAME, autocommit=True)
+
     # streams
 
     async def create_stream(self, name: str, partitions: int) -> Stream:
@@ -272,3 +280,18 @@ class AsyncEngine:
         query = _streams.heads(stream)
         async with self.connection() as conn:
             return await self.sql.run_async(conn, query)
+
+    # the live tail
+
+    def tail(
+        self,
+        stream: str,
+        after: Cursor | str | None = None,
+        *,
+        keys: Iterable[str] | None = None,
+        types: Iterable[str] | None = None,
+    ) -> AsyncTail:
+        """Every event of `stream` after the cursor `after` (None: from the beginning),
+        then each new one as it commits: `async for event in engine.tail(...)`. `keys`
+        and `types` keep only events of those keys and types. See `Tail`."""
+        return AsyncTail(self, self._listener, stream, after, keys=keys, types=types)
