@@ -7,11 +7,15 @@ came through notifications and the listener's pull after a reconnect, not the po
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -351,3 +355,28 @@ def test_an_async_tail_resumes_from_a_cursor_and_filters(quiet_engine, settings)
     assert {e.type for e in [*first, *rest]} == {"Paid"}
     assert len({e.id for e in [*first, *rest]}) == 9
     assert cursor == Cursor.at("orders", quiet_engine.heads("orders"))
+
+
+def readme_block(heading: str) -> str:
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    section = text.split(f"### {heading}\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("heading", ["From asyncio", "A live tail"])
+def test_the_readme_examples_run(heading, cli_env, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", readme_block(heading)],
+        env=cli_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.splitlines()[-1]
+    if heading == "A live tail":
+        cursor = Cursor.parse(last)
+        assert (cursor.stream, sum(cursor.positions)) == ("shipments", 3)
+    else:
+        assert sum(ast.literal_eval(last).values()) == 2
