@@ -9,6 +9,9 @@ engine.append("orders", [subengine.NewEvent("order-1", "OrderPlaced", {"total": 
 
 from subengine._app import App
 from subengine._append import append
+from subengine._append_async import append_async
+from subengine._async_engine import AsyncEngine
+from subengine._cursor import Cursor
 from subengine._declarations import Subscription
 from subengine._engine import Engine
 from subengine._errors import (
@@ -42,12 +45,16 @@ from subengine._records import (
 from subengine._reset import reset_subscription
 from subengine._settings import Settings
 from subengine._subscriptions import BatchOutcome, SubscriptionPosition
+from subengine._tail import AsyncTail, Tail
 
 __all__ = [
     "App",
     "Appended",
+    "AsyncEngine",
+    "AsyncTail",
     "BatchOutcome",
     "ConfigurationError",
+    "Cursor",
     "DatabaseUnavailable",
     "DeadLetter",
     "Engine",
@@ -74,10 +81,12 @@ __all__ = [
     "SubscriptionNotFound",
     "SubscriptionPosition",
     "SubscriptionSummary",
+    "Tail",
     "WorkerRegistration",
     "WorkerStatus",
     "WrongExpectedVersion",
     "append",
+    "append_async",
     "partition_for",
     "reset_subscription",
     "sqlalchemy_session",

@@ -283,3 +283,76 @@ def _keep_if_harmless(quoted: re.Match[str]) -> str:
     if inner in _option_names() or not any(c.isalnum() for c in inner):
         return quoted.group(0)
     return _HIDDEN
+
+
+# asyncio: the same options, the same secret-free errors
+
+
+async def connect_async(
+    dsn: str,
+    connect_timeout: float,
+    *,
+    application_name: str = APPLICATION_NAME,
+    autocommit: bool = False,
+    schema: str | None = None,
+) -> psycopg.AsyncConnection[Any]:
+    """`connect` for asyncio: a new `AsyncConnection` with the same options, whose
+    errors name no secret of `dsn` either."""
+    options = connect_options(connect_timeout, application_name, schema=schema, dsn=dsn)
+    try:
+        return await psycopg.AsyncConnection.connect(dsn, autocommit=autocommit, **options)
+    except psycopg.Error as error:
+        failure = _without_secrets(error, dsn)
+    raise failure  # outside the `except`: see `_opened`
+
+
+class PooledAsyncConnection(psycopg.AsyncConnection[Any]):
+    """The connections of an `AsyncEngine`'s pool, opened as `connect_async` opens them."""
+
+    @classmethod
+    async def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
+        try:
+            return await super().connect(conninfo, **kwargs)
+        except psycopg.Error as error:
+            failure = _without_secrets(error, conninfo)
+        raise failure
+
+
+async def async_psycopg_connection(
+    conn: object,
+    *,
+    alone: str = "the events would commit on their own",
+    instead: str = "await async_engine.append()",
+) -> psycopg.AsyncConnection[Any]:
+    """`psycopg_connection` for asyncio: the psycopg `AsyncConnection` of `conn` (one, or
+    a SQLAlchemy `AsyncConnection` or `AsyncSession` on the psycopg driver), inside the
+    transaction the caller has open (a SQLAlchemy one is begun, as its autobegin would)."""
+    if isinstance(conn, psycopg.AsyncConnection):
+        # the same attributes as a sync connection's, so the same refusal
+        _in_transaction(conn, alone, instead)  # type: ignore[arg-type]
+        return conn
+    if isinstance(conn, psycopg.Connection):
+        raise InvalidInput(
+            "expected an asyncio connection, got a sync psycopg Connection: "
+            "use subengine.append() with it"
+        )
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    if isinstance(conn, AsyncSession):
+        conn = await conn.connection()  # joins (or begins) the session's transaction
+    if isinstance(conn, AsyncConnection):
+        if not conn.in_transaction():
+            await conn.begin()
+        raw = await conn.get_raw_connection()
+        driver_connection = raw.driver_connection
+        if isinstance(driver_connection, psycopg.AsyncConnection):
+            _in_transaction(driver_connection, alone, instead)  # type: ignore[arg-type]
+            return driver_connection
+        raise InvalidInput(
+            "subengine needs SQLAlchemy's psycopg driver: use a URL starting with "
+            f"'postgresql+psycopg://' (this connection uses {conn.dialect.driver!r})"
+        )
+    raise InvalidInput(
+        "expected a psycopg AsyncConnection, a SQLAlchemy AsyncConnection or a SQLAlchemy "
+        f"AsyncSession, got {type(conn).__name__}"
+    )

@@ -34,6 +34,7 @@ from subengine._connection import (
     one_line,
     safe_message,
 )
+from subengine._cursor import Cursor
 from subengine._declarations import Start, Subscription
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
@@ -48,6 +49,7 @@ from subengine._records import (
 from subengine._settings import Settings
 from subengine._sql import SQL, Db
 from subengine._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
+from subengine._tail import Tail
 
 log = logging.getLogger("subengine")
 # The pool logs every failed connection attempt, from a background thread. Where the
@@ -419,3 +421,17 @@ class Engine:
         query = _streams.heads(stream)
         with self.connection() as conn:
             return self.sql.run(conn, query)
+
+    def tail(
+        self,
+        stream: str,
+        after: Cursor | str | None = None,
+        *,
+        keys: Iterable[str] | None = None,
+        types: Iterable[str] | None = None,
+    ) -> Tail:
+        """Every event of `stream` after the cursor `after` (None: from the beginning),
+        then each new one as it commits: `for event in engine.tail(...)`. `keys` and
+        `types` keep only events of those keys and types; `tail.cursor` is where it
+        stands. All tails of an engine share one listening connection."""
+        return Tail(self, stream, after, keys=keys, types=types)

@@ -16,7 +16,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "subengine"
 LAYERS: dict[str, int] = {
     # vocabulary: events, declarations, records, errors, settings, names
     **dict.fromkeys(
-        ["_errors", "_names", "_events", "_declarations", "_records", "_settings", "_logging"], 0
+        [
+            "_errors",
+            "_names",
+            "_events",
+            "_declarations",
+            "_records",
+            "_settings",
+            "_logging",
+            "_cursor",
+        ],
+        0,
     ),
     # the SQL layer, and the one owner of connections
     **dict.fromkeys(["_sql", "_connection", "_embedded"], 1),
@@ -33,10 +43,13 @@ LAYERS: dict[str, int] = {
             "_migrate",
             "_reset",
             "_orm",
+            "_append_async",
+            "_listener",
+            "_tail",
         ],
         2,
     ),
-    "_engine": 3,
+    **dict.fromkeys(["_engine", "_async_engine"], 3),
     **dict.fromkeys(["_worker", "_app"], 4),
     # entry points: the package's public face and the Spark data source
     "__init__": 5,

@@ -1,0 +1,300 @@
+"""`AsyncEngine`: `Engine`'s reads and appends for asyncio applications.
+
+It is configured as an `Engine` is (a DSN, settings, or the embedded PostgreSQL), raises
+the same errors, and runs the very `Query` objects the sync engine runs (built and
+validated by the same functions), with `SQL.run_async` on a
+`psycopg_pool.AsyncConnectionPool`. Only connecting and waiting differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from subengine import _embedded, _read, _streams
+from subengine._append import ExpectedVersion, append_events, prepare, schema_not_ready
+from subengine._connection import (
+    APPLICATION_NAME,
+    PooledAsyncConnection,
+    connect_async,
+    connect_options,
+    connection_lost,
+    dsn_problem,
+    may_succeed_later,
+    safe_message,
+)
+from subengine._cursor import Cursor
+from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
+from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
+from subengine._listener import AsyncListener
+from subengine._settings import Settings
+from subengine._sql import SQL
+from subengine._tail import LISTENER_APPLICATION_NAME, AsyncTail
+
+log = logging.getLogger("subengine")
+
+# As the sync engine: how long to wait for the pool before looking at why it has no
+# connection (doubled after every look, up to the second value), and how long one more
+# connection attempt that explains a pool timeout may take.
+_FIRST_LOOK_SECONDS = 0.5
+_LONGEST_LOOK_SECONDS = 4.0
+_DIAGNOSIS_TIMEOUT_SECONDS = 5.0
+
+
+class AsyncEngine:
+    """Streams in one PostgreSQL database and schema, for asyncio.
+
+    `dsn`, `schema` and `settings` are those of `Engine`. The pool opens on first use
+    (or on `async with`); close it with `await engine.close()`.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        schema: str | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        base = settings or Settings.from_env()
+        changes = {k: v for k, v in {"dsn": dsn, "schema": schema}.items() if v is not None}
+        self.settings = base.with_changes(**changes) if changes else base
+        self.embedded = self.settings.dsn is None
+        if self.settings.dsn is None:
+            # starts (or finds) the server; Engine says so once per process already
+            self.dsn = _embedded.embedded_url(self.settings.home)
+        else:
+            self.dsn = self.settings.dsn
+            problem = dsn_problem(self.dsn)
+            if problem is not None:
+                raise ConfigurationError(f"invalid DSN: {problem}")
+        self.schema = self.settings.schema
+        self.sql = SQL(self.schema)
+        self._closed = False
+        self._pool_errors_seen = 0
+        self._pool = AsyncConnectionPool(
+            self.dsn,
+            connection_class=PooledAsyncConnection,
+            min_size=self.settings.pool_min_size,
+            max_size=self.settings.pool_max_size,
+            timeout=self.settings.connect_timeout,
+            kwargs=connect_options(
+                self.settings.connect_timeout, APPLICATION_NAME, schema=self.schema, dsn=self.dsn
+            ),
+            name="subengine-async",
+            open=False,
+        )
+        self._listener = AsyncListener(self._listening_connection, self.sql)
+
+    async def open(self) -> None:
+        """Open the pool (done by the first call that needs a connection)."""
+        if self._closed:
+            raise DatabaseUnavailable("this AsyncEngine is closed")
+        await self._pool.open()
+
+    async def close(self) -> None:
+        """Stop its tails' listener and close every connection of the pool."""
+        self._closed = True
+        await self._listener.close()
+        await self._pool.close()
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pooled connection in a transaction: committed on success, else rolled back.
+
+        Waits and fails as `Engine.connection` does: ConfigurationError at once for what
+        no retry fixes, DatabaseUnavailable for a connection lost on the way or a server
+        that stays out of reach for `connect_timeout`.
+        """
+        conn = await self._checkout()
+        lost = False
+        try:
+            async with conn:
+                yield conn
+        except psycopg.Error as error:
+            missing = schema_not_ready(error)
+            if missing is not None:
+                raise missing from error
+            if not connection_lost(error):
+                raise
+            lost = True
+            raise DatabaseUnavailable(
+                f"lost the connection to PostgreSQL: {safe_message(error, self.dsn)}; "
+                "nothing of this call committed unless the loss came during its commit"
+            ) from error
+        finally:
+            if isinstance(conn, PooledAsyncConnection):
+                await self._pool.putconn(conn)
+            else:
+                await conn.close()
+            if lost:
+                await self._pool.check()  # the other idle connections are likely gone too
+
+    async def _checkout(self) -> psycopg.AsyncConnection[Any]:
+        """A connection of the pool, or one of our own that tells why the pool has none
+        (see `Engine._checkout`, which this follows step by step)."""
+        if self._pool.closed:
+            await self.open()
+        timeout = self.settings.connect_timeout
+        deadline = time.monotonic() + timeout
+        look = _FIRST_LOOK_SECONDS
+        reported = False
+        while True:
+            errors = self._pool.get_stats().get("connections_errors", 0)
+            try:
+                conn = await self._pool.getconn(
+                    timeout=max(0.0, min(look, deadline - time.monotonic()))
+                )
+            except PoolTimeout:
+                pass
+            else:
+                self._pool_errors_seen = errors
+                return conn
+            look = min(2 * look, _LONGEST_LOOK_SECONDS)
+            if self._pool.get_stats().get("connections_errors", 0) == self._pool_errors_seen:
+                if time.monotonic() >= deadline:
+                    raise DatabaseUnavailable(
+                        f"no free connection within {timeout:g} s (SUBENGINE_CONNECT_TIMEOUT): "
+                        f"all {self.settings.pool_max_size} of the pool "
+                        "(SUBENGINE_POOL_MAX_SIZE) are in use"
+                    )
+                continue
+            try:
+                remaining = deadline - time.monotonic()
+                return await connect_async(
+                    self.dsn, max(0.1, min(remaining, _DIAGNOSIS_TIMEOUT_SECONDS))
+                )
+            except psycopg.Error as error:
+                reason = safe_message(error, self.dsn)
+                if not may_succeed_later(error):
+                    raise ConfigurationError(
+                        f"cannot connect to PostgreSQL: {reason} (retrying cannot help: check "
+                        "the DSN, the server's roles and databases, and pg_hba.conf)"
+                    ) from error
+            if time.monotonic() >= deadline:
+                raise DatabaseUnavailable(
+                    f"could not connect to PostgreSQL within {timeout:g} s "
+                    f"(SUBENGINE_CONNECT_TIMEOUT): {reason}"
+                )
+            if not reported:
+                reported = True
+                log.warning(
+                    "subengine: waiting for PostgreSQL, which does not accept connections "
+                    "yet: %s; retrying for up to %g s (SUBENGINE_CONNECT_TIMEOUT)",
+                    reason,
+                    timeout,
+                )
+
+    async def connect(
+        self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False
+    ) -> psycopg.AsyncConnection[Any]:
+        """A new connection of its own (not from the pool), with the engine's connect
+        timeout; the caller closes it."""
+        return await connect_async(
+            self.dsn,
+            self.settings.connect_timeout,
+            application_name=application_name,
+            autocommit=autocommit,
+            schema=self.schema,
+        )
+
+    async def _listening_connection(self) -> psycopg.AsyncConnection[Any]:
+        return await self.connect(application_name=LISTENER_APPLICATION_NAME, autocommit=True)
+
+    # streams
+
+    async def create_stream(self, name: str, partitions: int) -> Stream:
+        """Create a stream with a fixed number of partitions."""
+        query = _streams.create_stream(name, partitions)
+        async with self.connection() as conn:
+            created = await self.sql.run_async(conn, query)
+            if created is None:
+                existing = await self.sql.run_async(conn, _streams.get_stream(name))
+                raise StreamExists(name, existing.partitions)
+            return created
+
+    async def streams(self) -> list[Stream]:
+        """Every stream, by name."""
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, _streams.list_streams())
+
+    async def stream(self, name: str) -> Stream:
+        """One stream; raises StreamNotFound when it does not exist."""
+        query = _streams.get_stream(name)
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    # append and read
+
+    async def append(
+        self,
+        stream: str,
+        events: Iterable[NewEvent],
+        expected_version: ExpectedVersion = None,
+    ) -> list[Appended]:
+        """Append events in a transaction of their own; see `subengine.append`."""
+        params = prepare(stream, events, expected_version, self.settings)
+        if not params["keys"]:
+            return []
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, append_events(params))
+
+    async def read(
+        self, stream: str, partition: int, after: int = 0, limit: int | None = None
+    ) -> list[Event]:
+        """Events of one partition after position `after`, in position order."""
+        query = _read.read_after(
+            stream, partition, after, self.settings.read_limit if limit is None else limit
+        )
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def read_since(
+        self, stream: str, since: datetime, limit: int | None = None
+    ) -> list[Event]:
+        """Events of every partition recorded at or after `since`, oldest first."""
+        query = _read.read_since(
+            stream, since, self.settings.read_limit if limit is None else limit
+        )
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def partitions(self, stream: str) -> list[PartitionState]:
+        """Head, head time and floor of every partition of a stream."""
+        query = _streams.partition_states(stream)
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def heads(self, stream: str) -> dict[int, int]:
+        """The head (last committed position) of every partition of a stream."""
+        query = _streams.heads(stream)
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    # the live tail
+
+    def tail(
+        self,
+        stream: str,
+        after: Cursor | str | None = None,
+        *,
+        keys: Iterable[str] | None = None,
+        types: Iterable[str] | None = None,
+    ) -> AsyncTail:
+        """Every event of `stream` after the cursor `after` (None: from the beginning),
+        then each new one as it commits: `async for event in engine.tail(...)`. `keys`
+        and `types` keep only events of those keys and types. See `Tail`."""
+        return AsyncTail(self, self._listener, stream, after, keys=keys, types=types)
