@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -184,7 +184,7 @@ class Workers:
         """Wait until every running worker has registered (it then handles SIGTERM)."""
         deadline = time.monotonic() + timeout
         while True:
-            registered = {row["pid"] for row in engine.workers() if row["connected"]}
+            registered = {row.pid for row in engine.workers() if row.connected}
             waiting = [p for p in self.running() if p.pid not in registered]
             if not waiting:
                 return self.failed()
@@ -364,11 +364,11 @@ def _watch(engine: subengine.Engine, producer: Producer, workers: Workers, say: 
     with _Display(say) as show:
         while True:
             rows = engine.subscription_status(SUBSCRIPTION)
-            show(rows, producer, workers)
+            show([asdict(r) for r in rows], producer, workers)
             problems = workers.failed() + [
-                f"partition {r['partition']} stopped: {r['last_error']}"
+                f"partition {r.partition} stopped: {r.last_error}"
                 for r in rows
-                if r["state"] == "stopped"
+                if r.state == "stopped"
             ]
             if producer.error is not None:
                 problems.append(f"the producer failed: {producer.error}")
@@ -385,7 +385,7 @@ def _watch(engine: subengine.Engine, producer: Producer, workers: Workers, say: 
                     "went with its connection"
                 )
             if not producer.is_alive():
-                if sum(int(r["lag"]) for r in rows) == 0:
+                if sum(r.lag for r in rows) == 0:
                     return []
                 drain_deadline = drain_deadline or time.monotonic() + DRAIN_TIMEOUT_SECONDS
                 if time.monotonic() > drain_deadline:

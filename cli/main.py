@@ -14,6 +14,7 @@ import json
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
@@ -600,7 +601,7 @@ def subscription_delete(context: Context, name: str, force: bool) -> None:
 @handles_errors
 def subscription_list(context: Context, as_json: bool) -> None:
     """List the stored subscriptions."""
-    rows = context.engine().subscriptions()
+    rows = [asdict(row) for row in context.engine().subscriptions()]
     if as_json:
         _status.print_json(rows)
     else:
@@ -614,7 +615,7 @@ def subscription_list(context: Context, as_json: bool) -> None:
 @handles_errors
 def subscription_show(context: Context, name: str, as_json: bool) -> None:
     """Show every partition of subscription NAME: position, lag, state, errors, holder."""
-    rows = context.engine().subscription_status(name)
+    rows = [asdict(row) for row in context.engine().subscription_status(name)]
     if as_json:
         _status.print_json(rows)
     else:
@@ -670,8 +671,8 @@ def status(
 
     def rows() -> list[dict[str, Any]]:
         if per_partition:
-            return engine.subscription_status(name)
-        return engine.subscription_summary(name)
+            return [asdict(row) for row in engine.subscription_status(name)]
+        return [asdict(row) for row in engine.subscription_summary(name)]
 
     if as_json:
         if watch:
@@ -699,7 +700,7 @@ def workers(ctx: click.Context, as_json: bool) -> None:
     """The registered workers: host, pid, heartbeat, connected, partitions held."""
     if ctx.invoked_subcommand is not None:
         return
-    rows = ctx.find_object(Context).engine().workers()
+    rows = [asdict(row) for row in ctx.find_object(Context).engine().workers()]
     if as_json:
         _status.print_json(rows)
     else:
@@ -713,7 +714,7 @@ def workers(ctx: click.Context, as_json: bool) -> None:
 def workers_prune(context: Context, as_json: bool) -> None:
     """Remove the registrations of workers that are gone (no connection of theirs open,
     no recent heartbeat); each worker also does this when it starts."""
-    rows = context.engine().prune_workers()
+    rows = [asdict(row) for row in context.engine().prune_workers()]
     if as_json:
         _status.print_json(rows)
         return
@@ -733,7 +734,7 @@ def dead_letters() -> None:
 @handles_errors
 def dead_letters_list(context: Context, name: str | None, everything: bool, as_json: bool) -> None:
     """List unresolved dead letters, oldest first."""
-    rows = context.engine().dead_letters(name, everything)
+    rows = [asdict(row) for row in context.engine().dead_letters(name, everything)]
     if as_json:
         _status.print_json(rows)
     else:
@@ -749,19 +750,20 @@ def dead_letters_list(context: Context, name: str | None, everything: bool, as_j
 def dead_letters_show(context: Context, name: str, partition: int, position: int) -> None:
     """Show one dead letter with its event, as JSON."""
     engine = context.engine()
-    row = next(
+    letter = next(
         (
             r
             for r in engine.dead_letters(name, everything=True)
-            if (r["partition"], r["position"]) == (partition, position)
+            if (r.partition, r.position) == (partition, position)
         ),
         None,
     )
-    if row is None:
+    if letter is None:
         raise subengine.InvalidInput(
             f"subscription {name!r} has no dead letter at partition {partition} position {position}"
         )
-    events = engine.read(row["stream"], partition, position - 1, 1)
+    events = engine.read(letter.stream, partition, position - 1, 1)
+    row = asdict(letter)
     row["event"] = _event_json(events[0]) if events else None
     _status.print_json([row])
 

@@ -30,6 +30,14 @@ from subengine._errors import (
 )
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, partition_for
 from subengine._orm import sqlalchemy_session
+from subengine._records import (
+    DeadLetter,
+    PartitionStatus,
+    StoredSubscription,
+    SubscriptionSummary,
+    WorkerRegistration,
+    WorkerStatus,
+)
 from subengine._reset import reset_subscription
 from subengine._settings import Settings
 from subengine._subscriptions import BatchOutcome, SubscriptionPosition
@@ -40,6 +48,7 @@ __all__ = [
     "BatchOutcome",
     "ConfigurationError",
     "DatabaseUnavailable",
+    "DeadLetter",
     "Engine",
     "Event",
     "EventIdConflict",
@@ -50,9 +59,11 @@ __all__ = [
     "NewEvent",
     "PartitionNotFound",
     "PartitionState",
+    "PartitionStatus",
     "PositionsMissing",
     "SchemaNotReady",
     "Settings",
+    "StoredSubscription",
     "Stream",
     "StreamExists",
     "StreamNotFound",
@@ -61,6 +72,9 @@ __all__ = [
     "SubscriptionMismatch",
     "SubscriptionNotFound",
     "SubscriptionPosition",
+    "SubscriptionSummary",
+    "WorkerRegistration",
+    "WorkerStatus",
     "WrongExpectedVersion",
     "append",
     "partition_for",

@@ -37,6 +37,14 @@ from subengine._connection import (
 )
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
+from subengine._records import (
+    DeadLetter,
+    PartitionStatus,
+    StoredSubscription,
+    SubscriptionSummary,
+    WorkerRegistration,
+    WorkerStatus,
+)
 from subengine._settings import Settings
 from subengine._sql import SQL
 from subengine._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
@@ -343,17 +351,17 @@ class Engine:
 
     # operating
 
-    def subscriptions(self) -> list[dict[str, Any]]:
+    def subscriptions(self) -> list[StoredSubscription]:
         """Every stored subscription: name, stream, start, generation, paused, created_at."""
         with self.connection() as conn:
             return _operations.subscriptions(conn, self.schema)
 
-    def subscription_summary(self, name: str | None = None) -> list[dict[str, Any]]:
+    def subscription_summary(self, name: str | None = None) -> list[SubscriptionSummary]:
         """Per subscription: partitions, lag (events, seconds), states, workers."""
         with self.connection() as conn:
             return _operations.summary(conn, self.schema, name)
 
-    def subscription_status(self, name: str | None = None) -> list[dict[str, Any]]:
+    def subscription_status(self, name: str | None = None) -> list[PartitionStatus]:
         """The subscription_status view's rows (one per subscription and partition)."""
         with self.connection() as conn:
             return _operations.status(conn, self.schema, name)
@@ -368,19 +376,17 @@ class Engine:
         with self.connection() as conn:
             return _operations.set_paused(conn, self.schema, name, False)
 
-    def workers(self) -> list[dict[str, Any]]:
+    def workers(self) -> list[WorkerStatus]:
         """The workers_status view's rows."""
         with self.connection() as conn:
             return _operations.workers(conn, self.schema)
 
-    def prune_workers(self) -> list[dict[str, Any]]:
+    def prune_workers(self) -> list[WorkerRegistration]:
         """Remove the registrations of workers that are gone; the rows removed."""
         with self.connection() as conn:
             return _operations.prune_workers(conn, self.schema)
 
-    def dead_letters(
-        self, name: str | None = None, everything: bool = False
-    ) -> list[dict[str, Any]]:
+    def dead_letters(self, name: str | None = None, everything: bool = False) -> list[DeadLetter]:
         """Unresolved dead letters (all of them with `everything`), oldest first."""
         with self.connection() as conn:
             return _operations.dead_letters(conn, self.schema, name, everything)

@@ -14,6 +14,14 @@ from subengine._errors import InvalidInput, SubscriptionNotFound
 from subengine._names import BIGINT_MAX, INTEGER_MAX, validate_stream_name, validate_whole_number
 from subengine._queries import query
 from subengine._read import read_after
+from subengine._records import (
+    DeadLetter,
+    PartitionStatus,
+    StoredSubscription,
+    SubscriptionSummary,
+    WorkerRegistration,
+    WorkerStatus,
+)
 from subengine._sql import SQL
 from subengine._subscriptions import error_text
 
@@ -30,24 +38,31 @@ def _check_name(name: str | None) -> None:
         validate_stream_name(name)
 
 
-def subscriptions(conn: psycopg.Connection[Any], schema: str) -> list[Row]:
-    return _rows(conn, query(schema, "list_subscriptions"), {})
+def subscriptions(conn: psycopg.Connection[Any], schema: str) -> list[StoredSubscription]:
+    return [
+        StoredSubscription(**row) for row in _rows(conn, query(schema, "list_subscriptions"), {})
+    ]
 
 
-def summary(conn: psycopg.Connection[Any], schema: str, name: str | None = None) -> list[Row]:
+def summary(
+    conn: psycopg.Connection[Any], schema: str, name: str | None = None
+) -> list[SubscriptionSummary]:
     _check_name(name)
     rows = _rows(conn, query(schema, "subscription_summary"), {"name": name})
     if name is not None and not rows:
         _require(conn, schema, name)
-    return rows
+    # the lag is a sum, which SQL gives as numeric
+    return [SubscriptionSummary(**{**row, "lag": int(row["lag"])}) for row in rows]
 
 
-def status(conn: psycopg.Connection[Any], schema: str, name: str | None = None) -> list[Row]:
+def status(
+    conn: psycopg.Connection[Any], schema: str, name: str | None = None
+) -> list[PartitionStatus]:
     _check_name(name)
     rows = _rows(conn, query(schema, "subscription_status"), {"name": name})
     if name is not None and not rows:
         _require(conn, schema, name)
-    return rows
+    return [PartitionStatus(**row) for row in rows]
 
 
 def set_paused(conn: psycopg.Connection[Any], schema: str, name: str, paused: bool) -> list[int]:
@@ -59,26 +74,28 @@ def set_paused(conn: psycopg.Connection[Any], schema: str, name: str, paused: bo
         return sorted(partition for (partition,) in rows.fetchall())
 
 
-def workers(conn: psycopg.Connection[Any], schema: str) -> list[Row]:
-    return _rows(conn, query(schema, "workers_status"), {})
+def workers(conn: psycopg.Connection[Any], schema: str) -> list[WorkerStatus]:
+    return [WorkerStatus(**row) for row in _rows(conn, query(schema, "workers_status"), {})]
 
 
 # A worker that has just registered may not have opened its own connections yet.
 PRUNE_GRACE_SECONDS = 10.0
 
 
-def prune_workers(conn: psycopg.Connection[Any], schema: str) -> list[Row]:
+def prune_workers(conn: psycopg.Connection[Any], schema: str) -> list[WorkerRegistration]:
     """Remove the registrations of workers whose connections are all gone (killed, or on
     a host that went away) and that have not beaten for PRUNE_GRACE_SECONDS; the rows
     removed. A live worker pruned by mistake registers again at its next heartbeat."""
-    return _rows(conn, query(schema, "prune_workers"), {"grace": PRUNE_GRACE_SECONDS})
+    rows = _rows(conn, query(schema, "prune_workers"), {"grace": PRUNE_GRACE_SECONDS})
+    return [WorkerRegistration(**row) for row in rows]
 
 
 def dead_letters(
     conn: psycopg.Connection[Any], schema: str, name: str | None = None, everything: bool = False
-) -> list[Row]:
+) -> list[DeadLetter]:
     _check_name(name)
-    return _rows(conn, query(schema, "list_dead_letters"), {"name": name, "all": everything})
+    rows = _rows(conn, query(schema, "list_dead_letters"), {"name": name, "all": everything})
+    return [DeadLetter(**row) for row in rows]
 
 
 def discard_dead_letter(

@@ -267,7 +267,7 @@ class Worker:
             log.info(
                 "removed the registrations of %s workers that are gone (pids %s)",
                 len(pruned),
-                ", ".join(str(row["pid"]) for row in pruned),
+                ", ".join(str(row.pid) for row in pruned),
                 extra=self._fields(),
             )
         if self.metrics_port is not None:

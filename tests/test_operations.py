@@ -63,7 +63,7 @@ def test_status_shows_lag_per_subscription_and_partition(fast_engine, cli_env):
     table = run(cli_env, "status").stdout
     assert "subscription" in table and "billing" in table and "audit" in table
     with Running(app, fast_engine):
-        wait_for(lambda: all(r["lag"] == 0 for r in fast_engine.subscription_summary()))
+        wait_for(lambda: all(r.lag == 0 for r in fast_engine.subscription_summary()))
     rows = json_lines(run(cli_env, "subscription", "show", "billing", "--json").stdout)
     assert {row["state"] for row in rows} == {"idle"}
     missing = run(cli_env, "status", "--subscription", "nope", ok=False)
@@ -108,7 +108,7 @@ def test_subscription_list_pause_and_resume(fast_engine, cli_env, sql):
     with Running(app, fast_engine):
         time.sleep(1)  # several poll intervals: a paused subscription gets no work
         assert sql.execute("SELECT count(*) FROM effects").fetchone()[0] == 0
-        states = {r["state"] for r in fast_engine.subscription_status("billing")}
+        states = {r.state for r in fast_engine.subscription_status("billing")}
         assert states == {"paused"}
         # a stopped partition restarts on resume too
         sql.execute(
@@ -161,9 +161,9 @@ def test_dead_letters_list_show_retry_and_discard(fast_engine, cli_env, sql, let
     [row] = [
         r
         for r in fast_engine.dead_letters("letters")
-        if r["position"] == first.position and r["partition"] == first.partition
+        if r.position == first.position and r.partition == first.partition
     ]
-    assert (row["retries"], row["resolution"]) == (1, None)
+    assert (row.retries, row.resolution) == (1, None)
     effects_before = sql.execute("SELECT count(*) FROM effects").fetchone()[0]
     fixed = dict(cli_env, LETTERS_FIXED="1")
     out = run(fixed, "dead-letters", "retry", *where, "--app", "letters_app:app", cwd=APPS).stdout
@@ -203,7 +203,7 @@ def test_a_retry_whose_handler_raises_invalid_input_is_recorded_as_a_failure(fas
     error = fast_engine.retry_dead_letter(letters, stored[0].partition, stored[0].position)
     assert error == "InvalidInput: still not a valid order"
     [row] = fast_engine.dead_letters("letters")
-    assert (row["retries"], row["resolution"], row["error"]) == (1, None, error)
+    assert (row.retries, row.resolution, row.error) == (1, None, error)
     with pytest.raises(subengine.InvalidInput, match="no unresolved dead letter"):
         fast_engine.retry_dead_letter(letters, stored[0].partition, stored[0].position + 1)
 
@@ -291,7 +291,7 @@ def test_delete_is_refused_while_a_worker_runs_the_subscription_unless_forced(
     app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
     fast_engine.ensure_subscription(app.subscriptions["billing"])
     with Running(app, fast_engine):
-        wait_for(lambda: fast_engine.subscription_summary("billing")[0]["lag"] == 0)
+        wait_for(lambda: fast_engine.subscription_summary("billing")[0].lag == 0)
         before = sql.execute("SELECT * FROM subengine.subscription_positions").fetchall()
         result = run(cli_env, "subscription", "delete", "billing", ok=False)
         assert result.returncode == 1
@@ -316,7 +316,7 @@ def test_a_start_point_mismatch_is_fixed_as_its_error_advises(fast_engine, cli_e
     assert command in str(mismatch.value)
     run(cli_env, *command.split()[1:])
     fast_engine.ensure_subscription(moved)
-    assert fast_engine.subscriptions()[0]["start"] == {"kind": "end"}
+    assert fast_engine.subscriptions()[0].start == {"kind": "end"}
 
 
 def test_status_counts_the_connected_workers_of_an_idle_subscription(fast_engine, cli_env):
@@ -343,14 +343,14 @@ def test_workers_prune_removes_workers_that_are_gone(fast_engine, cli_env, sql):
         )
     with Running(app, fast_engine):
         # a starting worker prunes too
-        wait_for(lambda: any(row["host"] != "gone" for row in fast_engine.workers()))
-        ids = {str(row["id"]) for row in fast_engine.workers()}
+        wait_for(lambda: any(row.host != "gone" for row in fast_engine.workers()))
+        ids = {str(row.id) for row in fast_engine.workers()}
         assert dead[0][0] not in ids and dead[1][0] in ids
         sql.execute("UPDATE subengine.workers SET heartbeat_at = now() - interval '1 minute'")
         [removed] = json_lines(run(cli_env, "workers", "prune", "--json").stdout)
         assert removed["id"] == dead[1][0]
         [alive] = fast_engine.workers()
-        assert alive["connected"] and alive["host"] != "gone"
+        assert alive.connected and alive.host != "gone"
         # a live worker removed by mistake comes back with its next heartbeat
         sql.execute("DELETE FROM subengine.workers")
         wait_for(lambda: len(fast_engine.workers()) == 1)

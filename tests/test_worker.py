@@ -533,7 +533,7 @@ def test_a_rebuild_records_a_repeated_dead_letter_and_goes_on(fast_engine, sql):
         "SELECT position, generation, resolution FROM subengine.dead_letters ORDER BY 2"
     ).fetchall()
     assert letters == [(3, 1, "superseded"), (3, 2, None)]
-    assert [d["generation"] for d in fast_engine.dead_letters("billing")] == [2]
+    assert [d.generation for d in fast_engine.dead_letters("billing")] == [2]
     [row] = fast_engine.subscription_positions("billing")
     assert (row.position, row.generation, row.stopped) == (5, 2, False)
 
