@@ -1,5 +1,5 @@
 """`python -m subengine.cli`: the `subengine` command, for when the script is not on PATH."""
 
-from subengine.cli.main import main
+from .main import main
 
 main()

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-from subengine.cli import _json
 
 import subengine
+
+from . import _json
 
 REQUIRED = ("key", "type", "data")
 OPTIONAL = ("metadata", "id", "occurred_at")

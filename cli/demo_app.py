@@ -46,9 +46,9 @@ projection = app.subscription(SUBSCRIPTION, stream=STREAM, start="beginning", ba
 
 
 @projection.handler("OrderPlaced")
-def placed(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+def placed(event: subengine.Event, conn: psycopg.Connection[Any] | None) -> None:
     lines = event.data["items"]
-    conn.execute(
+    _transaction(conn).execute(
         "INSERT INTO subengine_demo.orders (order_key, customer, state, items, total_cents,"
         " paid_cents, events, version, updated_at)"
         " VALUES (%s, %s, 'placed', %s, %s, 0, 1, %s, %s)",
@@ -64,7 +64,7 @@ def placed(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
 
 
 @projection.handler("ItemAdded")
-def item_added(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+def item_added(event: subengine.Event, conn: psycopg.Connection[Any] | None) -> None:
     quantity, price = event.data["quantity"], event.data["price_cents"]
     _update(
         conn,
@@ -78,7 +78,7 @@ def item_added(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
 
 
 @projection.handler("OrderPaid")
-def paid(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+def paid(event: subengine.Event, conn: psycopg.Connection[Any] | None) -> None:
     _update(
         conn,
         event,
@@ -91,16 +91,16 @@ def paid(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
 
 
 @projection.handler("OrderShipped")
-def shipped(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+def shipped(event: subengine.Event, conn: psycopg.Connection[Any] | None) -> None:
     _set_state(conn, event, "shipped")
 
 
 @projection.handler("OrderCancelled")
-def cancelled(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+def cancelled(event: subengine.Event, conn: psycopg.Connection[Any] | None) -> None:
     _set_state(conn, event, "cancelled")
 
 
-def _set_state(conn: psycopg.Connection[Any], event: subengine.Event, state: str) -> None:
+def _set_state(conn: psycopg.Connection[Any] | None, event: subengine.Event, state: str) -> None:
     _update(
         conn,
         event,
@@ -112,17 +112,28 @@ def _set_state(conn: psycopg.Connection[Any], event: subengine.Event, state: str
 
 
 def _update(
-    conn: psycopg.Connection[Any],
+    conn: psycopg.Connection[Any] | None,
     event: subengine.Event,
     statement: str,
     params: dict[str, Any],
 ) -> None:
-    updated = conn.execute(
-        statement,
-        {**params, "key": event.key, "version": event.key_version, "at": event.occurred_at},
-    ).rowcount
+    updated = (
+        _transaction(conn)
+        .execute(
+            statement,
+            {**params, "key": event.key, "version": event.key_version, "at": event.occurred_at},
+        )
+        .rowcount
+    )
     if updated != 1:
         raise RuntimeError(
             f"{event.type} for {event.key} (version {event.key_version}) found no order at "
             f"version {event.key_version - 1} in the projection"
         )
+
+
+def _transaction(conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
+    # the subscription is transactional, so the worker always passes its transaction
+    if conn is None:
+        raise RuntimeError("the projection's handlers need the worker's transaction")
+    return conn

@@ -7,6 +7,10 @@ engine.create_stream("orders", partitions=8)
 engine.append("orders", [subengine.NewEvent("order-1", "OrderPlaced", {"total": 10})])
 """
 
+from os import PathLike
+from pathlib import Path
+
+from subengine import _embedded, _migrate
 from subengine._app import App
 from subengine._append import append
 from subengine._append_async import append_async
@@ -33,6 +37,8 @@ from subengine._errors import (
     WrongExpectedVersion,
 )
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, partition_for
+from subengine._logging import configure_logging
+from subengine._names import validate_schema_name
 from subengine._orm import sqlalchemy_session
 from subengine._records import (
     DeadLetter,
@@ -87,7 +93,23 @@ __all__ = [
     "WrongExpectedVersion",
     "append",
     "append_async",
+    "configure_logging",
+    "migration_sql",
     "partition_for",
     "reset_subscription",
     "sqlalchemy_session",
+    "stop_embedded",
 ]
+
+
+def migration_sql(schema: str = "subengine") -> str:
+    """The SQL that creates subengine's schema `schema` on an empty database (what
+    `Engine.migrate` runs), for a DBA to review and apply; it connects to no database."""
+    validate_schema_name(schema)
+    return _migrate.upgrade_sql(schema)
+
+
+def stop_embedded(home: str | PathLike[str] = ".subengine") -> bool:
+    """Stop the embedded PostgreSQL whose data is in `home` (SUBENGINE_HOME), the one an
+    Engine without a DSN starts; False if none was running there."""
+    return _embedded.stop_embedded(Path(home))

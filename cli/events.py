@@ -1,0 +1,196 @@
+"""`subengine append` and `subengine read`: events into a stream, and out of it."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+import subengine
+
+from . import _render
+from ._context import Context, json_option, pass_context
+from ._events_file import EventsFile, read_events_file
+from ._params import IsoTime, json_value
+
+# PostgreSQL's bigint: the engine refuses a larger limit, so none is asked for past it.
+LARGEST_LIMIT = 2**63 - 1
+
+
+def _as_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+EVENT_COLUMNS = _render.columns(
+    "partition",
+    "position",
+    "key",
+    ("key_version", "version"),
+    "type",
+    "recorded_at",
+    _render.Column("data", "data", _as_json),
+)
+# `payload` is a handler's typed view of `data`, not part of the stored event
+HIDDEN_EVENT_FIELDS = ("payload",)
+
+
+@click.command()
+@click.argument("stream_name", metavar="STREAM")
+@click.option("--key", help="Ordering key of the event.")
+@click.option("--type", "event_type", help="Event type.")
+@click.option("--data", help="Event data as JSON.")
+@click.option("--metadata", help="Event metadata as a JSON object.")
+@click.option(
+    "--id", "event_id", type=click.UUID, help="Event id (UUID); makes retries idempotent."
+)
+@click.option("--expected-version", type=int, help="Version the key must have (0: new key).")
+@click.option(
+    "--file",
+    "events_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSON Lines file, one event per line ('-' for stdin); all or nothing.",
+)
+@json_option
+@pass_context
+def append(
+    context: Context,
+    stream_name: str,
+    key: str | None,
+    event_type: str | None,
+    data: str | None,
+    metadata: str | None,
+    event_id: uuid.UUID | None,
+    expected_version: int | None,
+    events_file: Path | None,
+    as_json: bool,
+) -> None:
+    """Append one event, or every event of a JSON Lines file, to STREAM in one transaction."""
+    single = (key, event_type, data, metadata, event_id, expected_version)
+    if events_file is not None and any(option is not None for option in single):
+        raise click.UsageError(
+            "--file cannot be combined with --key/--type/--data/--id/--metadata/--expected-version"
+        )
+    events = _events_to_append(key, event_type, data, metadata, event_id, events_file)
+    try:
+        stored = context.engine().append(stream_name, events, expected_version)
+    except subengine.InvalidEvent as error:
+        if isinstance(events, EventsFile):
+            raise subengine.InvalidInput(
+                f"{events.source} line {events.line_of(error.index)}: {error.reason}"
+            ) from None
+        raise subengine.InvalidInput(error.reason) from None
+    if as_json:
+        _render.print_json(a._asdict() for a in stored)
+    else:
+        for a in stored:
+            note = "  (already stored)" if a.duplicate else ""
+            click.echo(
+                f"partition {a.partition} position {a.position} key version "
+                f"{a.key_version} id {a.id}{note}"
+            )
+    duplicates = sum(1 for a in stored if a.duplicate)
+    click.echo(
+        f"appended {len(stored) - duplicates} event(s), {duplicates} already stored", err=True
+    )
+
+
+def _events_to_append(
+    key: str | None,
+    event_type: str | None,
+    data: str | None,
+    metadata: str | None,
+    event_id: uuid.UUID | None,
+    events_file: Path | None,
+) -> list[subengine.NewEvent]:
+    """The events of --file, or the one event of --key, --type, --data and the rest."""
+    if events_file is not None:
+        return read_events_file(events_file)
+    if key is None or event_type is None or data is None:
+        raise click.UsageError("give --key, --type and --data (or --file)")
+    event = subengine.NewEvent(
+        key=key,
+        type=event_type,
+        data=json_value("--data", data),
+        metadata=None if metadata is None else json_value("--metadata", metadata),
+        id=event_id,
+    )
+    return [event]
+
+
+@click.command()
+@click.argument("stream_name", metavar="STREAM")
+@click.option("--partition", type=int, help="Read one partition (default: all, in turn).")
+@click.option("--after", type=int, default=0, show_default=True, help="Start after position.")
+@click.option(
+    "--since",
+    type=IsoTime(),
+    help="Read by recorded time across partitions (ISO 8601; UTC unless it names a zone).",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    help="At most this many events [default: SUBENGINE_READ_LIMIT, 1000].",
+)
+@json_option
+@pass_context
+def read(
+    context: Context,
+    stream_name: str,
+    partition: int | None,
+    after: int,
+    since: datetime | None,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """Read events of STREAM by position (per partition) or by time (--since).
+
+    When more events follow than --limit shows, a note on stderr says so and how to read on.
+    """
+    if since is not None and (partition is not None or after):
+        raise click.UsageError("--since cannot be combined with --partition or --after")
+    engine = context.engine()
+    limit = limit or engine.settings.read_limit
+    # one event more than is shown tells whether more follow
+    wanted = limit + 1 if limit < LARGEST_LIMIT else limit
+    if since is not None:
+        events = engine.read_since(stream_name, since, wanted)
+    elif partition is not None:
+        events = engine.read(stream_name, partition, after, wanted)
+    else:
+        events = list(_read_all_partitions(engine, stream_name, after, wanted))
+    _render.print_records(
+        events[:limit], EVENT_COLUMNS, as_json=as_json, hidden=HIDDEN_EVENT_FIELDS
+    )
+    if len(events) > limit:
+        click.echo(
+            f"note: stopped at {limit} events (--limit); more follow: "
+            f"{_how_to_read_on(events[:limit], partition, since)}",
+            err=True,
+        )
+
+
+def _how_to_read_on(
+    shown: Sequence[subengine.Event], partition: int | None, since: datetime | None
+) -> str:
+    if partition is not None:
+        return f"read on with --after {shown[-1].position}"
+    if since is not None:
+        return "give a later --since or a higher --limit"
+    return "read one partition at a time (--partition, --after) or give a higher --limit"
+
+
+def _read_all_partitions(
+    engine: subengine.Engine, stream_name: str, after: int, limit: int
+) -> Iterator[subengine.Event]:
+    remaining = limit
+    for state in engine.partitions(stream_name):
+        if remaining <= 0:
+            return
+        batch = engine.read(stream_name, state.partition, after, remaining)
+        remaining -= len(batch)
+        yield from batch
