@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 
 import psycopg
 import pytest
-from conftest import run_subengine as run
-from conftest import snapshot
+from helpers import run_subengine as run
+from helpers import snapshot
 
 import subengine
 from subengine import NewEvent

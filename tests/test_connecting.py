@@ -15,7 +15,8 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy.exc
-from conftest import APPS, Proxy, run_subengine, subengine_command
+from helpers import APPS, Proxy, run_subengine, subengine_command
+from helpers import free_port as refused_port
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.sql import SQL, Identifier, Literal
 
@@ -34,13 +35,6 @@ MALFORMED = {
     "unknown URL parameter": f"postgresql://app@localhost/db?{PASSWORD}=1",
     "unclosed IPv6 bracket": f"postgresql://app:{PASSWORD}@[::1/db",
 }
-
-
-def refused_port() -> int:
-    """A local TCP port nothing listens on (the test suite runs nothing on it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def with_password(dsn: str, password: str = PASSWORD, **changes: Any) -> str:

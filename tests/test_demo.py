@@ -5,7 +5,7 @@ writes only into a schema of its own, `subengine_demo`."""
 from __future__ import annotations
 
 import pytest
-from conftest import run_subengine
+from helpers import run_subengine
 from psycopg.sql import SQL, Identifier, Literal
 from subengine.cli import _demo
 

@@ -14,9 +14,8 @@ import urllib.request
 
 import psycopg
 import pytest
-from conftest import APPS, subengine_command
+from helpers import APPS, Running, count, free_port, record, subengine_command, wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from test_worker import Running, record
 
 import subengine
 from subengine import NewEvent, _metrics
@@ -39,21 +38,6 @@ def metered_engine(dsn, sql):
     with subengine.Engine(settings=settings) as engine:
         engine.create_stream("orders", partitions=4)
         yield engine
-
-
-def wait_for(condition, timeout=30.0, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port):
@@ -88,10 +72,6 @@ def expected_lag(engine, subscription):
         str(p.partition): heads[p.partition] - p.position
         for p in engine.subscription_positions(subscription)
     }
-
-
-def count(sql, table="effects"):
-    return sql.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: S608
 
 
 def first_of_a_partition(stored):

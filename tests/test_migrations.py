@@ -6,10 +6,9 @@ import subprocess
 
 import psycopg
 import pytest
-from conftest import subengine_command
+from helpers import Running, subengine_command, wait_for
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
-from test_worker import Running, wait_for
 
 import subengine
 from subengine import _migrate

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import APPS, run_subengine
+from helpers import APPS, README, run_subengine
 
 import subengine
 from subengine import Settings
@@ -74,7 +74,7 @@ def test_every_setting_has_an_environment_variable_and_a_description():
 
 
 def test_the_readme_configuration_table_lists_every_setting():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = README.read_text()
     for name, env, default, _doc in Settings.describe():
         row = next((line for line in readme.splitlines() if line.startswith(f"| {name} |")), None)
         assert row is not None, f"README has no row for {name}"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from helpers import ROOT
 from psycopg.conninfo import make_conninfo
 from psycopg.sql import SQL, Identifier
 
@@ -56,7 +57,6 @@ import subengine.spark  # noqa: E402
 from subengine.spark import _offsets  # noqa: E402
 from subengine.spark._source import StreamWriter, SubengineDataSource  # noqa: E402
 
-ROOT = Path(__file__).parent.parent
 DSN_ENV = "SUBENGINE_SPARK_TEST_DSN"
 LOCAL_DIR_ENV = "SUBENGINE_SPARK_TEST_LOCAL_DIR"
 DATABASE = "subengine_spark_tests"

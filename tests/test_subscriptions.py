@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import psycopg
 import pytest
 import sqlalchemy
+from helpers import record
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import subengine
@@ -24,12 +25,6 @@ from subengine import NewEvent
 def projections(sql):
     sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
     return sql
-
-
-def record(event, conn):
-    conn.execute(
-        "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
-    )
 
 
 def effects(sql):

@@ -10,16 +10,11 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
+from helpers import Running, count, key_in, record, wait_for
 from psycopg.sql import SQL, Identifier
 
 import subengine
 from subengine import NewEvent
-
-
-def record(event, conn):
-    conn.execute(
-        "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
-    )
 
 
 def poisoned_app(stream, poison, **options):
@@ -34,44 +29,6 @@ def poisoned_app(stream, poison, **options):
         record(event, conn)
 
     return app
-
-
-class Running:
-    """A worker in a thread, stopped (and joined) on exit; `error` is what it raised."""
-
-    def __init__(self, app, engine, **options):
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(app, engine, options))
-
-    def _run(self, app, engine, options):
-        try:
-            app.run_worker(engine, stop=self.stop, **options)
-        except BaseException as error:
-            self.error = error
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the worker did not stop"
-        assert self.error is None, self.error
-
-
-def wait_for(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
-def count(sql, table="effects"):
-    return sql.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: S608
 
 
 def test_a_worker_handles_every_event_once_and_stops_cleanly(fast_engine, sql):
@@ -314,14 +271,6 @@ def test_at_least_once_handlers_run_outside_the_transaction_and_may_repeat(fast_
     assert set(calls) == {a.id for a in stored}
     assert len(calls) > len(stored)
     assert all(p.generation == 2 for p in fast_engine.subscription_positions("mailer"))
-
-
-def key_in(partition, partitions=4, prefix="k"):
-    return next(
-        f"{prefix}{n}"
-        for n in range(1000)
-        if subengine.partition_for(f"{prefix}{n}", partitions) == partition
-    )
 
 
 def worker_warned(caplog):

@@ -10,10 +10,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
-import time
 
 import pytest
-from conftest import APPS, subengine_command
+from helpers import APPS, subengine_command, wait_for
 
 
 def start_worker(env, app, *args):
@@ -25,14 +24,6 @@ def start_worker(env, app, *args):
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def wait_for(condition, what, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
