@@ -190,3 +190,10 @@ def worker_app_env(cli_env: dict[str, str], sql: psycopg.Connection[Any]) -> dic
     for name in ("WORKER_APP_SLEEP", "WORKER_APP_MARKS", "WORKER_APP_BATCH"):
         env.pop(name, None)
     return env
+
+
+@pytest.fixture
+def stored(engine: subengine.Engine, orders: str) -> str:
+    """The stream 'orders' with a few events, so that 'nothing changed' has something to keep."""
+    engine.append(orders, [subengine.NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
+    return orders

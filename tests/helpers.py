@@ -1,5 +1,6 @@
 """Helpers shared by the tests of every tier: paths, running the `subengine` command,
-waiting, a worker in a thread, and a TCP proxy that can fail like a network.
+waiting, handlers, a worker in a thread, scraping metrics, and a TCP proxy that can fail
+like a network.
 
 Fixtures live in conftest.py; plain functions and classes live here, imported by name
 (`from helpers import run_subengine`).
@@ -12,12 +13,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection
+import urllib.request
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import psycopg
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import subengine
@@ -27,6 +30,7 @@ ROOT = TESTS.parent
 APPS = TESTS / "apps"
 README = ROOT / "README.md"
 PYTHON = sys.executable
+PASSWORD = "Tr0ub4dor-Sekrit"  # distinctive, so that any echo of it shows
 
 
 def snapshot(sql: psycopg.Connection[Any]) -> tuple[Any, ...]:
@@ -52,6 +56,25 @@ def record(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
     conn.execute(
         "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
     )
+
+
+def generator_handler(event: subengine.Event, conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """A handler that is a generator function: records, then yields."""
+    record(event, conn)
+    yield
+
+
+async def async_handler(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+    """A handler that is a coroutine function."""
+
+
+def tables(dsn: str, schema: str = "subengine") -> set[str]:
+    """The names of the tables of `schema`."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = %s", (schema,)
+        ).fetchall()
+    return {row[0] for row in rows}
 
 
 def key_in(
@@ -85,6 +108,46 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    """{(sample name, sorted labels): value} of the endpoint; {} while it is not up."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    """The sample `name` with exactly `labels`, or None."""
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def lag_gauges(samples: Samples) -> dict[str, float]:
+    """{partition: lag} of the subengine_lag_events gauges."""
+    return {
+        dict(labels)["partition"]: value
+        for (name, labels), value in samples.items()
+        if name == "subengine_lag_events"
+    }
+
+
+def expected_lag(engine: subengine.Engine, subscription: str) -> dict[str, int]:
+    """{partition: lag} of `subscription` of the stream 'orders', read from the engine."""
+    heads = engine.heads("orders")
+    return {
+        str(p.partition): heads[p.partition] - p.position
+        for p in engine.subscription_positions(subscription)
+    }
 
 
 class Running:
