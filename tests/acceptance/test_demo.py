@@ -40,9 +40,10 @@ def test_the_demo_projects_every_event_once_though_a_worker_is_killed(cli_env, s
         " WHERE subscription = 'order_projection'"
     ).fetchone() == (events, events, 2)  # created in 1, then reset for the rebuild
     # every worker it started is gone, and holds nothing
-    assert sql.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone() == (
-        0,
-    )
+    assert sql.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    ).fetchone() == (0,)
     assert sql.execute(
         "SELECT count(*) FROM subengine_demo.workers_status WHERE connected"
     ).fetchone() == (0,)

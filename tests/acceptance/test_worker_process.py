@@ -102,7 +102,10 @@ def marks(env):
 
 
 def advisory_locks(sql):
-    return sql.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0]
+    return sql.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    ).fetchone()[0]
 
 
 def assert_each_effect_once_in_key_order(sql, engine):

@@ -215,16 +215,19 @@ def test_metrics_are_served_on_the_address_asked_for(metered_engine, sql):
 
 @pytest.fixture
 def lag_reads(monkeypatch):
-    """Counts of the worker's lag readings and of the readings it skipped."""
-    counts = {"read": 0, "skipped": 0}
+    """Counts of the worker's lag readings, of the readings it skipped, and of those it
+    skipped since its last reading (one or more: that reading found nothing behind)."""
+    counts = {"read": 0, "skipped": 0, "skipped since a read": 0}
     read_lag, skip = _metrics.read_lag, Progress.skip
 
     def counting_read(*args):
         counts["read"] += 1
+        counts["skipped since a read"] = 0
         return read_lag(*args)
 
     def counting_skip(self, now):
         counts["skipped"] += 1
+        counts["skipped since a read"] += 1
         skip(self, now)
 
     monkeypatch.setattr(_metrics, "read_lag", counting_read)
@@ -242,7 +245,12 @@ def test_an_idle_worker_without_metrics_reads_the_lag_once_until_it_has_work(
         assert lag_reads["read"] == 1  # the reading at start found nothing behind
         metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
         wait_for(lambda: count(sql) == 5)
-        wait_for(lambda: lag_reads["read"] >= 2, what="a reading after the work")
+        # a reading taken while the batch still ran finds work behind and is followed by
+        # another; the worker is idle once a skipped interval follows the last reading
+        wait_for(
+            lambda: lag_reads["read"] >= 2 and lag_reads["skipped since a read"] >= 1,
+            what="a reading after the work that found nothing behind",
+        )
         reads = lag_reads["read"]
         skipped = lag_reads["skipped"]
         wait_for(lambda: lag_reads["skipped"] >= skipped + 5, what="several progress intervals")

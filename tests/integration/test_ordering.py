@@ -24,7 +24,8 @@ def wait_until_blocked(sql: psycopg.Connection, application_name: str) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         row = sql.execute(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s",
+            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s"
+            " AND datname = current_database()",
             (application_name,),
         ).fetchone()
         if row and row[0] == "Lock":

@@ -41,7 +41,10 @@ def test_a_worker_handles_every_event_once_and_stops_cleanly(fast_engine, sql):
     assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 150
     positions = {p.partition: p.position for p in fast_engine.subscription_positions("billing")}
     assert positions == fast_engine.heads("orders")
-    locks = sql.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()
+    locks = sql.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    ).fetchone()
     assert locks[0] == 0
     assert count(sql, "subengine.workers") == 0
 
