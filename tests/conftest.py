@@ -59,14 +59,14 @@ def _use_the_server(config: pytest.Config) -> None:
         if _embedded_server is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                import pgserver
+                from pgserver import get_server  # type: ignore[attr-defined]  # not in its __all__
 
                 directory = Path(tempfile.mkdtemp(prefix="subengine-test-pg-"))
-                _embedded_server = pgserver.get_server(directory / "pgdata", cleanup_mode="delete")
+                _embedded_server = get_server(directory / "pgdata", cleanup_mode="delete")
         dsn = _embedded_server.get_uri()
     params = conninfo_to_dict(dsn)
     config.option.postgresql_host = params.get("host", "localhost")
-    config.option.postgresql_port = int(params.get("port", 5432))
+    config.option.postgresql_port = int(params.get("port") or 5432)
     config.option.postgresql_user = params.get("user", "postgres")
     config.option.postgresql_password = params.get("password") or None
 
