@@ -1,49 +1,72 @@
-"""Fixtures: a real PostgreSQL for every test.
+"""Fixtures: a real PostgreSQL for the integration and acceptance tiers.
 
-By default the suite starts its own embedded PostgreSQL (pgserver) in a temporary
-directory; with SUBENGINE_TEST_DSN set it uses that server instead. pytest-postgresql's
-no-process mode then gives each test a fresh database cloned from a template that
-subengine's migrations have already been applied to.
+The server is started only when a test asks for a database, so the unit tier never boots
+one. By default that is an embedded PostgreSQL (pgserver) in a temporary directory, one
+per pytest process (each xdist worker has its own); with SUBENGINE_TEST_DSN set it is that
+server instead. pytest-postgresql's no-process mode then gives each test a fresh database
+cloned from a template that subengine's migrations have already been applied to; under
+xdist both names carry the worker's id, so workers sharing one server never meet.
+
+Every test under acceptance/ is marked `slow`. Plain helpers live in helpers.py.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from helpers import (  # noqa: F401  (re-exported for tests that still import from conftest)
+    APPS,
+    PYTHON,
+    README,
+    Proxy,
+    run_subengine,
+    run_subengine_until,
+    snapshot,
+    subengine_command,
+    write_readme_app,
+)
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pytest_postgresql import factories
+from pytest_postgresql.executors import NoopExecutor
 
 import subengine
 from subengine import _migrate
 
+TESTS = Path(__file__).parent
 _embedded_server: Any = None
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    acceptance = TESTS / "acceptance"
+    for item in items:
+        if item.path.is_relative_to(acceptance):
+            item.add_marker(pytest.mark.slow)
+
+
+def _use_the_server(config: pytest.Config) -> None:
+    """Start the embedded server once (unless SUBENGINE_TEST_DSN names one) and point
+    pytest-postgresql at it."""
     global _embedded_server
     dsn = os.environ.get("SUBENGINE_TEST_DSN")
     if not dsn:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import pgserver
+        if _embedded_server is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from pgserver import get_server  # type: ignore[attr-defined]  # not in its __all__
 
-            directory = Path(tempfile.mkdtemp(prefix="subengine-test-pg-"))
-            _embedded_server = pgserver.get_server(directory / "pgdata", cleanup_mode="delete")
+                directory = Path(tempfile.mkdtemp(prefix="subengine-test-pg-"))
+                _embedded_server = get_server(directory / "pgdata", cleanup_mode="delete")
         dsn = _embedded_server.get_uri()
     params = conninfo_to_dict(dsn)
     config.option.postgresql_host = params.get("host", "localhost")
-    config.option.postgresql_port = int(params.get("port", 5432))
+    config.option.postgresql_port = int(params.get("port") or 5432)
     config.option.postgresql_user = params.get("user", "postgres")
     config.option.postgresql_password = params.get("password") or None
 
@@ -60,10 +83,26 @@ def migrate_template(
     _migrate.upgrade(dsn, "subengine", subengine.Settings().connect_timeout)
 
 
-postgresql_migrated_server = factories.postgresql_noproc(
-    dbname="subengine_tests", load=[migrate_template]
-)
-postgresql_blank_server = factories.postgresql_noproc(dbname="subengine_blank")
+_migrated_template = factories.postgresql_noproc(dbname="subengine_tests", load=[migrate_template])
+_blank_template = factories.postgresql_noproc(dbname="subengine_blank")
+
+
+@pytest.fixture(scope="session")
+def postgresql_migrated_server(request: pytest.FixtureRequest) -> NoopExecutor:
+    """The server, with a migrated template database for each test's database."""
+    _use_the_server(request.config)
+    executor: NoopExecutor = request.getfixturevalue("_migrated_template")
+    return executor
+
+
+@pytest.fixture(scope="session")
+def postgresql_blank_server(request: pytest.FixtureRequest) -> NoopExecutor:
+    """The server, with an empty template database for each test's database."""
+    _use_the_server(request.config)
+    executor: NoopExecutor = request.getfixturevalue("_blank_template")
+    return executor
+
+
 postgresql = factories.postgresql("postgresql_migrated_server")
 postgresql_blank = factories.postgresql("postgresql_blank_server")
 
@@ -74,13 +113,17 @@ def _dsn_of(conn: psycopg.Connection[Any], password: str | None) -> str:
 
 
 @pytest.fixture
-def dsn(postgresql: psycopg.Connection[Any], postgresql_migrated_server: Any) -> str:
+def dsn(postgresql: psycopg.Connection[Any], postgresql_migrated_server: NoopExecutor) -> str:
     """Connection string of a fresh, migrated database."""
     return _dsn_of(postgresql, postgresql_migrated_server.password)
 
 
 @pytest.fixture
-def blank_dsn(postgresql_blank: psycopg.Connection[Any], postgresql_blank_server: Any) -> str:
+def blank_dsn(
+    postgresql_blank: psycopg.Connection[Any], postgresql_blank_server: NoopExecutor
+) -> str:
+    """Connection string of a fresh database that was never migrated."""
+    return _dsn_of(postgresql_blank, postgresql_blank_server.password)
     """Connection string of a fresh database that was never migrated."""
     return _dsn_of(postgresql_blank, postgresql_blank_server.password)
 
@@ -127,86 +170,6 @@ def cli_env(dsn: str, tmp_path: Path) -> dict[str, str]:
     return env
 
 
-PYTHON = sys.executable
-
-
-def snapshot(sql: psycopg.Connection[Any]) -> tuple[Any, ...]:
-    """Everything an append or a stream command can change, to compare before and after."""
-    return (
-        sql.execute("SELECT name, partitions FROM subengine.streams ORDER BY 1").fetchall(),
-        sql.execute(
-            "SELECT stream, partition, head, head_time FROM subengine.partitions ORDER BY 1, 2"
-        ).fetchall(),
-        sql.execute("SELECT count(*), max(recorded_at) FROM subengine.events").fetchone(),
-    )
-
-
-def subengine_command() -> str:
-    """The installed `subengine` console script of this interpreter's environment."""
-    return str(Path(sys.executable).parent / "subengine")
-
-
-def run_subengine(
-    env: dict[str, str],
-    *args: str,
-    stdin: str | None = None,
-    timeout: float = 120,
-    cwd: Path | None = None,
-) -> subprocess.CompletedProcess[str]:
-    """Run the `subengine` command as a process and capture what it prints."""
-    return subprocess.run(
-        [subengine_command(), *args],
-        env=env,
-        cwd=cwd,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def run_subengine_until(
-    env: dict[str, str],
-    *args: str,
-    ready: Callable[[], object],
-    signum: int,
-    cwd: Path | None = None,
-) -> subprocess.CompletedProcess[str]:
-    """Start the `subengine` command, call `ready()` (it waits for whatever the command
-    should have done), then send it `signum` and collect what it printed."""
-    process = subprocess.Popen(
-        [subengine_command(), *args],
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        ready()
-    finally:
-        process.send_signal(signum)
-        out, err = process.communicate(timeout=60)
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
-
-
-APPS = Path(__file__).parent / "apps"
-README = Path(__file__).parent.parent / "README.md"
-
-
-def write_readme_app(directory: Path) -> None:
-    """The README's example app, as written, as the package `myproject` in `directory`."""
-    readme = README.read_text()
-    [source] = [
-        block.split("```", 1)[0]
-        for block in readme.split("```python\n")
-        if block.startswith("# myproject/consumers.py")
-    ]
-    (directory / "myproject").mkdir()
-    (directory / "myproject" / "__init__.py").write_text("")
-    (directory / "myproject" / "consumers.py").write_text(source)
-
-
 @pytest.fixture
 def worker_app_env(cli_env: dict[str, str], sql: psycopg.Connection[Any]) -> dict[str, str]:
     """The table `tests/apps/worker_app.py` writes its effects to (no unique constraint),
@@ -229,75 +192,8 @@ def worker_app_env(cli_env: dict[str, str], sql: psycopg.Connection[Any]) -> dic
     return env
 
 
-class Proxy:
-    """A TCP proxy to the PostgreSQL of `dsn`; leaving the `with` block closes it and every
-    connection through it, as a network outage would. While `silent` is set, new
-    connections are accepted and then never answered, as a host that drops packets would.
-    `listener`: a socket bound but not yet listening, which refuses connections until the
-    proxy starts (a server that is not up yet)."""
-
-    def __init__(self, dsn, listener=None):
-        params = conninfo_to_dict(dsn)
-        self.target = (params.get("host") or "localhost", int(params.get("port") or 5432))
-        self.listener = listener or socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.sockets: list[socket.socket] = [self.listener]
-        self.lock = threading.Lock()
-        self.silent = False
-
-    def __enter__(self):
-        self.listener.listen()
-        threading.Thread(target=self._accept, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        with self.lock:
-            for s in self.sockets:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
-            self.sockets.clear()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.silent:
-                with self.lock:
-                    self.sockets.append(client)
-                continue
-            server = self._connect()
-            with self.lock:
-                self.sockets += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    def dsn(self, dsn):
-        """`dsn` through the proxy."""
-        return make_conninfo(dsn, host="127.0.0.1", port=self.port)
-
-    def _connect(self):
-        host, port = self.target
-        if host.startswith("/"):  # a Unix-domain socket directory, as libpq names it
-            server = socket.socket(socket.AF_UNIX)
-            server.connect(f"{host}/.s.PGSQL.{port}")
-            return server
-        return socket.create_connection(self.target)
-
-    @staticmethod
-    def _pipe(source, sink):
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+@pytest.fixture
+def stored(engine: subengine.Engine, orders: str) -> str:
+    """The stream 'orders' with a few events, so that 'nothing changed' has something to keep."""
+    engine.append(orders, [subengine.NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
+    return orders

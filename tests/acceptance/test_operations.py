@@ -9,22 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import APPS, run_subengine, subengine_command
+from helpers import APPS, ROOT, Running, subengine_command, wait_for
+from helpers import run_ok as run
 from psycopg.conninfo import make_conninfo
-from test_worker import Running, wait_for
 
 import subengine
 from subengine import NewEvent
-
-
-def run(env, *args, ok=True, cwd=None):
-    result = run_subengine(env, *args, cwd=cwd)
-    if ok:
-        assert result.returncode == 0, result.stderr
-    return result
 
 
 def json_lines(text):
@@ -356,7 +348,7 @@ def test_workers_prune_removes_workers_that_are_gone(fast_engine, cli_env, sql):
         wait_for(lambda: len(fast_engine.workers()) == 1)
 
 
-OPERATIONS = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
 
 
 def test_the_documented_operator_role_runs_every_read_only_command(fast_engine, cli_env, sql, dsn):

@@ -7,8 +7,7 @@ from datetime import UTC, datetime
 
 import psycopg
 import pytest
-from conftest import run_subengine as run
-from conftest import snapshot
+from helpers import snapshot
 
 import subengine
 from subengine import NewEvent
@@ -23,13 +22,6 @@ HOSTILE_NAMES = [
     "orders\n",
     "ördërs",
 ]
-
-
-@pytest.fixture
-def stored(engine, orders):
-    """A stream with a few events, so that 'nothing changed' has something to keep."""
-    engine.append(orders, [NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
-    return orders
 
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
@@ -151,56 +143,6 @@ def test_invalid_read_limits(engine, stored, limit):
         engine.read(stored, 0, limit=limit)
 
 
-def test_cli_bad_input_exits_non_zero_with_the_reason(engine, stored, sql, cli_env, tmp_path):
-    before = snapshot(sql)
-    cases = [
-        (["append", "missing", "--key", "k", "--type", "T", "--data", "{}"], "does not exist"),
-        (["append", "orders", "--key", "k", "--type", "T", "--data", "{oops"], "not valid JSON"),
-        (
-            ["append", "orders; DROP", "--key", "k", "--type", "T", "--data", "{}"],
-            "invalid stream name",
-        ),
-        (["read", "orders", "--partition", "9"], "no partition 9"),
-        (["read", "missing"], "does not exist"),
-        (["stream", "create", "x" * 10_000, "--partitions", "2"], "invalid stream name"),
-        (["stream", "create", "orders", "--partitions", "2"], "exists already"),
-        (["stream", "create", "fresh", "--partitions", "0"], "partition count"),
-    ]
-    for args, message in cases:
-        result = run(cli_env, *args)
-        assert result.returncode != 0, args
-        assert message in result.stderr, (args, result.stderr)
-        assert "Traceback" not in result.stderr
-    assert snapshot(sql) == before
-
-
-def test_cli_malformed_jsonl_line_names_the_line_and_appends_nothing(
-    stored, sql, cli_env, tmp_path
-):
-    before = snapshot(sql)
-    good = '{"key": "a", "type": "T", "data": {}}'
-    files = {
-        "broken.jsonl": (f"{good}\n\n{good}\n{{not json\n{good}\n", "line 4"),
-        "missing.jsonl": (f'{good}\n{{"key": "a", "type": "T"}}\n', "line 2: missing 'data'"),
-        "unknown.jsonl": (
-            f'{good}\n{{"key": "a", "type": "T", "data": 1, "x": 2}}\n',
-            "line 2: unknown field(s) 'x'",
-        ),
-        "badkey.jsonl": (
-            f'{good}\n{good}\n{{"key": "", "type": "T", "data": 1}}\n',
-            "line 3: invalid event key",
-        ),
-        "empty.jsonl": ("\n\n", "holds no event"),
-    }
-    for name, (content, message) in files.items():
-        path = tmp_path / name
-        path.write_text(content)
-        result = run(cli_env, "append", "orders", "--file", str(path))
-        assert result.returncode == 1, (name, result.stderr)
-        assert message in result.stderr, (name, result.stderr)
-    assert snapshot(sql) == before
-
-
 def test_an_escaped_backslash_before_u0000_is_not_a_nul(engine, stored):
     text = "C:\\u0000dir"  # a backslash, then the letters u0000
     [appended] = engine.append(stored, [NewEvent("k", "T", {"path": text})])
@@ -244,17 +186,3 @@ def test_plain_sql_bad_input_is_refused(stored, sql, call, message):
     with pytest.raises(psycopg.Error, match=message):
         sql.execute(f"SELECT * FROM subengine.{call}")  # noqa: S608 (constant test SQL)
     assert snapshot(sql) == before
-
-
-def test_cli_reports_an_unreachable_database_in_one_line(tmp_path):
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "SUBENGINE_DSN": "postgresql://nobody@127.0.0.1:1/none",
-        "SUBENGINE_CONNECT_TIMEOUT": "1",
-        "SUBENGINE_HOME": str(tmp_path),
-    }
-    for args in (["migrate"], ["stream", "list"]):
-        result = run(env, *args)
-        assert result.returncode == 1, result.stderr
-        assert "Traceback" not in result.stderr
-        assert "error:" in result.stderr and "127.0.0.1" in result.stderr

@@ -15,11 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from helpers import README
 
 import subengine
 from subengine import Cursor, Event, NewEvent
@@ -358,7 +358,7 @@ def test_an_async_tail_resumes_from_a_cursor_and_filters(quiet_engine, settings)
 
 
 def readme_block(heading: str) -> str:
-    text = (Path(__file__).parent.parent / "README.md").read_text()
+    text = README.read_text()
     section = text.split(f"### {heading}\n", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 

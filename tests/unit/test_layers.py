@@ -7,10 +7,11 @@ import ast
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from subengine._connection import connect_options
 
-PACKAGE = Path(__file__).resolve().parent.parent / "subengine"
+PACKAGE = ROOT / "subengine"
 
 # Lower layers first; a module may import only from its own layer or those below it.
 LAYERS: dict[str, int] = {

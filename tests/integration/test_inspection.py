@@ -6,7 +6,7 @@ import threading
 
 import psycopg
 import pytest
-from test_worker import Running, wait_for
+from helpers import Running, wait_for
 
 import subengine
 from subengine import NewEvent

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import README, run_subengine, subengine_command
+from helpers import README, run_subengine, subengine_command
 
 import subengine
 from subengine import NewEvent, _embedded

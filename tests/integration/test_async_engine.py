@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy
-from conftest import snapshot
+from helpers import snapshot
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 import subengine

@@ -7,15 +7,13 @@ import re
 import shlex
 import signal
 import time
-from pathlib import Path
 
 import pytest
-from conftest import run_subengine, run_subengine_until, write_readme_app
+from helpers import ROOT, run_subengine, run_subengine_until, write_readme_app
 
 import subengine
 from subengine import NewEvent
 
-ROOT = Path(__file__).parent.parent
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
 
 

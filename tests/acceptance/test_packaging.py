@@ -9,10 +9,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from subengine import _migrate
-
-ROOT = Path(__file__).parent.parent
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import README, run_subengine, run_subengine_until, write_readme_app
+from helpers import README, run_subengine, run_subengine_until, write_readme_app
 
 TEXT = README.read_text()
 REFERENCE = "## The command line"

@@ -10,10 +10,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
-import time
 
 import pytest
-from conftest import APPS, subengine_command
+from helpers import APPS, run_subengine, subengine_command, wait_for
 
 
 def start_worker(env, app, *args):
@@ -25,14 +24,6 @@ def start_worker(env, app, *args):
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def wait_for(condition, what, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -91,3 +82,15 @@ def test_a_sigterm_once_the_worker_runs_still_finishes_cleanly(worker_app_env, e
     assert worker.returncode == 0, err
     assert "SIGTERM: finishing the current batches, then exiting" in err
     assert sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf"])
+def test_a_worker_with_a_non_finite_poll_interval_exits_with_one_line(orders, worker_app_env, raw):
+    # nan made an idle worker spin (~2,000 transactions/s); inf raised OverflowError
+    env = dict(worker_app_env, SUBENGINE_POLL_INTERVAL=raw)
+    result = run_subengine(env, "worker", "--app", "worker_app:app", cwd=APPS, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == (
+        "error: setting poll_interval must be a number of seconds above 0 and at most 604800"
+        f" (a week), not {raw} (environment variable SUBENGINE_POLL_INTERVAL)\n"
+    )

@@ -10,16 +10,11 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
+from helpers import Running, count, key_in, record, wait_for
 from psycopg.sql import SQL, Identifier
 
 import subengine
 from subengine import NewEvent
-
-
-def record(event, conn):
-    conn.execute(
-        "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
-    )
 
 
 def poisoned_app(stream, poison, **options):
@@ -36,44 +31,6 @@ def poisoned_app(stream, poison, **options):
     return app
 
 
-class Running:
-    """A worker in a thread, stopped (and joined) on exit; `error` is what it raised."""
-
-    def __init__(self, app, engine, **options):
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(app, engine, options))
-
-    def _run(self, app, engine, options):
-        try:
-            app.run_worker(engine, stop=self.stop, **options)
-        except BaseException as error:
-            self.error = error
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the worker did not stop"
-        assert self.error is None, self.error
-
-
-def wait_for(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
-def count(sql, table="effects"):
-    return sql.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: S608
-
-
 def test_a_worker_handles_every_event_once_and_stops_cleanly(fast_engine, sql):
     fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(100)])
     app = subengine.App()
@@ -84,7 +41,10 @@ def test_a_worker_handles_every_event_once_and_stops_cleanly(fast_engine, sql):
     assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 150
     positions = {p.partition: p.position for p in fast_engine.subscription_positions("billing")}
     assert positions == fast_engine.heads("orders")
-    locks = sql.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()
+    locks = sql.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    ).fetchone()
     assert locks[0] == 0
     assert count(sql, "subengine.workers") == 0
 
@@ -314,14 +274,6 @@ def test_at_least_once_handlers_run_outside_the_transaction_and_may_repeat(fast_
     assert set(calls) == {a.id for a in stored}
     assert len(calls) > len(stored)
     assert all(p.generation == 2 for p in fast_engine.subscription_positions("mailer"))
-
-
-def key_in(partition, partitions=4, prefix="k"):
-    return next(
-        f"{prefix}{n}"
-        for n in range(1000)
-        if subengine.partition_for(f"{prefix}{n}", partitions) == partition
-    )
 
 
 def worker_warned(caplog):

@@ -7,17 +7,10 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conftest import run_subengine
+from helpers import run_ok as run
 
 import subengine
 from subengine import _migrate
-
-
-def run(env, *args, stdin=None, ok=True):
-    result = run_subengine(env, *args, stdin=stdin)
-    if ok:
-        assert result.returncode == 0, result.stderr
-    return result
 
 
 def test_migrate_reports_the_revision(cli_env):

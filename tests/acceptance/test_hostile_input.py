@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import run_subengine, snapshot
+from helpers import run_subengine, snapshot
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from subengine.cli.main import cli

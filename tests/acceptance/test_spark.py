@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from helpers import ROOT
 from psycopg.conninfo import make_conninfo
 from psycopg.sql import SQL, Identifier
 
@@ -35,6 +36,9 @@ from subengine import NewEvent, _migrate
 pyspark = pytest.importorskip(
     "pyspark", reason="PySpark is not installed: pip install -e '.[spark]'"
 )
+# one SparkSession (a JVM) for the whole module: under xdist its tests share one worker
+pytestmark = pytest.mark.xdist_group("spark")
+
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("Spark needs Java 17 or later: none found", allow_module_level=True)
 
@@ -53,10 +57,8 @@ from pyspark.sql.streaming import StreamingQueryException  # noqa: E402
 from pyspark.sql.types import StructType  # noqa: E402
 
 import subengine.spark  # noqa: E402
-from subengine.spark import _offsets  # noqa: E402
 from subengine.spark._source import StreamWriter, SubengineDataSource  # noqa: E402
 
-ROOT = Path(__file__).parent.parent
 DSN_ENV = "SUBENGINE_SPARK_TEST_DSN"
 LOCAL_DIR_ENV = "SUBENGINE_SPARK_TEST_LOCAL_DIR"
 DATABASE = "subengine_spark_tests"
@@ -251,26 +253,6 @@ def assert_each_event_once_in_order(sql, stream, rows):
     for partition in {p for p, _, _ in rows}:
         positions = [pos for p, pos, _ in rows if p == partition]
         assert positions == sorted(positions)
-
-
-# offsets, without Spark
-
-
-def test_offsets_have_one_canonical_json_form():
-    assert _offsets.offset_json({10: 4, 2: 7, 0: 1}) == '{"0":1,"10":4,"2":7}'
-    assert list(_offsets.to_offset({10: 4, 2: 7, 0: 1})) == ["0", "10", "2"]
-    with pytest.raises(subengine.InvalidInput, match="does not fit this query"):
-        _offsets.from_offset({"0": 1, "1": 2}, (0, 1, 2))
-
-
-def test_admission_shares_the_limit_by_what_each_partition_has_waiting():
-    start = {0: 0, 1: 10, 2: 5}
-    heads = {0: 90, 1: 20, 2: 5}
-    admitted = _offsets.admit(start, heads, 10)
-    assert sum(admitted[p] - start[p] for p in start) == 10
-    assert admitted == {0: 9, 1: 11, 2: 5}
-    assert _offsets.admit(start, heads, 1000) == heads
-    assert sum(_offsets.admit({0: 0, 1: 0, 2: 0}, {0: 1, 1: 1, 2: 1}, 1).values()) == 1
 
 
 # batch reads

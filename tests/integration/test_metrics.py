@@ -6,22 +6,27 @@ from __future__ import annotations
 import io
 import json
 import logging
-import signal
 import socket
-import subprocess
 import time
-import urllib.request
 
 import psycopg
 import pytest
-from conftest import APPS, subengine_command
-from prometheus_client.parser import text_string_to_metric_families
-from test_worker import Running, record
+from helpers import (
+    Running,
+    count,
+    expected_lag,
+    free_port,
+    lag_gauges,
+    record,
+    scrape,
+    value,
+    wait_for,
+)
 
 import subengine
 from subengine import NewEvent, _metrics
 from subengine._logging import JsonFormatter
-from subengine._metrics import PartitionLag, Progress
+from subengine._metrics import Progress
 
 
 @pytest.fixture
@@ -39,59 +44,6 @@ def metered_engine(dsn, sql):
     with subengine.Engine(settings=settings) as engine:
         engine.create_stream("orders", partitions=4)
         yield engine
-
-
-def wait_for(condition, timeout=30.0, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port):
-    """{(sample name, sorted labels): value} of the endpoint; {} while it is not up."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            text = response.read().decode()
-    except OSError:
-        return {}
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples, name, **labels):
-    return samples.get((name, tuple(sorted(labels.items()))))
-
-
-def lag_gauges(samples):
-    return {
-        dict(labels)["partition"]: value
-        for (name, labels), value in samples.items()
-        if name == "subengine_lag_events"
-    }
-
-
-def expected_lag(engine, subscription):
-    heads = engine.heads("orders")
-    return {
-        str(p.partition): heads[p.partition] - p.position
-        for p in engine.subscription_positions(subscription)
-    }
-
-
-def count(sql, table="effects"):
-    return sql.execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: S608
 
 
 def first_of_a_partition(stored):
@@ -263,16 +215,19 @@ def test_metrics_are_served_on_the_address_asked_for(metered_engine, sql):
 
 @pytest.fixture
 def lag_reads(monkeypatch):
-    """Counts of the worker's lag readings and of the readings it skipped."""
-    counts = {"read": 0, "skipped": 0}
+    """Counts of the worker's lag readings, of the readings it skipped, and of those it
+    skipped since its last reading (one or more: that reading found nothing behind)."""
+    counts = {"read": 0, "skipped": 0, "skipped since a read": 0}
     read_lag, skip = _metrics.read_lag, Progress.skip
 
     def counting_read(*args):
         counts["read"] += 1
+        counts["skipped since a read"] = 0
         return read_lag(*args)
 
     def counting_skip(self, now):
         counts["skipped"] += 1
+        counts["skipped since a read"] += 1
         skip(self, now)
 
     monkeypatch.setattr(_metrics, "read_lag", counting_read)
@@ -290,7 +245,12 @@ def test_an_idle_worker_without_metrics_reads_the_lag_once_until_it_has_work(
         assert lag_reads["read"] == 1  # the reading at start found nothing behind
         metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
         wait_for(lambda: count(sql) == 5)
-        wait_for(lambda: lag_reads["read"] >= 2, what="a reading after the work")
+        # a reading taken while the batch still ran finds work behind and is followed by
+        # another; the worker is idle once a skipped interval follows the last reading
+        wait_for(
+            lambda: lag_reads["read"] >= 2 and lag_reads["skipped since a read"] >= 1,
+            what="a reading after the work that found nothing behind",
+        )
         reads = lag_reads["read"]
         skipped = lag_reads["skipped"]
         wait_for(lambda: lag_reads["skipped"] >= skipped + 5, what="several progress intervals")
@@ -378,98 +338,7 @@ def test_progress_lines_report_a_backlog_until_it_is_caught_up(dsn, sql, json_lo
 # progress arithmetic
 
 
-def reading(*lags, halted=()):
-    return [
-        PartitionLag("billing", partition, 100, 100 + lag, partition in halted)
-        for partition, lag in enumerate(lags)
-    ]
-
-
-def test_progress_is_quiet_when_nothing_is_behind_and_nothing_was_done():
-    progress = Progress(["billing"], now=0.0)
-    assert progress.report(0.0, {"billing": 0}, reading(0, 0)) == []
-    assert not progress.wants_reading({"billing": 0}, serving_metrics=False)
-    assert progress.report(10.0, {"billing": 0}, reading(0, 0)) == []
-
-
-def test_progress_counts_events_rate_remaining_and_eta():
-    progress = Progress(["billing"], now=0.0)
-    [first] = progress.report(0.0, {"billing": 0}, reading(600, 400))
-    assert first.message() == "subscription billing: 1,000 events to catch up"
-    assert progress.wants_reading({"billing": 0}, serving_metrics=False)  # still behind
-    [line] = progress.report(10.0, {"billing": 500}, reading(300, 200))
-    assert (line.events, line.rate, line.remaining, line.eta_seconds) == (500, 50.0, 500, 10.0)
-    assert line.message() == (
-        "subscription billing: 500 events in 10.0 s (50/s), 500 remaining, ETA 10 s"
-    )
-    # new appends outpace the worker: no ETA
-    [line] = progress.report(20.0, {"billing": 600}, reading(400, 200))
-    assert line.eta_seconds is None and line.message().endswith("not shrinking")
-    [line] = progress.report(30.0, {"billing": 1200}, reading(0, 0))
-    assert line.message().endswith("caught up")
-
-
-def test_stopped_or_paused_partitions_are_not_remaining_work():
-    progress = Progress(["billing"], now=0.0)
-    assert progress.report(0.0, {"billing": 0}, reading(0, 50, halted={1})) == []
-    assert not progress.wants_reading({"billing": 0}, serving_metrics=False)
-    assert progress.wants_reading({"billing": 0}, serving_metrics=True)
-    assert progress.wants_reading({"billing": 3}, serving_metrics=False)
-
-
 # the command
-
-
-def test_the_worker_command_serves_metrics_and_logs_json_lines(worker_app_env, engine, sql):
-    engine.create_stream("orders", partitions=4)
-    engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(30)])
-    port = free_port()
-    worker = subprocess.Popen(
-        [
-            subengine_command(),
-            "worker",
-            "--app",
-            "worker_app:app",
-            "--metrics-port",
-            str(port),
-            "--log-format",
-            "json",
-            "--log-level",
-            "debug",
-        ],
-        cwd=APPS,
-        env=worker_app_env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_for(
-            lambda: (
-                value(scrape(port), "subengine_events_processed_total", subscription="effects")
-                == 30
-            ),
-            what="the count of 30 events",
-        )
-        wait_for(
-            lambda: lag_gauges(scrape(port)) == expected_lag(engine, "effects"),
-            what="the lag gauges",
-        )
-        assert set(expected_lag(engine, "effects").values()) == {0}
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        _, stderr = worker.communicate(timeout=60)
-    assert worker.returncode == 0, stderr
-    # every line is a JSON object but the signal handler's own one
-    lines = [
-        json.loads(line)
-        for line in stderr.splitlines()
-        if not line.startswith("SIGTERM: finishing the current batches")
-    ]
-    assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
-    batches = [line for line in lines if "from_position" in line]
-    assert sum(line["events"] for line in batches) == 30
-    assert {line["subscription"] for line in batches} == {"effects"}
-    assert all(line["partition"] in range(4) for line in batches)
 
 
 def test_summing_the_lag_gauges_over_workers_counts_each_partition_once(metered_engine, sql):

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import gc
 import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 import psycopg
 import pytest
 import sqlalchemy
+from helpers import async_handler, generator_handler, record
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import subengine
@@ -26,12 +25,6 @@ def projections(sql):
     return sql
 
 
-def record(event, conn):
-    conn.execute(
-        "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
-    )
-
-
 def effects(sql):
     return sql.execute("SELECT partition, position FROM effects ORDER BY 1, 2").fetchall()
 
@@ -42,17 +35,6 @@ def one_partition_stream(engine, name="orders", events=10):
 
 
 # declaring
-
-
-def test_handlers_are_dispatched_by_type_with_a_catch_all():
-    app = subengine.App()
-    sub = app.subscription("billing", stream="orders")
-    seen = []
-    sub.handler("Placed")(lambda event, conn: seen.append(("placed", event)))
-    sub.handler()(lambda event, conn: seen.append(("other", event)))
-    events = [_event("Placed", 1), _event("Paid", 2)]
-    sub.handle(events, conn=None)
-    assert [(kind, e.position) for kind, e in seen] == [("placed", 1), ("other", 2)]
 
 
 @dataclass
@@ -83,125 +65,6 @@ def test_a_handler_can_take_a_typed_payload(engine, projections):
     assert engine.subscription_positions("billing")[0].position == 1
 
 
-def test_events_without_a_handler_are_skipped():
-    app = subengine.App()
-    sub = app.subscription("billing", stream="orders")
-    seen = []
-    sub.handler("Placed")(lambda event, conn: seen.append(event.position))
-    sub.handle([_event("Paid", 1), _event("Placed", 2)], conn=None)
-    assert seen == [2]
-
-
-def test_a_batch_handler_gets_the_whole_batch_and_must_be_alone():
-    app = subengine.App()
-    sub = app.subscription("projection", stream="orders")
-    batches = []
-    sub.batch_handler()(lambda events, conn: batches.append([e.position for e in events]))
-    sub.handle([_event("A", 1), _event("B", 2)], conn=None)
-    assert batches == [[1, 2]]
-    with pytest.raises(subengine.InvalidInput, match="batch handler"):
-        sub.handler("A")(lambda event, conn: None)
-
-
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"batch_size": 0}, "batch_size"),
-        ({"ack": "maybe"}, "ack must be one of"),
-        ({"on_error": "ignore"}, "on_error must be one of"),
-        ({"start": "middle"}, "start must be"),
-        ({"start": datetime(2026, 1, 1)}, "time zone"),
-        ({"start": {0: -1}}, "start position"),
-        ({"stream": "bad name"}, "invalid stream name"),
-    ],
-)
-def test_invalid_declarations_are_refused(options, message):
-    with pytest.raises(subengine.InvalidInput, match=message):
-        subengine.App().subscription("billing", **{"stream": "orders", **options})
-
-
-async def async_handler(event, conn):
-    pass
-
-
-async def async_generator_handler(event, conn):
-    yield
-
-
-class AsyncCallable:
-    async def __call__(self, event, conn):
-        pass
-
-
-@pytest.mark.parametrize(
-    "function",
-    [async_handler, async_generator_handler, AsyncCallable(), functools.partial(async_handler)],
-    ids=["async def", "async generator", "async __call__", "partial of async def"],
-)
-@pytest.mark.parametrize("register", ["handler", "catch-all", "batch handler"])
-def test_an_async_handler_is_refused_when_registered(function, register):
-    sub = subengine.App().subscription("billing", stream="orders")
-    decorator = {
-        "handler": lambda: sub.handler("OrderPlaced"),
-        "catch-all": lambda: sub.handler(),
-        "batch handler": lambda: sub.batch_handler(),
-    }[register]()
-    with pytest.raises(
-        subengine.InvalidInput, match=r"is an async function; .* make it a plain def"
-    ):
-        decorator(function)
-    assert (sub.handlers, sub.catch_all, sub.batch) == ({}, None, None)
-
-
-@pytest.mark.parametrize(
-    "function",
-    [lambda: None, lambda event: None, lambda event, conn, extra: None, lambda e, *, conn: None],
-    ids=["no argument", "one argument", "three arguments", "keyword-only conn"],
-)
-def test_a_handler_that_cannot_take_event_and_conn_is_refused(function):
-    sub = subengine.App().subscription("billing", stream="orders")
-    with pytest.raises(subengine.InvalidInput, match=r"cannot be called as handler\(event, conn\)"):
-        sub.handler("OrderPlaced")(function)
-    with pytest.raises(
-        subengine.InvalidInput, match=r"cannot be called as handler\(events, conn\)"
-    ):
-        sub.batch_handler()(function)
-    with pytest.raises(subengine.InvalidInput, match="must be callable"):
-        sub.handler()("not a function")
-    assert (sub.handlers, sub.catch_all, sub.batch) == ({}, None, None)
-
-
-@pytest.mark.parametrize(
-    "function",
-    [
-        lambda event, conn: None,
-        lambda *args: None,
-        lambda event, conn, extra=1: None,
-        functools.partial(lambda prefix, event, conn: None, "x"),
-        print,
-    ],
-    ids=["two arguments", "varargs", "a default", "partial", "a builtin"],
-)
-def test_handlers_that_take_event_and_conn_are_accepted(function):
-    sub = subengine.App().subscription("billing", stream="orders")
-    sub.handler("OrderPlaced")(function)
-    assert sub.handlers == {"OrderPlaced": function}
-
-
-def generator_handler(event, conn):
-    record(event, conn)
-    yield
-
-
-def test_a_generator_handler_is_refused_when_registered():
-    sub = subengine.App().subscription("billing", stream="orders")
-    with pytest.raises(subengine.InvalidInput, match="is a generator function"):
-        sub.handler()(generator_handler)
-    with pytest.raises(subengine.InvalidInput, match="is a generator function"):
-        sub.batch_handler()(generator_handler)
-    assert (sub.handlers, sub.catch_all, sub.batch) == ({}, None, None)
-
-
 def test_a_handler_that_returns_a_generator_fails_its_batch(engine, projections):
     one_partition_stream(engine, events=3)
     sub = subengine.App().subscription("billing", stream="orders")
@@ -221,16 +84,6 @@ def test_a_handler_that_returns_an_awaitable_fails_its_batch(engine, projections
     with pytest.raises(subengine.InvalidInput, match="returned coroutine instead of doing its"):
         engine.process_batch(sub, 0)
     assert engine.subscription_positions("billing")[0].position == 0
-
-
-def test_a_name_is_declared_once_and_a_type_handled_once():
-    app = subengine.App()
-    sub = app.subscription("billing", stream="orders")
-    with pytest.raises(subengine.InvalidInput, match="twice"):
-        app.subscription("billing", stream="orders")
-    sub.handler("A")(lambda event, conn: None)
-    with pytest.raises(subengine.InvalidInput, match="already"):
-        sub.handler("A")(lambda event, conn: None)
 
 
 # storing and start points
@@ -362,23 +215,6 @@ def test_two_workers_on_one_partition_never_handle_an_event_twice(engine, projec
     for thread in threads:
         thread.join(timeout=60)
     assert effects(projections) == [(0, p) for p in range(1, 41)]
-
-
-def _event(event_type, position):
-    now = datetime.now(UTC)
-    return subengine.Event(
-        id=None,
-        stream="orders",
-        partition=0,
-        position=position,
-        key="k",
-        key_version=position,
-        type=event_type,
-        data={},
-        metadata={},
-        occurred_at=now,
-        recorded_at=now,
-    )
 
 
 # SQLAlchemy

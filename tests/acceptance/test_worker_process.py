@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -16,7 +15,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import APPS, README, Proxy, run_subengine, subengine_command, write_readme_app
+from helpers import (
+    APPS,
+    README,
+    Proxy,
+    free_port,
+    run_subengine,
+    subengine_command,
+    wait_for,
+    write_readme_app,
+)
 
 import subengine
 from subengine import NewEvent
@@ -73,15 +81,6 @@ def workers(app_env, tmp_path):
     workers.kill_all()
 
 
-def wait_for(condition, timeout=60.0, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def effect_count(sql):
     return sql.execute("SELECT count(*) FROM effects").fetchone()[0]
 
@@ -103,7 +102,10 @@ def marks(env):
 
 
 def advisory_locks(sql):
-    return sql.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0]
+    return sql.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    ).fetchone()[0]
 
 
 def assert_each_effect_once_in_key_order(sql, engine):
@@ -152,7 +154,7 @@ def test_an_unknown_subscription_exits_with_a_clear_message(app_env, engine_of):
 
 
 def test_a_database_unreachable_at_start_exits_non_zero(app_env):
-    port = _free_port()
+    port = free_port()
     env = dict(
         app_env,
         SUBENGINE_DSN=f"postgresql://postgres@127.0.0.1:{port}/postgres",
@@ -390,12 +392,6 @@ def test_reset_while_a_worker_runs(app_env, engine_of, sql, workers):
 
 
 # helpers
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_readme_example_app_runs_as_written(cli_env, engine_of, sql, tmp_path):

@@ -6,7 +6,7 @@ import os
 
 import psycopg
 import pytest
-from conftest import run_subengine as run
+from helpers import run_subengine as run
 
 import subengine
 from subengine import _embedded

@@ -12,6 +12,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
+from helpers import key_in
 
 import subengine
 from subengine import NewEvent
@@ -19,20 +20,12 @@ from subengine import NewEvent
 PARTITIONS = 4
 
 
-def key_in(partition: int, avoid: set[str] = frozenset(), partitions: int = PARTITIONS) -> str:
-    n = 0
-    while True:
-        key = f"key-{partition}-{n}"
-        if subengine.partition_for(key, partitions) == partition and key not in avoid:
-            return key
-        n += 1
-
-
 def wait_until_blocked(sql: psycopg.Connection, application_name: str) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         row = sql.execute(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s",
+            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s"
+            " AND datname = current_database()",
             (application_name,),
         ).fetchone()
         if row and row[0] == "Lock":

@@ -1,0 +1,330 @@
+"""Helpers shared by the tests of every tier: paths, running the `subengine` command,
+waiting, handlers, a worker in a thread, scraping metrics, and a TCP proxy that can fail
+like a network.
+
+Fixtures live in conftest.py; plain functions and classes live here, imported by name
+(`from helpers import run_subengine`).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import psycopg
+from prometheus_client.parser import text_string_to_metric_families
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import subengine
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+APPS = TESTS / "apps"
+README = ROOT / "README.md"
+PYTHON = sys.executable
+PASSWORD = "Tr0ub4dor-Sekrit"  # distinctive, so that any echo of it shows
+
+
+def snapshot(sql: psycopg.Connection[Any]) -> tuple[Any, ...]:
+    """Everything an append or a stream command can change, to compare before and after."""
+    return (
+        sql.execute("SELECT name, partitions FROM subengine.streams ORDER BY 1").fetchall(),
+        sql.execute(
+            "SELECT stream, partition, head, head_time FROM subengine.partitions ORDER BY 1, 2"
+        ).fetchall(),
+        sql.execute("SELECT count(*), max(recorded_at) FROM subengine.events").fetchone(),
+    )
+
+
+def count(sql: psycopg.Connection[Any], table: str = "effects") -> int:
+    """The number of rows of `table`."""
+    row = sql.execute(f"SELECT count(*) FROM {table}").fetchone()  # noqa: S608
+    assert row is not None
+    return int(row[0])
+
+
+def record(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+    """A handler: the event's effect, a row of the table `effects`."""
+    conn.execute(
+        "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
+    )
+
+
+def generator_handler(event: subengine.Event, conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """A handler that is a generator function: records, then yields."""
+    record(event, conn)
+    yield
+
+
+async def async_handler(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+    """A handler that is a coroutine function."""
+
+
+def tables(dsn: str, schema: str = "subengine") -> set[str]:
+    """The names of the tables of `schema`."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = %s", (schema,)
+        ).fetchall()
+    return {row[0] for row in rows}
+
+
+def key_in(
+    partition: int,
+    avoid: Collection[str] = frozenset(),
+    partitions: int = 4,
+    prefix: str = "k",
+) -> str:
+    """A key of `partition` (of `partitions`) that is not in `avoid`."""
+    return next(
+        f"{prefix}{n}"
+        for n in range(100_000)
+        if subengine.partition_for(f"{prefix}{n}", partitions) == partition
+        and f"{prefix}{n}" not in avoid
+    )
+
+
+def wait_for(
+    condition: Callable[[], object], what: str = "the condition", timeout: float = 60.0
+) -> None:
+    """Wait until `condition()` is true, at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    """{(sample name, sorted labels): value} of the endpoint; {} while it is not up."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    """The sample `name` with exactly `labels`, or None."""
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def lag_gauges(samples: Samples) -> dict[str, float]:
+    """{partition: lag} of the subengine_lag_events gauges."""
+    return {
+        dict(labels)["partition"]: value
+        for (name, labels), value in samples.items()
+        if name == "subengine_lag_events"
+    }
+
+
+def expected_lag(engine: subengine.Engine, subscription: str) -> dict[str, int]:
+    """{partition: lag} of `subscription` of the stream 'orders', read from the engine."""
+    heads = engine.heads("orders")
+    return {
+        str(p.partition): heads[p.partition] - p.position
+        for p in engine.subscription_positions(subscription)
+    }
+
+
+class Running:
+    """A worker in a thread, stopped (and joined) on exit; `error` is what it raised."""
+
+    def __init__(self, app: subengine.App, engine: subengine.Engine, **options: Any) -> None:
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(app, engine, options))
+
+    def _run(self, app: subengine.App, engine: subengine.Engine, options: dict[str, Any]) -> None:
+        try:
+            app.run_worker(engine, stop=self.stop, **options)
+        except BaseException as error:
+            self.error = error
+
+    def __enter__(self) -> Running:
+        self.thread.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the worker did not stop"
+        assert self.error is None, self.error
+
+
+def subengine_command() -> str:
+    """The installed `subengine` console script of this interpreter's environment."""
+    return str(Path(sys.executable).parent / "subengine")
+
+
+def run_subengine(
+    env: dict[str, str],
+    *args: str,
+    stdin: str | None = None,
+    timeout: float = 120,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run the `subengine` command as a process and capture what it prints."""
+    return subprocess.run(
+        [subengine_command(), *args],
+        env=env,
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_ok(
+    env: dict[str, str],
+    *args: str,
+    stdin: str | None = None,
+    ok: bool = True,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`run_subengine`, asserting that the command succeeded unless `ok` is false."""
+    result = run_subengine(env, *args, stdin=stdin, cwd=cwd)
+    if ok:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def run_subengine_until(
+    env: dict[str, str],
+    *args: str,
+    ready: Callable[[], object],
+    signum: int,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Start the `subengine` command, call `ready()` (it waits for whatever the command
+    should have done), then send it `signum` and collect what it printed."""
+    process = subprocess.Popen(
+        [subengine_command(), *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready()
+    finally:
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def write_readme_app(directory: Path) -> None:
+    """The README's example app, as written, as the package `myproject` in `directory`."""
+    readme = README.read_text()
+    [source] = [
+        block.split("```", 1)[0]
+        for block in readme.split("```python\n")
+        if block.startswith("# myproject/consumers.py")
+    ]
+    (directory / "myproject").mkdir()
+    (directory / "myproject" / "__init__.py").write_text("")
+    (directory / "myproject" / "consumers.py").write_text(source)
+
+
+class Proxy:
+    """A TCP proxy to the PostgreSQL of `dsn`; leaving the `with` block closes it and every
+    connection through it, as a network outage would. While `silent` is set, new
+    connections are accepted and then never answered, as a host that drops packets would.
+    `listener`: a socket bound but not yet listening, which refuses connections until the
+    proxy starts (a server that is not up yet)."""
+
+    def __init__(self, dsn: str, listener: socket.socket | None = None) -> None:
+        params = conninfo_to_dict(dsn)
+        self.target = (str(params.get("host") or "localhost"), int(params.get("port") or 5432))
+        self.listener = listener or socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        self.lock = threading.Lock()
+        self.silent = False
+
+    def __enter__(self) -> Proxy:
+        self.listener.listen()
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            for s in self.sockets:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+            self.sockets.clear()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.silent:
+                with self.lock:
+                    self.sockets.append(client)
+                continue
+            server = self._connect()
+            with self.lock:
+                self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def dsn(self, dsn: str) -> str:
+        """`dsn` through the proxy."""
+        return make_conninfo(dsn, host="127.0.0.1", port=self.port)
+
+    def _connect(self) -> socket.socket:
+        host, port = self.target
+        if host.startswith("/"):  # a Unix-domain socket directory, as libpq names it
+            server = socket.socket(socket.AF_UNIX)
+            server.connect(f"{host}/.s.PGSQL.{port}")
+            return server
+        return socket.create_connection(self.target)
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
