@@ -49,7 +49,6 @@ from _scratch import reset_scratch_schema
 from psycopg import sql
 
 import subengine
-from subengine._queries import query
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -78,7 +77,7 @@ def reset_schema(engine: subengine.Engine, partitions: int) -> None:
 
 def fill(engine: subengine.Engine, events: int, batch: int) -> None:
     """Append `events` order events through append_events, `batch` per call."""
-    statement = query(engine.schema, "append_events")
+    statement = engine.sql.text("append_events")
     with psycopg.connect(engine.dsn) as conn:
         for start in range(0, events, batch):
             numbers = range(start, min(start + batch, events))
