@@ -51,20 +51,24 @@ def count(sql: psycopg.Connection[Any], table: str = "effects") -> int:
     return int(row[0])
 
 
-def record(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+# The handlers here take `conn` as Any: a handler is registered as taking the batch's
+# connection or None (at-least-once subscriptions), and these run only where there is one.
+
+
+def record(event: subengine.Event, conn: Any) -> None:
     """A handler: the event's effect, a row of the table `effects`."""
     conn.execute(
         "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
     )
 
 
-def generator_handler(event: subengine.Event, conn: psycopg.Connection[Any]) -> Iterator[None]:
+def generator_handler(event: subengine.Event, conn: Any) -> Iterator[None]:
     """A handler that is a generator function: records, then yields."""
     record(event, conn)
     yield
 
 
-async def async_handler(event: subengine.Event, conn: psycopg.Connection[Any]) -> None:
+async def async_handler(event: subengine.Event, conn: Any) -> None:
     """A handler that is a coroutine function."""
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 from helpers import run_ok as run
 
@@ -13,12 +16,12 @@ import subengine
 from subengine import _migrate
 
 
-def test_migrate_reports_the_revision(cli_env):
+def test_migrate_reports_the_revision(cli_env: dict[str, str]) -> None:
     head = _migrate.head_revision()
     assert f"is at revision {head}" in run(cli_env, "migrate").stdout
 
 
-def test_stream_create_list_and_show(cli_env):
+def test_stream_create_list_and_show(cli_env: dict[str, str]) -> None:
     assert (
         "created stream 'orders' with 3 partitions"
         in run(cli_env, "stream", "create", "orders", "--partitions", "3").stdout
@@ -38,7 +41,9 @@ def test_stream_create_list_and_show(cli_env):
     assert [line.split()[:2] for line in shown[1:]] == [["0", "0"], ["1", "0"], ["2", "0"]]
 
 
-def test_append_one_event_and_read_it_back(cli_env, engine, orders):
+def test_append_one_event_and_read_it_back(
+    cli_env: dict[str, str], engine: subengine.Engine, orders: str
+) -> None:
     event_id = str(uuid.uuid4())
     args = ["append", "orders", "--key", "order-1", "--type", "OrderPlaced"]
     out = run(
@@ -59,7 +64,9 @@ def test_append_one_event_and_read_it_back(cli_env, engine, orders):
     assert read["id"] == event_id and read["data"] == {"total": 5} and read["position"] == 1
 
 
-def test_append_with_expected_version(cli_env, engine, orders):
+def test_append_with_expected_version(
+    cli_env: dict[str, str], engine: subengine.Engine, orders: str
+) -> None:
     args = ["append", "orders", "--key", "k", "--type", "T", "--data", "{}"]
     run(cli_env, *args, "--expected-version", "0")
     failed = run(cli_env, *args, "--expected-version", "0", ok=False)
@@ -68,7 +75,9 @@ def test_append_with_expected_version(cli_env, engine, orders):
     assert sum(engine.heads("orders").values()) == 1
 
 
-def test_append_a_jsonl_file_in_one_transaction(cli_env, engine, orders, tmp_path):
+def test_append_a_jsonl_file_in_one_transaction(
+    cli_env: dict[str, str], engine: subengine.Engine, orders: str, tmp_path: Path
+) -> None:
     lines = [
         json.dumps(
             {
@@ -90,13 +99,17 @@ def test_append_a_jsonl_file_in_one_transaction(cli_env, engine, orders, tmp_pat
     assert {e.occurred_at for e in stored} == {datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)}
 
 
-def test_append_jsonl_from_stdin(cli_env, engine, orders):
+def test_append_jsonl_from_stdin(
+    cli_env: dict[str, str], engine: subengine.Engine, orders: str
+) -> None:
     stdin = '{"key": "a", "type": "T", "data": 1}\n{"key": "b", "type": "T", "data": 2}\n'
     run(cli_env, "append", "orders", "--file", "-", stdin=stdin)
     assert sum(engine.heads("orders").values()) == 2
 
 
-def test_read_by_partition_after_and_limit(cli_env, engine, orders):
+def test_read_by_partition_after_and_limit(
+    cli_env: dict[str, str], engine: subengine.Engine, orders: str
+) -> None:
     engine.append("orders", [subengine.NewEvent("k", "T", {"n": n}) for n in range(10)])
     partition = subengine.partition_for("k", 4)
     out = run(
@@ -117,7 +130,9 @@ def test_read_by_partition_after_and_limit(cli_env, engine, orders):
     assert len(table.splitlines()) == 3
 
 
-def test_read_every_partition_and_since(cli_env, engine, orders):
+def test_read_every_partition_and_since(
+    cli_env: dict[str, str], engine: subengine.Engine, orders: str
+) -> None:
     engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {"n": n}) for n in range(12)])
     everything = run(cli_env, "read", "orders", "--json").stdout.splitlines()
     assert len(everything) == 12
@@ -139,24 +154,28 @@ def test_read_every_partition_and_since(cli_env, engine, orders):
         ["append", "orders", "--file", "x.jsonl", "--key", "k"],
     ],
 )
-def test_conflicting_or_missing_options_are_usage_errors(cli_env, orders, args):
+def test_conflicting_or_missing_options_are_usage_errors(
+    cli_env: dict[str, str], orders: str, args: list[str]
+) -> None:
     result = run(cli_env, *args, ok=False)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
 
 
-def test_db_url_prints_the_configured_dsn(cli_env, dsn):
+def test_db_url_prints_the_configured_dsn(cli_env: dict[str, str], dsn: str) -> None:
     assert run(cli_env, "db", "url").stdout.strip() == dsn
 
 
-def subscription_rows(sql):
+def subscription_rows(sql: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
     return sql.execute(
         "SELECT partition, position, generation FROM subengine.subscription_positions"
         " WHERE subscription = 'billing' ORDER BY 1"
     ).fetchall()
 
 
-def test_subscription_create_and_reset(cli_env, engine, sql):
+def test_subscription_create_and_reset(
+    cli_env: dict[str, str], engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     engine.create_stream("orders", partitions=2)
     # one transaction per event, so that each has its own recorded_at
     stored = [engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {})])[0] for n in range(10)]
@@ -191,7 +210,14 @@ def test_subscription_create_and_reset(cli_env, engine, sql):
         (["billing"], 2, "Missing option '--to'"),
     ],
 )
-def test_a_bad_reset_changes_nothing(cli_env, engine, sql, args, status, message):
+def test_a_bad_reset_changes_nothing(
+    cli_env: dict[str, str],
+    engine: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    args: list[str],
+    status: int,
+    message: str,
+) -> None:
     engine.create_stream("orders", partitions=2)
     engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {}) for n in range(4)])
     run(cli_env, "subscription", "create", "billing", "--stream", "orders")

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import psycopg
 from helpers import run_subengine as run
 from helpers import snapshot
 
+import subengine
 
-def test_cli_bad_input_exits_non_zero_with_the_reason(engine, stored, sql, cli_env, tmp_path):
+
+def test_cli_bad_input_exits_non_zero_with_the_reason(
+    engine: subengine.Engine,
+    stored: str,
+    sql: psycopg.Connection[Any],
+    cli_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
     before = snapshot(sql)
     cases = [
         (["append", "missing", "--key", "k", "--type", "T", "--data", "{}"], "does not exist"),
@@ -30,8 +42,8 @@ def test_cli_bad_input_exits_non_zero_with_the_reason(engine, stored, sql, cli_e
 
 
 def test_cli_malformed_jsonl_line_names_the_line_and_appends_nothing(
-    stored, sql, cli_env, tmp_path
-):
+    stored: str, sql: psycopg.Connection[Any], cli_env: dict[str, str], tmp_path: Path
+) -> None:
     before = snapshot(sql)
     good = '{"key": "a", "type": "T", "data": {}}'
     files = {
@@ -56,7 +68,7 @@ def test_cli_malformed_jsonl_line_names_the_line_and_appends_nothing(
     assert snapshot(sql) == before
 
 
-def test_cli_reports_an_unreachable_database_in_one_line(tmp_path):
+def test_cli_reports_an_unreachable_database_in_one_line(tmp_path: Path) -> None:
     env = {
         "PATH": "/usr/bin:/bin",
         "SUBENGINE_DSN": "postgresql://nobody@127.0.0.1:1/none",

@@ -31,7 +31,9 @@ from subengine import NewEvent, _embedded
         (["demo", "--rate", "NaN"], 2, "'NaN' is not a number"),
     ],
 )
-def test_every_error_is_one_line(cli_env, tmp_path, args, status, message):
+def test_every_error_is_one_line(
+    cli_env: dict[str, str], tmp_path: Path, args: list[str], status: int, message: str
+) -> None:
     result = run_subengine(cli_env, *args, cwd=tmp_path)
     assert result.returncode == status, result.stderr
     assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
@@ -41,13 +43,15 @@ def test_every_error_is_one_line(cli_env, tmp_path, args, status, message):
 
 @pytest.mark.parametrize("help_option", ["-h", "--help"])
 @pytest.mark.parametrize("command", [[], ["stream"], ["subscription", "reset"], ["append"]])
-def test_help_takes_h_and_help(cli_env, command, help_option):
+def test_help_takes_h_and_help(
+    cli_env: dict[str, str], command: list[str], help_option: str
+) -> None:
     result = run_subengine(cli_env, *command, help_option)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"Usage: {' '.join(['subengine', *command])} ")
 
 
-def test_help_imports_no_table_renderer_and_no_demo():
+def test_help_imports_no_table_renderer_and_no_demo() -> None:
     # `subengine --help` should start at once: what only some commands need (rich's
     # tables, the demo) is imported by those commands
     probe = (
@@ -68,7 +72,9 @@ def test_help_imports_no_table_renderer_and_no_demo():
     assert result.stderr.strip() == "[]"
 
 
-def test_status_json_prints_counts_as_integers(engine, orders, cli_env):
+def test_status_json_prints_counts_as_integers(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str]
+) -> None:
     engine.append(orders, [NewEvent(f"k{n}", "T", {}) for n in range(5)])
     engine.ensure_subscription(subengine.Subscription("billing", orders))
     out = run_subengine(cli_env, "status", "--json").stdout
@@ -88,7 +94,9 @@ def test_status_json_prints_counts_as_integers(engine, orders, cli_env):
     assert '"lag": 5,' in out
 
 
-def test_read_says_when_more_events_follow_than_it_shows(engine, orders, cli_env):
+def test_read_says_when_more_events_follow_than_it_shows(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str]
+) -> None:
     engine.append(orders, [NewEvent("k", "T", {"n": n}) for n in range(7)])
     partition = str(subengine.partition_for("k", 4))
     env = dict(cli_env, SUBENGINE_READ_LIMIT="5")
@@ -108,7 +116,7 @@ def test_read_says_when_more_events_follow_than_it_shows(engine, orders, cli_env
     assert exact.returncode == 0 and exact.stderr == ""
 
 
-def test_the_embedded_notice_names_the_data_directory_absolutely(tmp_path):
+def test_the_embedded_notice_names_the_data_directory_absolutely(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBENGINE_")}
     env["SUBENGINE_HOME"] = "relative-home"
     try:
@@ -122,7 +130,7 @@ def test_the_embedded_notice_names_the_data_directory_absolutely(tmp_path):
         _embedded.stop_embedded(tmp_path / "relative-home")
 
 
-def completion_lines():
+def completion_lines() -> list[str]:
     """The README's shell lines that load completion."""
     blocks = re.findall(r"```sh\n(.*?)```", README.read_text(), flags=re.DOTALL)
     return [
@@ -130,11 +138,11 @@ def completion_lines():
     ]
 
 
-def test_the_documented_completion_scripts_load(tmp_path):
+def test_the_documented_completion_scripts_load(tmp_path: Path) -> None:
     env = {"PATH": f"{Path(subengine_command()).parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
     shells = set()
     for line in completion_lines():
-        instruction = re.search(r"_SUBENGINE_COMPLETE=(\w+) subengine", line).group(1)
+        instruction = re.search(r"_SUBENGINE_COMPLETE=(\w+) subengine", line).group(1)  # type: ignore[union-attr]
         shells.add(instruction.removesuffix("_source"))
         script = subprocess.run(
             ["subengine"],

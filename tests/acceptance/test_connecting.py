@@ -49,7 +49,7 @@ def assert_no_password(*texts: str) -> None:
 
 
 @pytest.mark.parametrize("dsn", MALFORMED.values(), ids=MALFORMED.keys())
-def test_a_malformed_dsn_is_refused_without_quoting_its_password(dsn):
+def test_a_malformed_dsn_is_refused_without_quoting_its_password(dsn: str) -> None:
     with pytest.raises(subengine.ConfigurationError) as raised:
         subengine.Engine(dsn)
     message = str(raised.value)
@@ -59,7 +59,9 @@ def test_a_malformed_dsn_is_refused_without_quoting_its_password(dsn):
 
 
 @pytest.mark.parametrize("dsn", MALFORMED.values(), ids=MALFORMED.keys())
-def test_the_command_never_prints_the_password_of_a_malformed_dsn(cli_env, dsn):
+def test_the_command_never_prints_the_password_of_a_malformed_dsn(
+    cli_env: dict[str, str], dsn: str
+) -> None:
     by_option = run_subengine(cli_env, "--dsn", dsn, "stream", "list", timeout=60)
     by_environment = run_subengine(dict(cli_env, SUBENGINE_DSN=dsn), "stream", "list", timeout=60)
     for result in (by_option, by_environment):
@@ -69,7 +71,7 @@ def test_the_command_never_prints_the_password_of_a_malformed_dsn(cli_env, dsn):
         assert_no_password(result.stdout, result.stderr)
 
 
-def test_the_worker_never_prints_the_password_of_a_malformed_dsn(cli_env):
+def test_the_worker_never_prints_the_password_of_a_malformed_dsn(cli_env: dict[str, str]) -> None:
     env = dict(cli_env, SUBENGINE_DSN=MALFORMED["bad percent-escape"])
     result = run_worker(env)
     assert result.returncode == 1
@@ -77,7 +79,9 @@ def test_the_worker_never_prints_the_password_of_a_malformed_dsn(cli_env):
     assert_no_password(result.stdout, result.stderr)
 
 
-def test_no_password_when_a_well_formed_dsn_fails_to_connect(dsn, cli_env):
+def test_no_password_when_a_well_formed_dsn_fails_to_connect(
+    dsn: str, cli_env: dict[str, str]
+) -> None:
     wrong = {
         "refused port": with_password(dsn, host="127.0.0.1", port=refused_port()),
         "unknown database": with_password(dsn, dbname="no_such_database"),
@@ -115,12 +119,12 @@ def connection_lost(error: BaseException) -> bool:
 
 
 def test_append_on_terminated_connections_raises_database_unavailable_then_works(
-    engine, orders, sql
-):
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     # three pooled connections, all idle, then PostgreSQL terminates them (as a restart does)
     with engine.connection(), engine.connection(), engine.connection():
         pass
-    terminated = sql.execute(
+    terminated = sql.execute(  # type: ignore[index]
         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
         " WHERE datname = current_database() AND application_name = 'subengine'"
     ).fetchone()[0]
@@ -133,7 +137,9 @@ def test_append_on_terminated_connections_raises_database_unavailable_then_works
     assert [e.type for e in engine.read(orders, stored[0].partition)] == ["Kept"]
 
 
-def test_a_canceled_statement_is_not_database_unavailable(engine, orders):
+def test_a_canceled_statement_is_not_database_unavailable(
+    engine: subengine.Engine, orders: str
+) -> None:
     with pytest.raises(psycopg.errors.QueryCanceled) as raised:
         with engine.connection() as conn:
             conn.execute("SET LOCAL statement_timeout = '50ms'")
@@ -141,7 +147,9 @@ def test_a_canceled_statement_is_not_database_unavailable(engine, orders):
     assert not connection_lost(raised.value)
 
 
-def test_a_lock_timeout_is_not_database_unavailable(engine, orders, sql):
+def test_a_lock_timeout_is_not_database_unavailable(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     with sql.transaction():
         sql.execute("SELECT * FROM subengine.partitions FOR UPDATE")
         with pytest.raises(psycopg.errors.LockNotAvailable) as raised:
@@ -151,7 +159,9 @@ def test_a_lock_timeout_is_not_database_unavailable(engine, orders, sql):
     assert not connection_lost(raised.value)
 
 
-def test_connection_lost_knows_a_terminated_connection_also_wrapped_by_sqlalchemy(dsn, sql):
+def test_connection_lost_knows_a_terminated_connection_also_wrapped_by_sqlalchemy(
+    dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     with psycopg.connect(dsn) as victim:
         sql.execute("SELECT pg_terminate_backend(%s)", (victim.info.backend_pid,))
         with pytest.raises(psycopg.OperationalError) as raised:
@@ -170,7 +180,7 @@ def test_connection_lost_knows_a_terminated_connection_also_wrapped_by_sqlalchem
 LONG_WAIT = "600"  # seconds: a command that waited for it would outlast the test's bound
 
 
-def test_an_unknown_database_fails_at_once_with_one_line(dsn, cli_env):
+def test_an_unknown_database_fails_at_once_with_one_line(dsn: str, cli_env: dict[str, str]) -> None:
     # the server's own credentials: a server that checks passwords (as CI's PostgreSQL 15
     # does) refuses a made-up one before it says that the database is unknown
     env = dict(
@@ -184,10 +194,10 @@ def test_an_unknown_database_fails_at_once_with_one_line(dsn, cli_env):
     assert line.startswith("error: cannot connect to PostgreSQL: ")
     assert 'database "no_such_database" does not exist' in line
     password = conninfo_to_dict(dsn).get("password")
-    assert not password or password not in line
+    assert not password or password not in line  # type: ignore[operator]
 
 
-def test_an_unknown_host_name_fails_at_once(cli_env):
+def test_an_unknown_host_name_fails_at_once(cli_env: dict[str, str]) -> None:
     env = dict(
         cli_env,
         SUBENGINE_DSN=f"postgresql://app:{PASSWORD}@no-such-host.invalid/db",
@@ -200,7 +210,7 @@ def test_an_unknown_host_name_fails_at_once(cli_env):
     assert_no_password(line)
 
 
-def test_a_wrong_dsn_fails_at_once_in_python_too(dsn):
+def test_a_wrong_dsn_fails_at_once_in_python_too(dsn: str) -> None:
     settings = subengine.Settings(
         dsn=with_password(dsn, user="no_such_role"), connect_timeout=float(LONG_WAIT)
     )
@@ -213,7 +223,7 @@ def test_a_wrong_dsn_fails_at_once_in_python_too(dsn):
             engine.append("orders", [NewEvent("k", "T", {})])
 
 
-def test_a_refused_port_is_waited_for_and_said_so_while_it_runs(cli_env):
+def test_a_refused_port_is_waited_for_and_said_so_while_it_runs(cli_env: dict[str, str]) -> None:
     env = dict(
         cli_env,
         SUBENGINE_DSN=f"postgresql://app:{PASSWORD}@127.0.0.1:{refused_port()}/db",
@@ -229,7 +239,7 @@ def test_a_refused_port_is_waited_for_and_said_so_while_it_runs(cli_env):
     bound = threading.Timer(60, process.kill)  # only if the line never comes
     bound.start()
     try:
-        line = process.stderr.readline()
+        line = process.stderr.readline()  # type: ignore[union-attr]
         assert process.poll() is None, "it gave up instead of waiting"
     finally:
         bound.cancel()
@@ -241,7 +251,7 @@ def test_a_refused_port_is_waited_for_and_said_so_while_it_runs(cli_env):
     assert_no_password(line)
 
 
-def test_a_server_that_comes_up_while_waited_for_is_used(dsn):
+def test_a_server_that_comes_up_while_waited_for_is_used(dsn: str) -> None:
     """A TCP port that refuses connections, then forwards them to PostgreSQL: the engine
     says it waits, and connects once the server is there."""
     waiting = threading.Event()
@@ -290,7 +300,7 @@ def password_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import pgserver
 
     directory = tmp_path_factory.mktemp("password-server") / "pgdata"
-    server = pgserver.get_server(directory, cleanup_mode="delete")
+    server = pgserver.get_server(directory, cleanup_mode="delete")  # type: ignore[attr-defined]
     try:
         uri = server.get_uri()
         with psycopg.connect(uri, autocommit=True) as conn:
@@ -299,7 +309,7 @@ def password_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     Identifier(CHECKED_ROLE), Literal(RIGHT_PASSWORD)
                 )
             )
-            hba = Path(conn.execute("SHOW hba_file").fetchone()[0])
+            hba = Path(conn.execute("SHOW hba_file").fetchone()[0])  # type: ignore[index]
             checked = "".join(
                 f"{kind} all {CHECKED_ROLE} {where} scram-sha-256\n"
                 for kind, where in (("local", ""), ("host", "127.0.0.1/32"), ("host", "::1/128"))
@@ -324,7 +334,9 @@ def _wait_until_passwords_are_checked(dsn: str) -> None:
     raise AssertionError("the server did not start checking passwords")
 
 
-def test_a_wrong_password_fails_at_once_and_is_never_printed(password_dsn, cli_env):
+def test_a_wrong_password_fails_at_once_and_is_never_printed(
+    password_dsn: str, cli_env: dict[str, str]
+) -> None:
     psycopg.connect(password_dsn).close()  # the right one works
     env = dict(
         cli_env,

@@ -4,10 +4,14 @@ writes only into a schema of its own, `subengine_demo`."""
 
 from __future__ import annotations
 
+import subprocess
+from typing import Any
+
+import psycopg
 import pytest
 from helpers import run_subengine
 from psycopg.sql import SQL, Identifier, Literal
-from subengine.cli import _demo
+from subengine.cli import _demo  # type: ignore[import-not-found]
 
 import subengine
 from subengine import NewEvent
@@ -15,18 +19,20 @@ from subengine import NewEvent
 pytestmark = pytest.mark.slow
 
 
-def run_demo(env, *args):
+def run_demo(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return run_subengine(env, "demo", "--events", "1200", "--rate", "1500", *args, timeout=180)
 
 
-def test_the_demo_projects_every_event_once_though_a_worker_is_killed(cli_env, sql):
+def test_the_demo_projects_every_event_once_though_a_worker_is_killed(
+    cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
     result = run_demo(cli_env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "the demo writes only into schema 'subengine_demo'" in result.stdout.splitlines()[0]
     assert "killed worker pid" in result.stdout
     assert "check passed" in result.stdout
     # the projection, read on its own: one row per order, one applied event per stored event
-    events, orders = sql.execute(
+    events, orders = sql.execute(  # type: ignore[misc]
         "SELECT count(*), count(*) FILTER (WHERE type = 'OrderPlaced')"
         " FROM subengine_demo.events WHERE stream = 'orders'"
     ).fetchone()
@@ -49,7 +55,9 @@ def test_the_demo_projects_every_event_once_though_a_worker_is_killed(cli_env, s
     ).fetchone() == (0,)
 
 
-def test_running_the_demo_again_rebuilds_the_projection_from_every_event(cli_env, sql):
+def test_running_the_demo_again_rebuilds_the_projection_from_every_event(
+    cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
     assert run_demo(cli_env).returncode == 0
     again = run_demo(cli_env)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -71,9 +79,11 @@ TAMPERS = {
 }
 
 
-def test_the_check_fails_when_the_projection_differs_from_the_events(cli_env, dsn, sql):
+def test_the_check_fails_when_the_projection_differs_from_the_events(
+    cli_env: dict[str, str], dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     assert run_demo(cli_env).returncode == 0
-    said = []
+    said: list[str] = []
     engine = subengine.Engine(settings=_demo.settings(subengine.Settings(dsn=dsn)))
     assert _demo.verify(engine, said.append)  # as the demo left it
     sql.execute("CREATE TABLE projected AS TABLE subengine_demo.orders")
@@ -88,7 +98,9 @@ def test_the_check_fails_when_the_projection_differs_from_the_events(cli_env, ds
     engine.close()
 
 
-def test_the_demo_refuses_an_orders_stream_of_another_shape_and_changes_nothing(cli_env, dsn, sql):
+def test_the_demo_refuses_an_orders_stream_of_another_shape_and_changes_nothing(
+    cli_env: dict[str, str], dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     sql.execute("CREATE SCHEMA subengine_demo")
     sql.execute(SQL("COMMENT ON SCHEMA subengine_demo IS {}").format(Literal(_demo.MARKER)))
     with subengine.Engine(dsn, schema="subengine_demo") as engine:
@@ -101,7 +113,9 @@ def test_the_demo_refuses_an_orders_stream_of_another_shape_and_changes_nothing(
     assert everything_in(sql, "subengine_demo") == before
 
 
-def test_the_demo_leaves_the_users_own_orders_stream_and_subscription_alone(cli_env, engine, sql):
+def test_the_demo_leaves_the_users_own_orders_stream_and_subscription_alone(
+    cli_env: dict[str, str], engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # the README's own example: a stream `orders` and a subscription consuming it, here
     # even with the demo's shape and names, in the default schema
     engine.create_stream("orders", partitions=8)
@@ -115,7 +129,9 @@ def test_the_demo_leaves_the_users_own_orders_stream_and_subscription_alone(cli_
     assert sql.execute("SELECT count(*) FROM subengine_demo.events").fetchone() == (1200,)
 
 
-def test_a_schema_of_the_demos_name_that_it_did_not_make_is_refused_unchanged(cli_env, sql):
+def test_a_schema_of_the_demos_name_that_it_did_not_make_is_refused_unchanged(
+    cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
     sql.execute("CREATE SCHEMA subengine_demo")
     sql.execute("CREATE TABLE subengine_demo.orders (mine text)")
     sql.execute("INSERT INTO subengine_demo.orders VALUES ('keep me')")
@@ -131,7 +147,7 @@ def test_a_schema_of_the_demos_name_that_it_did_not_make_is_refused_unchanged(cl
     ).fetchone() == (None,)
 
 
-def everything_in(sql, schema):
+def everything_in(sql: psycopg.Connection[Any], schema: str) -> dict[str, list[str]]:
     """Every table and sequence of `schema` with all of its rows (views show the time)."""
     relations = sql.execute(
         "SELECT c.relname, c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"

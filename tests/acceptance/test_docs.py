@@ -7,7 +7,10 @@ import re
 import shlex
 import signal
 import time
+from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 from helpers import ROOT, run_subengine, run_subengine_until, write_readme_app
 
@@ -17,12 +20,12 @@ from subengine import NewEvent
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
 
 
-def blocks(text, language):
+def blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
 
 
 @pytest.fixture
-def operated(engine, sql, tmp_path):
+def operated(engine: subengine.Engine, sql: psycopg.Connection[Any], tmp_path: Path) -> Path:
     """Stream orders (8 partitions) with 20 events in partition 3, subscription billing
     (the README's app), and two dead letters at partition 3, positions 17 and 18."""
     write_readme_app(tmp_path)
@@ -43,7 +46,9 @@ def operated(engine, sql, tmp_path):
     return tmp_path
 
 
-def test_every_sql_block_of_the_operations_page_runs(operated, sql):
+def test_every_sql_block_of_the_operations_page_runs(
+    operated: Path, sql: psycopg.Connection[Any]
+) -> None:
     statements = blocks(OPERATIONS, "sql")
     assert len(statements) >= 6
     try:
@@ -62,7 +67,9 @@ def test_every_sql_block_of_the_operations_page_runs(operated, sql):
         )
 
 
-def test_every_command_of_the_operations_page_runs(operated, cli_env, sql):
+def test_every_command_of_the_operations_page_runs(
+    operated: Path, cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
     commands = [
         shlex.split(line, comments=True)
         for block in blocks(OPERATIONS, "sh")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -13,27 +15,29 @@ from subengine import _embedded
 
 
 @pytest.fixture
-def embedded_env(tmp_path):
+def embedded_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBENGINE_")}
     env["SUBENGINE_HOME"] = str(tmp_path / "home")
     yield env
     _embedded.stop_embedded(tmp_path / "home")
 
 
-def test_commands_start_reuse_and_stop_the_embedded_server(embedded_env, tmp_path):
+def test_commands_start_reuse_and_stop_the_embedded_server(
+    embedded_env: dict[str, str], tmp_path: Path
+) -> None:
     home = tmp_path / "home"
     first = run(embedded_env, "db", "url")
     assert first.returncode == 0, first.stderr
     assert first.stderr.count("using the embedded PostgreSQL") == 1
     url = first.stdout.strip()
     with psycopg.connect(url) as conn:
-        backend_started = conn.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
+        backend_started = conn.execute("SELECT pg_postmaster_start_time()").fetchone()[0]  # type: ignore[index]
     assert _embedded.is_running(home)
 
     second = run(embedded_env, "db", "url")
     assert second.stdout.strip() == url
     with psycopg.connect(url) as conn:  # the same server, not a new one
-        assert conn.execute("SELECT pg_postmaster_start_time()").fetchone()[0] == backend_started
+        assert conn.execute("SELECT pg_postmaster_start_time()").fetchone()[0] == backend_started  # type: ignore[index]
 
     stopped = run(embedded_env, "db", "stop")
     assert "stopped the embedded PostgreSQL" in stopped.stdout
@@ -43,7 +47,7 @@ def test_commands_start_reuse_and_stop_the_embedded_server(embedded_env, tmp_pat
     assert "no embedded PostgreSQL is running" in run(embedded_env, "db", "stop").stdout
 
 
-def test_the_demo_runs_on_the_embedded_server(embedded_env):
+def test_the_demo_runs_on_the_embedded_server(embedded_env: dict[str, str]) -> None:
     result = run(embedded_env, "demo", "--events", "600", "--rate", "2000", timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "using the embedded PostgreSQL" in result.stderr
@@ -51,7 +55,7 @@ def test_the_demo_runs_on_the_embedded_server(embedded_env):
     assert "checked 600 events" in result.stdout
 
 
-def test_engine_without_dsn_uses_the_embedded_server(tmp_path):
+def test_engine_without_dsn_uses_the_embedded_server(tmp_path: Path) -> None:
     settings = subengine.Settings(home=tmp_path / "home")
     try:
         with subengine.Engine(settings=settings) as engine:

@@ -11,14 +11,16 @@ import json
 import math
 import uuid
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from click.testing import CliRunner
 from helpers import run_subengine, snapshot
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from subengine.cli.main import cli
+from subengine.cli.main import cli  # type: ignore[import-not-found]
 
 import subengine
 from subengine import NewEvent
@@ -169,7 +171,7 @@ def assert_one_line(text: str) -> None:
 
 
 @pytest.fixture
-def billing(engine, orders):
+def billing(engine: subengine.Engine, orders: str) -> subengine.Engine:
     """Stream orders with a few events, and the subscription billing on it."""
     engine.append(orders, [NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
     engine.ensure_subscription(subengine.Subscription("billing", orders))
@@ -178,7 +180,9 @@ def billing(engine, orders):
 
 @EXAMPLES
 @given(command=commands)
-def test_every_command_line_input_works_or_is_refused_in_one_line(billing, sql, dsn, command):
+def test_every_command_line_input_works_or_is_refused_in_one_line(
+    billing: subengine.Engine, sql: psycopg.Connection[Any], dsn: str, command: list[str]
+) -> None:
     args, stdin = command
     before = state(sql)
     result = CliRunner().invoke(
@@ -239,15 +243,23 @@ start_points = st.one_of(
     ),
 )
 def test_every_append_works_or_is_refused_in_one_line(
-    billing, sql, data, metadata, key, event_id, expected
-):
+    billing: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    data: Any,
+    metadata: Any,
+    key: Any,
+    event_id: Any,
+    expected: Any,
+) -> None:
     event = NewEvent(key, "T", data, metadata=metadata, id=event_id)
     _refused_in_one_line(lambda: billing.append("orders", [event], expected), sql)
 
 
 @EXAMPLES
 @given(start=start_points, name=st.sampled_from(["billing", "audit"]))
-def test_every_start_point_works_or_is_refused_in_one_line(billing, sql, start, name):
+def test_every_start_point_works_or_is_refused_in_one_line(
+    billing: subengine.Engine, sql: psycopg.Connection[Any], start: Any, name: str
+) -> None:
     def declare_and_store() -> None:
         billing.ensure_subscription(subengine.Subscription(name, "orders", start))
 
@@ -272,7 +284,13 @@ LONG_NUMBER = "1" * 5_000
         (["--data", "1", "--id", "notauuid"], "Invalid value for '--id': 'notauuid' is not"),
     ],
 )
-def test_the_reported_append_options_get_one_line(billing, sql, cli_env, args, message):
+def test_the_reported_append_options_get_one_line(
+    billing: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    cli_env: dict[str, str],
+    args: list[str],
+    message: str,
+) -> None:
     before = state(sql)
     result = run_subengine(cli_env, "append", "orders", "--key", "k", "--type", "T", *args)
     assert result.returncode == 2
@@ -282,7 +300,9 @@ def test_the_reported_append_options_get_one_line(billing, sql, cli_env, args, m
 
 
 @pytest.mark.parametrize("line", [_event_line(DEEP, None), _event_line(LONG_NUMBER, None)])
-def test_the_reported_file_lines_get_one_line(billing, sql, cli_env, line):
+def test_the_reported_file_lines_get_one_line(
+    billing: subengine.Engine, sql: psycopg.Connection[Any], cli_env: dict[str, str], line: str
+) -> None:
     before = state(sql)
     result = run_subengine(cli_env, "append", "orders", "--file", "-", stdin=f"{line}\n")
     assert result.returncode == 1
@@ -292,7 +312,9 @@ def test_the_reported_file_lines_get_one_line(billing, sql, cli_env, line):
 
 
 @pytest.mark.parametrize("value", ['{"0": ' + DEEP + "}", '{"0": ' + LONG_NUMBER + "}"])
-def test_the_reported_start_points_get_one_line(billing, sql, cli_env, value):
+def test_the_reported_start_points_get_one_line(
+    billing: subengine.Engine, sql: psycopg.Connection[Any], cli_env: dict[str, str], value: str
+) -> None:
     before = state(sql)
     for args in (
         ["subscription", "create", "audit", "--stream", "orders", "--start", value],
@@ -306,7 +328,9 @@ def test_the_reported_start_points_get_one_line(billing, sql, cli_env, value):
 
 
 @pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
-def test_a_raw_line_separator_inside_a_jsonl_string_is_data(billing, cli_env, tmp_path, separator):
+def test_a_raw_line_separator_inside_a_jsonl_string_is_data(
+    billing: subengine.Engine, cli_env: dict[str, str], tmp_path: Path, separator: str
+) -> None:
     text = f"one{separator}two"
     line = json.dumps({"key": "k", "type": "T", "data": {"text": text}}, ensure_ascii=False)
     assert separator in line
@@ -320,7 +344,9 @@ def test_a_raw_line_separator_inside_a_jsonl_string_is_data(billing, cli_env, tm
     assert [event.data for event in stored if event.key == "k"] == [{"text": text}] * 3
 
 
-def test_a_jsonl_file_is_split_on_newlines_only(billing, cli_env, tmp_path):
+def test_a_jsonl_file_is_split_on_newlines_only(
+    billing: subengine.Engine, cli_env: dict[str, str], tmp_path: Path
+) -> None:
     # "\r\n" line ends work (the "\r" is JSON whitespace); a lone "\r" is no line end
     lines = [json.dumps({"key": "k", "type": "T", "data": n}) for n in range(3)]
     path = tmp_path / "events.jsonl"
@@ -331,7 +357,9 @@ def test_a_jsonl_file_is_split_on_newlines_only(billing, cli_env, tmp_path):
     assert refused.returncode == 1 and "line 1: Extra data" in refused.stderr
 
 
-def test_a_jsonl_line_that_is_not_utf8_is_named(billing, sql, cli_env, tmp_path):
+def test_a_jsonl_line_that_is_not_utf8_is_named(
+    billing: subengine.Engine, sql: psycopg.Connection[Any], cli_env: dict[str, str], tmp_path: Path
+) -> None:
     before = state(sql)
     path = tmp_path / "events.jsonl"
     path.write_bytes(b'{"key": "k", "type": "T", "data": 1}\n{"key": "k", "data": "\xff"}\n')
@@ -341,7 +369,9 @@ def test_a_jsonl_line_that_is_not_utf8_is_named(billing, sql, cli_env, tmp_path)
     assert state(sql) == before
 
 
-def test_append_options_are_named_in_their_errors(billing, sql, cli_env):
+def test_append_options_are_named_in_their_errors(
+    billing: subengine.Engine, sql: psycopg.Connection[Any], cli_env: dict[str, str]
+) -> None:
     before = state(sql)
     result = run_subengine(cli_env, "append", "orders", "--key", "", "--type", "T", "--data", "1")
     assert result.returncode == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -14,7 +15,7 @@ import subengine
 from subengine import _migrate
 
 
-def test_four_processes_migrating_at_once_all_succeed(blank_dsn, tmp_path):
+def test_four_processes_migrating_at_once_all_succeed(blank_dsn: str, tmp_path: Path) -> None:
     env = {"SUBENGINE_DSN": blank_dsn, "PATH": "/usr/bin:/bin", "SUBENGINE_HOME": str(tmp_path)}
     processes = [
         subprocess.Popen(
@@ -26,19 +27,19 @@ def test_four_processes_migrating_at_once_all_succeed(blank_dsn, tmp_path):
         )
         for _ in range(4)
     ]
-    results = [(p.wait(timeout=120), p.stderr.read()) for p in processes]
+    results = [(p.wait(timeout=120), p.stderr.read()) for p in processes]  # type: ignore[union-attr]
     for p in processes:
-        p.stdout.close()
-        p.stderr.close()
+        p.stdout.close()  # type: ignore[union-attr]
+        p.stderr.close()  # type: ignore[union-attr]
     assert [code for code, _ in results] == [0, 0, 0, 0], results
     with psycopg.connect(blank_dsn) as conn:
         assert (
-            conn.execute("SELECT count(*) FROM subengine.subengine_alembic_version").fetchone()[0]
+            conn.execute("SELECT count(*) FROM subengine.subengine_alembic_version").fetchone()[0]  # type: ignore[index]
             == 1
         )
 
 
-def test_migrate_sql_prints_the_ddl_without_touching_the_database(blank_dsn):
+def test_migrate_sql_prints_the_ddl_without_touching_the_database(blank_dsn: str) -> None:
     result = subprocess.run(
         [subengine_command(), "--dsn", blank_dsn, "migrate", "--sql"],
         capture_output=True,
@@ -53,7 +54,7 @@ def test_migrate_sql_prints_the_ddl_without_touching_the_database(blank_dsn):
     assert tables(blank_dsn) == set()
 
 
-def run_migrate(dsn, *args, tmp_path):
+def run_migrate(dsn: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {"SUBENGINE_DSN": dsn, "PATH": "/usr/bin:/bin", "SUBENGINE_HOME": str(tmp_path)}
     return subprocess.run(
         [subengine_command(), *args, "migrate"],
@@ -64,7 +65,7 @@ def run_migrate(dsn, *args, tmp_path):
     )
 
 
-def assert_one_line_error(result, message):
+def assert_one_line_error(result: subprocess.CompletedProcess[str], message: str) -> None:
     assert result.returncode == 1, result.stderr
     assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
@@ -72,8 +73,8 @@ def assert_one_line_error(result, message):
 
 @pytest.mark.parametrize("app_revision", ["a1b2c3d4", "0003"])
 def test_schema_public_beside_an_applications_own_alembic_version(
-    blank_dsn, tmp_path, app_revision
-):
+    blank_dsn: str, tmp_path: Path, app_revision: str
+) -> None:
     # the application's Alembic keeps public.alembic_version; subengine keeps its own
     with psycopg.connect(blank_dsn, autocommit=True) as conn:
         conn.execute(
@@ -95,7 +96,7 @@ def test_schema_public_beside_an_applications_own_alembic_version(
     assert run_migrate(blank_dsn, "--schema", "public", tmp_path=tmp_path).returncode == 0
 
 
-def test_an_unknown_revision_in_the_database_is_one_line(blank_dsn, tmp_path):
+def test_an_unknown_revision_in_the_database_is_one_line(blank_dsn: str, tmp_path: Path) -> None:
     with subengine.Engine(blank_dsn) as engine:
         engine.migrate()
     with psycopg.connect(blank_dsn, autocommit=True) as conn:
@@ -108,7 +109,7 @@ def test_an_unknown_revision_in_the_database_is_one_line(blank_dsn, tmp_path):
         subengine.Engine(blank_dsn).migrate()
 
 
-def test_permission_denied_is_one_line(blank_dsn, tmp_path):
+def test_permission_denied_is_one_line(blank_dsn: str, tmp_path: Path) -> None:
     with psycopg.connect(blank_dsn, autocommit=True) as conn:
         role = f"no_create_{conn.info.dbname}"
         conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
@@ -130,7 +131,7 @@ def test_permission_denied_is_one_line(blank_dsn, tmp_path):
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
-def test_an_applications_table_of_the_same_name_is_one_line(blank_dsn, tmp_path):
+def test_an_applications_table_of_the_same_name_is_one_line(blank_dsn: str, tmp_path: Path) -> None:
     with psycopg.connect(blank_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE public.events (id int)")
     result = run_migrate(blank_dsn, "--schema", "public", tmp_path=tmp_path)

@@ -9,7 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
+import psycopg
 import pytest
 from helpers import APPS, ROOT, Running, subengine_command, wait_for
 from helpers import run_ok as run
@@ -19,12 +22,12 @@ import subengine
 from subengine import NewEvent
 
 
-def json_lines(text):
+def json_lines(text: str) -> list[Any]:
     return [json.loads(line) for line in text.splitlines()]
 
 
 @pytest.fixture
-def letters_app():
+def letters_app() -> Iterator[subengine.App]:
     sys.path.insert(0, str(APPS))
     try:
         yield importlib.import_module("letters_app").app
@@ -32,7 +35,9 @@ def letters_app():
         sys.path.remove(str(APPS))
 
 
-def test_status_shows_lag_per_subscription_and_partition(fast_engine, cli_env):
+def test_status_shows_lag_per_subscription_and_partition(
+    fast_engine: subengine.Engine, cli_env: dict[str, str]
+) -> None:
     stored = fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(20)])
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
@@ -62,7 +67,9 @@ def test_status_shows_lag_per_subscription_and_partition(fast_engine, cli_env):
     assert missing.returncode == 1 and "no subscription named 'nope'" in missing.stderr
 
 
-def test_status_watch_redraws_until_interrupted(fast_engine, cli_env):
+def test_status_watch_redraws_until_interrupted(
+    fast_engine: subengine.Engine, cli_env: dict[str, str]
+) -> None:
     fast_engine.append("orders", [NewEvent("k", "T", {})])
     fast_engine.ensure_subscription(subengine.App().subscription("billing", stream="orders"))
     watcher = subprocess.Popen(
@@ -79,11 +86,13 @@ def test_status_watch_redraws_until_interrupted(fast_engine, cli_env):
     assert "billing" in out and "lag drained" in out
 
 
-def test_subscription_list_pause_and_resume(fast_engine, cli_env, sql):
+def test_subscription_list_pause_and_resume(
+    fast_engine: subengine.Engine, cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
     fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(8)])
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(
-        lambda event, conn: conn.execute(
+        lambda event, conn: conn.execute(  # type: ignore[union-attr]
             "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
         )
     )
@@ -99,7 +108,7 @@ def test_subscription_list_pause_and_resume(fast_engine, cli_env, sql):
     )
     with Running(app, fast_engine):
         time.sleep(1)  # several poll intervals: a paused subscription gets no work
-        assert sql.execute("SELECT count(*) FROM effects").fetchone()[0] == 0
+        assert sql.execute("SELECT count(*) FROM effects").fetchone()[0] == 0  # type: ignore[index]
         states = {r.state for r in fast_engine.subscription_status("billing")}
         assert states == {"paused"}
         # a stopped partition restarts on resume too
@@ -108,12 +117,14 @@ def test_subscription_list_pause_and_resume(fast_engine, cli_env, sql):
         )
         out = run(cli_env, "subscription", "resume", "billing").stdout
         assert "restarted stopped partitions 0" in out
-        wait_for(lambda: sql.execute("SELECT count(*) FROM effects").fetchone()[0] == 8)
+        wait_for(lambda: sql.execute("SELECT count(*) FROM effects").fetchone()[0] == 8)  # type: ignore[index]
     bad = run(cli_env, "subscription", "pause", "nope", ok=False)
     assert bad.returncode == 1 and "no subscription named 'nope'" in bad.stderr
 
 
-def test_workers_lists_running_workers(fast_engine, cli_env):
+def test_workers_lists_running_workers(
+    fast_engine: subengine.Engine, cli_env: dict[str, str]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
     with Running(app, fast_engine, concurrency=2):
@@ -124,7 +135,12 @@ def test_workers_lists_running_workers(fast_engine, cli_env):
     assert json_lines(run(cli_env, "workers", "--json").stdout) == []
 
 
-def test_dead_letters_list_show_retry_and_discard(fast_engine, cli_env, sql, letters_app):
+def test_dead_letters_list_show_retry_and_discard(
+    fast_engine: subengine.Engine,
+    cli_env: dict[str, str],
+    sql: psycopg.Connection[Any],
+    letters_app: subengine.App,
+) -> None:
     stored = fast_engine.append(
         "orders",
         [NewEvent(f"k{n}", "T", {"poison": n in (2, 5)}) for n in range(8)],
@@ -156,15 +172,15 @@ def test_dead_letters_list_show_retry_and_discard(fast_engine, cli_env, sql, let
         if r.position == first.position and r.partition == first.partition
     ]
     assert (row.retries, row.resolution) == (1, None)
-    effects_before = sql.execute("SELECT count(*) FROM effects").fetchone()[0]
+    effects_before = sql.execute("SELECT count(*) FROM effects").fetchone()[0]  # type: ignore[index]
     fixed = dict(cli_env, LETTERS_FIXED="1")
     out = run(fixed, "dead-letters", "retry", *where, "--app", "letters_app:app", cwd=APPS).stdout
     assert "is handled" in out
     assert (
-        sql.execute("SELECT count(*) FROM effects WHERE event_id = %s", (first.id,)).fetchone()[0]
+        sql.execute("SELECT count(*) FROM effects WHERE event_id = %s", (first.id,)).fetchone()[0]  # type: ignore[index]
         == 1
     )
-    assert sql.execute("SELECT count(*) FROM effects").fetchone()[0] == effects_before + 1
+    assert sql.execute("SELECT count(*) FROM effects").fetchone()[0] == effects_before + 1  # type: ignore[index]
     again = run(
         fixed, "dead-letters", "retry", *where, "--app", "letters_app:app", ok=False, cwd=APPS
     )
@@ -175,14 +191,16 @@ def test_dead_letters_list_show_retry_and_discard(fast_engine, cli_env, sql, let
     assert sorted(r["resolution"] for r in resolved) == ["discarded", "retried"]
 
 
-def test_a_retry_whose_handler_raises_invalid_input_is_recorded_as_a_failure(fast_engine, sql):
+def test_a_retry_whose_handler_raises_invalid_input_is_recorded_as_a_failure(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # InvalidInput from a handler (e.g. a typed payload that does not fit) is the handler
     # failing again, not a bad argument to the retry
     stored = fast_engine.append("orders", [NewEvent("k", "T", {"poison": True})])
     letters = subengine.App().subscription("letters", stream="orders")
 
     @letters.handler()
-    def refuse(event, conn):
+    def refuse(event: subengine.Event, conn: Any) -> None:
         raise subengine.InvalidInput("still not a valid order")
 
     fast_engine.ensure_subscription(letters)
@@ -203,7 +221,9 @@ def test_a_retry_whose_handler_raises_invalid_input_is_recorded_as_a_failure(fas
 # resetting some partitions, deleting subscriptions, pruning workers
 
 
-def handled_everything(engine, name, stream="orders"):
+def handled_everything(
+    engine: subengine.Engine, name: str, stream: str = "orders"
+) -> subengine.App:
     app = subengine.App()
     app.subscription(name, stream=stream).handler()(lambda event, conn: None)
     with Running(app, engine):
@@ -216,7 +236,9 @@ def handled_everything(engine, name, stream="orders"):
     return app
 
 
-def test_a_reset_to_some_partitions_moves_only_those(fast_engine, cli_env, sql):
+def test_a_reset_to_some_partitions_moves_only_those(
+    fast_engine: subengine.Engine, cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
     fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
     handled_everything(fast_engine, "billing")
     heads = fast_engine.heads("orders")
@@ -236,7 +258,9 @@ def test_a_reset_to_some_partitions_moves_only_those(fast_engine, cli_env, sql):
     assert rows[2].last_error == "stuck"
 
 
-def test_a_dry_run_reset_prints_the_moves_and_changes_nothing(fast_engine, cli_env, sql):
+def test_a_dry_run_reset_prints_the_moves_and_changes_nothing(
+    fast_engine: subengine.Engine, cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
     fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
     handled_everything(fast_engine, "billing")
     heads = fast_engine.heads("orders")
@@ -258,8 +282,11 @@ def test_a_dry_run_reset_prints_the_moves_and_changes_nothing(fast_engine, cli_e
 
 
 def test_delete_removes_a_subscription_its_positions_and_dead_letters(
-    fast_engine, cli_env, sql, letters_app
-):
+    fast_engine: subengine.Engine,
+    cli_env: dict[str, str],
+    sql: psycopg.Connection[Any],
+    letters_app: subengine.App,
+) -> None:
     stored = fast_engine.append(
         "orders", [NewEvent(f"k{n}", "T", {"poison": True}) for n in range(8)]
     )
@@ -276,8 +303,8 @@ def test_delete_removes_a_subscription_its_positions_and_dead_letters(
 
 
 def test_delete_is_refused_while_a_worker_runs_the_subscription_unless_forced(
-    fast_engine, cli_env, sql
-):
+    fast_engine: subengine.Engine, cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
     fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(8)])
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
@@ -299,7 +326,9 @@ def test_delete_is_refused_while_a_worker_runs_the_subscription_unless_forced(
     # the worker ran on, and stopped cleanly (Running checks it raised nothing)
 
 
-def test_a_start_point_mismatch_is_fixed_as_its_error_advises(fast_engine, cli_env):
+def test_a_start_point_mismatch_is_fixed_as_its_error_advises(
+    fast_engine: subengine.Engine, cli_env: dict[str, str]
+) -> None:
     fast_engine.ensure_subscription(subengine.Subscription("billing", "orders", "beginning"))
     moved = subengine.Subscription("billing", "orders", "end")
     with pytest.raises(subengine.SubscriptionMismatch) as mismatch:
@@ -311,7 +340,9 @@ def test_a_start_point_mismatch_is_fixed_as_its_error_advises(fast_engine, cli_e
     assert fast_engine.subscriptions()[0].start == {"kind": "end"}
 
 
-def test_status_counts_the_connected_workers_of_an_idle_subscription(fast_engine, cli_env):
+def test_status_counts_the_connected_workers_of_an_idle_subscription(
+    fast_engine: subengine.Engine, cli_env: dict[str, str]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
     with Running(app, fast_engine), Running(app, fast_engine):
@@ -320,7 +351,9 @@ def test_status_counts_the_connected_workers_of_an_idle_subscription(fast_engine
         assert (row["lag"], row["workers"]) == (0, 2)
 
 
-def test_workers_prune_removes_workers_that_are_gone(fast_engine, cli_env, sql):
+def test_workers_prune_removes_workers_that_are_gone(
+    fast_engine: subengine.Engine, cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(lambda event, conn: None)
     dead = [
@@ -351,7 +384,9 @@ def test_workers_prune_removes_workers_that_are_gone(fast_engine, cli_env, sql):
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
 
 
-def test_the_documented_operator_role_runs_every_read_only_command(fast_engine, cli_env, sql, dsn):
+def test_the_documented_operator_role_runs_every_read_only_command(
+    fast_engine: subengine.Engine, cli_env: dict[str, str], sql: psycopg.Connection[Any], dsn: str
+) -> None:
     stored = fast_engine.append("orders", [NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
     fast_engine.ensure_subscription(subengine.App().subscription("billing", stream="orders"))
     letter = stored[3]

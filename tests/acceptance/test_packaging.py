@@ -15,7 +15,7 @@ from subengine import _migrate
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(out), str(ROOT)],
@@ -27,7 +27,7 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
-def test_wheel_maps_cli_and_migrations_under_the_package(wheel):
+def test_wheel_maps_cli_and_migrations_under_the_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.startswith(("cli/", "migrations/", "tests/"))]
     for expected in (
@@ -41,7 +41,9 @@ def test_wheel_maps_cli_and_migrations_under_the_package(wheel):
         assert expected in names
 
 
-def test_installed_command_migrates_from_the_wheel(wheel, tmp_path, blank_dsn):
+def test_installed_command_migrates_from_the_wheel(
+    wheel: Path, tmp_path: Path, blank_dsn: str
+) -> None:
     target = tmp_path / "site"
     subprocess.run(
         [

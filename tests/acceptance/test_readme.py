@@ -8,7 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 from helpers import README, run_subengine, run_subengine_until, write_readme_app
 
@@ -16,11 +19,12 @@ TEXT = README.read_text()
 REFERENCE = "## The command line"
 
 
-def shell_commands():
+def shell_commands() -> list[str]:
     """Every distinct `subengine` line of the README's shell blocks, without comments: the
     command-line reference first (it creates what the other sections use), then the others
     in the order they appear."""
-    reference, others = [], []
+    reference: list[str] = []
+    others: list[str] = []
     for match in re.finditer(r"```sh\n(.*?)```", TEXT, flags=re.DOTALL):
         section = TEXT.rfind("\n## ", 0, match.start())
         target = reference if TEXT.startswith(REFERENCE, section + 1) else others
@@ -34,16 +38,16 @@ def shell_commands():
     return commands
 
 
-def words(command):
+def words(command: str) -> list[str]:
     """A command line split as the shell would (the README quotes with '...' only)."""
     return [part.strip("'") for part in re.findall(r"'[^']*'|\S+", command)]
 
 
-def wait_until_caught_up(sql, timeout=60):
+def wait_until_caught_up(sql: psycopg.Connection[Any], timeout: float = 60) -> None:
     """Until a worker is registered and no subscription that can move is behind."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        registered, behind = sql.execute(
+        registered, behind = sql.execute(  # type: ignore[misc]
             "SELECT (SELECT count(*) FROM subengine.workers_status WHERE connected),"
             " (SELECT coalesce(sum(lag), 0) FROM subengine.subscription_status"
             "   WHERE state <> 'paused')"
@@ -55,7 +59,9 @@ def wait_until_caught_up(sql, timeout=60):
 
 
 @pytest.mark.slow
-def test_every_command_of_the_readme_runs(cli_env, sql, tmp_path):
+def test_every_command_of_the_readme_runs(
+    cli_env: dict[str, str], sql: psycopg.Connection[Any], tmp_path: Path
+) -> None:
     commands = shell_commands()
     assert len(commands) >= 20
     assert commands[0] == "subengine migrate"
@@ -96,7 +102,9 @@ def test_every_command_of_the_readme_runs(cli_env, sql, tmp_path):
     ).fetchone() == (True,)
 
 
-def test_the_readme_python_example_runs(cli_env, sql, tmp_path):
+def test_the_readme_python_example_runs(
+    cli_env: dict[str, str], sql: psycopg.Connection[Any], tmp_path: Path
+) -> None:
     [example] = [
         block
         for block in re.findall(r"```python\n(.*?)```", TEXT, flags=re.DOTALL)

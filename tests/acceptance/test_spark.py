@@ -21,14 +21,18 @@ import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import psycopg
 import pytest
 from helpers import ROOT
 from psycopg.conninfo import make_conninfo
 from psycopg.sql import SQL, Identifier
+from pytest_postgresql.executors import NoopExecutor
 
 import subengine
 from subengine import NewEvent, _migrate
@@ -44,20 +48,26 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
 
 from pyspark import TaskContext  # noqa: E402
 from pyspark.cloudpickle import register_pickle_by_value  # noqa: E402
-from pyspark.errors import PySparkException  # noqa: E402
-from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.errors import PySparkException, StreamingQueryException  # noqa: E402
+from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql.datasource import (  # noqa: E402
     DataSource,
     DataSourceArrowWriter,
     DataSourceReader,
     InputPartition,
+    WriterCommitMessage,
 )
-from pyspark.sql.streaming import StreamingQueryException  # noqa: E402
+from pyspark.sql.streaming.query import StreamingQuery  # noqa: E402
 from pyspark.sql.types import StructType  # noqa: E402
 
 import subengine.spark  # noqa: E402
-from subengine.spark._source import StreamWriter, SubengineDataSource  # noqa: E402
+from subengine.spark._source import (  # noqa: E402
+    BatchWriter,
+    StreamWriter,
+    SubengineDataSource,
+    WriteCommit,
+)
 
 DSN_ENV = "SUBENGINE_SPARK_TEST_DSN"
 LOCAL_DIR_ENV = "SUBENGINE_SPARK_TEST_LOCAL_DIR"
@@ -66,13 +76,13 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # The injected-failure data sources below are pickled by value: Spark's Python workers
 # cannot import this test module.
-register_pickle_by_value(sys.modules[__name__])
+register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture(scope="session")
-def spark_dsn(postgresql_migrated_server):
+def spark_dsn(postgresql_migrated_server: NoopExecutor) -> Iterator[str]:
     server = postgresql_migrated_server
-    params = dict(
+    params: dict[str, Any] = dict(
         host=server.host, port=server.port, user=server.user, password=server.password or ""
     )
     maintenance = make_conninfo(**params, dbname="postgres")
@@ -88,7 +98,7 @@ def spark_dsn(postgresql_migrated_server):
 
 
 @pytest.fixture(scope="session")
-def spark(spark_dsn, tmp_path_factory):
+def spark(spark_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ[DSN_ENV] = spark_dsn
     # Shuffle files go to a directory of this session's own, which LosingShuffleWrites
@@ -117,13 +127,13 @@ def spark(spark_dsn, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def db(spark_dsn):
+def db(spark_dsn: str) -> Iterator[subengine.Engine]:
     with subengine.Engine(spark_dsn) as engine:
         yield engine
 
 
 @pytest.fixture
-def sql(spark_dsn):
+def sql(spark_dsn: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(spark_dsn, autocommit=True) as conn:
         yield conn
 
@@ -132,10 +142,10 @@ _names = itertools.count()
 
 
 @pytest.fixture
-def new_stream(db):
+def new_stream(db: subengine.Engine) -> Callable[..., str]:
     """Makes a stream with a name no other test uses."""
 
-    def make(partitions=3):
+    def make(partitions: int = 3) -> str:
         name = f"spark-{next(_names)}-{uuid.uuid4().hex[:8]}"
         db.create_stream(name, partitions)
         return name
@@ -143,25 +153,25 @@ def new_stream(db):
     return make
 
 
-def read(spark, stream, **options):
+def read(spark: SparkSession, stream: str, **options: str) -> DataFrame:
     reader = spark.read.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV)
     for key, value in options.items():
         reader = reader.option(key, value)
     return reader.load()
 
 
-def read_stream(spark, stream, **options):
+def read_stream(spark: SparkSession, stream: str, **options: str) -> DataFrame:
     reader = spark.readStream.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV)
     for key, value in options.items():
         reader = reader.option(key, value)
     return reader.load()
 
 
-def micros(moment):
+def micros(moment: datetime) -> int:
     return (moment - EPOCH) // timedelta(microseconds=1)
 
 
-def orders(count, prefix="order"):
+def orders(count: int, prefix: str = "order") -> list[NewEvent]:
     """Events over many keys with awkward JSON: quotes, commas, line breaks, unicode."""
     return [
         NewEvent(
@@ -175,7 +185,7 @@ def orders(count, prefix="order"):
     ]
 
 
-def sql_rows(sql, stream):
+def sql_rows(sql: psycopg.Connection[Any], stream: str) -> list[tuple[Any, ...]]:
     rows = sql.execute(
         "SELECT stream, partition, position, id::text, key, key_version, type, data::text,"
         " metadata::text, occurred_at, recorded_at FROM subengine.events WHERE stream = %s"
@@ -185,7 +195,7 @@ def sql_rows(sql, stream):
     return [(*row[:9], micros(row[9]), micros(row[10])) for row in rows]
 
 
-def spark_rows(frame):
+def spark_rows(frame: DataFrame) -> list[tuple[Any, ...]]:
     columns = [c for c in frame.columns if c not in ("occurred_at", "recorded_at")]
     selected = frame.select(
         *columns, F.unix_micros("occurred_at").alias("o"), F.unix_micros("recorded_at").alias("r")
@@ -193,7 +203,7 @@ def spark_rows(frame):
     return sorted(tuple(row) for row in selected.collect())
 
 
-def no_jobs_ran(spark, group):
+def no_jobs_ran(spark: SparkSession, group: str) -> bool:
     return list(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == []
 
 
@@ -203,24 +213,26 @@ class Collector:
     `fail_on` makes the first call for that micro-batch raise after the rows are kept,
     as a query that dies before Spark records the batch as done."""
 
-    def __init__(self, fail_on=None):
-        self.calls = []
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.calls: list[tuple[int, list[tuple[Any, ...]]]] = []
         self.fail_on = fail_on
 
-    def __call__(self, frame, batch_id):
+    def __call__(self, frame: DataFrame, batch_id: int) -> None:
         rows = [(r.partition, r.position, r.id) for r in frame.collect()]
         self.calls.append((batch_id, rows))
         if batch_id == self.fail_on:
             self.fail_on = None
             raise RuntimeError(f"injected failure in micro-batch {batch_id}")
 
-    def delivered(self):
+    def delivered(self) -> list[tuple[Any, ...]]:
         """The rows of every micro-batch, the last delivery of each batch id only."""
         last = dict(self.calls)
         return [row for batch_id in sorted(last) for row in last[batch_id]]
 
 
-def run_available_now(frame, sink, checkpoint):
+def run_available_now(
+    frame: DataFrame, sink: Callable[[DataFrame, int], None], checkpoint: Path
+) -> StreamingQuery:
     query = (
         frame.writeStream.foreachBatch(sink)
         .option("checkpointLocation", str(checkpoint))
@@ -231,12 +243,14 @@ def run_available_now(frame, sink, checkpoint):
     return query
 
 
-def stored_events(sql, stream):
+def stored_events(sql: psycopg.Connection[Any], stream: str) -> list[tuple[Any, ...]]:
     """(partition, position, id) of every stored event of the stream."""
     return [row[1:4] for row in sql_rows(sql, stream)]
 
 
-def start_live(frame, sink, checkpoint):
+def start_live(
+    frame: DataFrame, sink: Callable[[DataFrame, int], None], checkpoint: Path
+) -> StreamingQuery:
     """A query that looks for new events every 200 ms until it is stopped."""
     return (
         frame.writeStream.foreachBatch(sink)
@@ -246,7 +260,9 @@ def start_live(frame, sink, checkpoint):
     )
 
 
-def assert_each_event_once_in_order(sql, stream, rows):
+def assert_each_event_once_in_order(
+    sql: psycopg.Connection[Any], stream: str, rows: list[tuple[Any, ...]]
+) -> None:
     stored = set(stored_events(sql, stream))
     assert sorted(rows) == sorted(stored)
     assert len(rows) == len(set(rows))
@@ -258,7 +274,12 @@ def assert_each_event_once_in_order(sql, stream, rows):
 # batch reads
 
 
-def test_batch_read_equals_the_sql_read_of_the_stream(spark, db, sql, new_stream):
+def test_batch_read_equals_the_sql_read_of_the_stream(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+) -> None:
     stream = new_stream(partitions=3)
     db.append(stream, orders(400))
     frame = read(spark, stream, rowsPerSplit="60")
@@ -267,12 +288,17 @@ def test_batch_read_equals_the_sql_read_of_the_stream(spark, db, sql, new_stream
     assert spark_rows(frame) == sql_rows(sql, stream)
 
 
-def test_batch_read_takes_chosen_partitions_and_a_time_window(spark, db, sql, new_stream):
+def test_batch_read_takes_chosen_partitions_and_a_time_window(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+) -> None:
     stream = new_stream(partitions=3)
     db.append(stream, orders(60))
-    middle = sql.execute("SELECT clock_timestamp()").fetchone()[0]
+    middle = sql.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
     db.append(stream, orders(60, prefix="late"))
-    end = sql.execute("SELECT clock_timestamp()").fetchone()[0]
+    end = sql.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
     db.append(stream, orders(10, prefix="last"))
     frame = read(spark, stream, partitions="0,2", since=middle.isoformat(), until=end.isoformat())
     expected = [
@@ -288,8 +314,12 @@ def test_batch_read_takes_chosen_partitions_and_a_time_window(spark, db, sql, ne
 
 
 def test_appends_between_micro_batches_arrive_once_in_position_order(
-    spark, db, sql, new_stream, tmp_path
-):
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+) -> None:
     stream = new_stream(partitions=3)
     db.append(stream, orders(50))
     sink = Collector()
@@ -307,8 +337,12 @@ def test_appends_between_micro_batches_arrive_once_in_position_order(
 
 
 def test_restart_after_a_failed_micro_batch_replays_it_exactly(
-    spark, db, sql, new_stream, tmp_path
-):
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+) -> None:
     stream = new_stream(partitions=3)
     checkpoint = tmp_path / "checkpoint"
     db.append(stream, orders(30))
@@ -333,7 +367,13 @@ def test_restart_after_a_failed_micro_batch_replays_it_exactly(
     assert_each_event_once_in_order(sql, stream, rows)
 
 
-def test_max_records_per_trigger_bounds_every_micro_batch(spark, db, sql, new_stream, tmp_path):
+def test_max_records_per_trigger_bounds_every_micro_batch(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+) -> None:
     stream = new_stream(partitions=3)
     db.append(stream, orders(100))
     sink = Collector()
@@ -345,14 +385,18 @@ def test_max_records_per_trigger_bounds_every_micro_batch(spark, db, sql, new_st
 
 
 def test_available_now_stops_at_the_heads_it_found_when_the_query_started(
-    spark, db, sql, new_stream, tmp_path
-):
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+) -> None:
     stream = new_stream(partitions=3)
     before = db.append(stream, orders(30))
     checkpoint = tmp_path / "checkpoint"
 
     class AppendingSink(Collector):
-        def __call__(self, frame, batch_id):
+        def __call__(self, frame: DataFrame, batch_id: int) -> None:
             super().__call__(frame, batch_id)
             if batch_id == 0:
                 db.append(stream, orders(5, prefix="during"))
@@ -366,7 +410,9 @@ def test_available_now_stops_at_the_heads_it_found_when_the_query_started(
     assert_each_event_once_in_order(sql, stream, sink.delivered() + later.delivered())
 
 
-def test_latest_starts_after_the_heads_at_the_first_micro_batch(spark, db, new_stream, tmp_path):
+def test_latest_starts_after_the_heads_at_the_first_micro_batch(
+    spark: SparkSession, db: subengine.Engine, new_stream: Callable[..., str], tmp_path: Path
+) -> None:
     stream = new_stream(partitions=3)
     db.append(stream, orders(25))
     sink = Collector()
@@ -382,8 +428,12 @@ def test_latest_starts_after_the_heads_at_the_first_micro_batch(spark, db, new_s
 
 
 def test_a_subscription_gives_the_start_and_follows_the_commits(
-    spark, db, sql, new_stream, tmp_path
-):
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+) -> None:
     stream = new_stream(partitions=3)
     db.append(stream, orders(40))
     name = f"{stream}-spark"
@@ -412,8 +462,12 @@ def test_a_subscription_gives_the_start_and_follows_the_commits(
 
 
 def test_reading_positions_that_retention_removed_fails_clearly(
-    spark, db, sql, new_stream, tmp_path
-):
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+) -> None:
     stream = new_stream(partitions=1)
     db.append(stream, orders(10))
     sql.execute("DELETE FROM subengine.events WHERE stream = %s AND position < 4", (stream,))
@@ -434,19 +488,19 @@ class FlakyWrites(SubengineDataSource):
     recorded in the table `injected_failures`."""
 
     @classmethod
-    def name(cls):
+    def name(cls) -> str:
         return "subengine_flaky"
 
-    def writer(self, schema, overwrite):
+    def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:
         writer = super().writer(schema, overwrite)
         return FlakyBatchWriter(writer.target, writer.partitions, writer.write_id)
 
-    def streamWriter(self, schema, overwrite):
+    def streamWriter(self, schema: StructType, overwrite: bool) -> StreamWriter:
         writer = super().streamWriter(schema, overwrite)
         return FlakyStreamWriter(writer.target, writer.partitions)
 
 
-def record_failure(target, what):
+def record_failure(target: Any, what: str) -> None:
     with psycopg.connect(os.environ[target.dsn_env], autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS injected_failures (stream text, what text)")
         done = conn.execute(
@@ -458,16 +512,16 @@ def record_failure(target, what):
 
 
 class FlakyBatchWriter(subengine.spark._source.BatchWriter):
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> WriteCommit:
         message = super().write(iterator)
         context = TaskContext.get()
-        if context.partitionId() == 0 and context.attemptNumber() == 0:
+        if context.partitionId() == 0 and context.attemptNumber() == 0:  # type: ignore[union-attr]
             record_failure(self.target, "task 0 after it staged its rows")
         return message
 
 
 class FlakyStreamWriter(StreamWriter):
-    def commit(self, messages, batchId):
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         super().commit(messages, batchId)
         if batchId == 0:
             record_failure(self.target, "micro-batch 0 after its commit")
@@ -478,28 +532,33 @@ class EarlyFlakyWrites(SubengineDataSource):
     micro-batch 0, before it appends anything (after the tasks staged their rows)."""
 
     @classmethod
-    def name(cls):
+    def name(cls) -> str:
         return "subengine_flaky_early"
 
-    def streamWriter(self, schema, overwrite):
+    def streamWriter(self, schema: StructType, overwrite: bool) -> StreamWriter:
         writer = super().streamWriter(schema, overwrite)
         return EarlyFlakyStreamWriter(writer.target, writer.partitions)
 
 
 class EarlyFlakyStreamWriter(StreamWriter):
-    def commit(self, messages, batchId):
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         if batchId == 0:
             record_failure(self.target, "micro-batch 0 before its commit")
         super().commit(messages, batchId)
 
 
-def injected(sql, stream):
+def injected(sql: psycopg.Connection[Any], stream: str) -> list[str]:
     return [
         r[0] for r in sql.execute("SELECT what FROM injected_failures WHERE stream = %s", (stream,))
     ]
 
 
-def test_a_retried_write_task_stores_each_row_once(spark, db, sql, new_stream):
+def test_a_retried_write_task_stores_each_row_once(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+) -> None:
     stream = new_stream(partitions=3)
     rows = [(f"k{n % 7}", "Computed", json.dumps({"n": n})) for n in range(200)]
     rows += [("same", "Twin", '{"x": 1}')] * 3  # identical rows are all stored
@@ -520,13 +579,19 @@ def test_a_retried_write_task_stores_each_row_once(spark, db, sql, new_stream):
     ids=["after-its-commit", "before-its-commit"],
 )
 def test_a_replayed_micro_batch_of_a_streaming_write_stores_each_row_once(
-    spark, db, sql, new_stream, tmp_path, source_name, stored_by_the_failed_run
-):
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+    source_name: str,
+    stored_by_the_failed_run: int,
+) -> None:
     source, target = new_stream(partitions=3), new_stream(partitions=2)
     db.append(source, orders(40))
     checkpoint = tmp_path / "checkpoint"
 
-    def run():
+    def run() -> str:
         derived = read_stream(spark, source).select(
             "key", F.lit("Seen").alias("type"), F.to_json(F.struct("position", "id")).alias("data")
         )
@@ -545,7 +610,7 @@ def test_a_replayed_micro_batch_of_a_streaming_write_stores_each_row_once(
         run()
     assert len(injected(sql, target)) == 1
     assert (
-        sql.execute(
+        sql.execute(  # type: ignore[index]
             "SELECT count(*) FROM subengine.events WHERE stream = %s", (target,)
         ).fetchone()[0]
         == stored_by_the_failed_run
@@ -559,7 +624,7 @@ def test_a_replayed_micro_batch_of_a_streaming_write_stores_each_row_once(
         "SELECT id::text FROM subengine.events WHERE stream = %s", (source,)
     ).fetchall()
     assert sorted(seen) == sorted(source_ids)
-    staged = sql.execute(
+    staged = sql.execute(  # type: ignore[index]
         "SELECT count(*) FROM subengine.spark_staged_events WHERE write_id = %s",
         (f"query:{query_id}",),
     ).fetchone()[0]
@@ -573,29 +638,29 @@ class ShiftingRows(DataSource):
     `computation` counts the times the partition was computed before (from 0)."""
 
     @classmethod
-    def name(cls):
+    def name(cls) -> str:
         return "shifting_rows"
 
-    def schema(self):
+    def schema(self) -> str:
         return "key string, type string, data string, computation int"
 
-    def reader(self, schema):
+    def reader(self, schema: StructType) -> DataSourceReader:
         return ShiftingReader(self.options["stream"], int(self.options["rows"]))
 
 
 class ShiftingReader(DataSourceReader):
-    def __init__(self, stream, rows):
+    def __init__(self, stream: str, rows: int) -> None:
         self.stream = stream
         self.rows = rows
 
-    def partitions(self):
+    def partitions(self) -> list[InputPartition]:
         return [InputPartition(0), InputPartition(1)]
 
-    def read(self, partition):
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         half = partition.value
         with psycopg.connect(os.environ[DSN_ENV], autocommit=True) as conn:
             conn.execute("CREATE TABLE IF NOT EXISTS upstream_reads (stream text, half int)")
-            computation = conn.execute(
+            computation = conn.execute(  # type: ignore[index]
                 "SELECT count(*) FROM upstream_reads WHERE stream = %s AND half = %s",
                 (self.stream, half),
             ).fetchone()[0]
@@ -614,30 +679,30 @@ class LosingShuffleWrites(SubengineDataSource):
     again. Every attempt records the rows it received in the table `write_attempts`."""
 
     @classmethod
-    def name(cls):
+    def name(cls) -> str:
         return "subengine_losing_shuffle"
 
-    def writer(self, schema, overwrite):
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceArrowWriter:  # type: ignore[override]
         written = StructType([f for f in schema.fields if f.name != "computation"])
         return LosingShuffleWriter(super().writer(written, overwrite), self.options["stream"])
 
 
 class LosingShuffleWriter(DataSourceArrowWriter):
-    def __init__(self, writer, stream):
+    def __init__(self, writer: BatchWriter, stream: str) -> None:
         self.writer = writer
         self.stream = stream
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
         received, computations = [], set()
 
-        def without_computation(batches):
+        def without_computation(batches: Iterator[Any]) -> Iterator[Any]:
             for batch in batches:
                 received.extend(batch.column("data").to_pylist())
                 computations.update(batch.column("computation").to_pylist())
                 yield batch.drop_columns(["computation"])
 
         message = self.writer.write(without_computation(iterator))
-        partition = TaskContext.get().partitionId()
+        partition = TaskContext.get().partitionId()  # type: ignore[union-attr]
         with psycopg.connect(os.environ[DSN_ENV], autocommit=True) as conn:
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS write_attempts"
@@ -658,14 +723,14 @@ class LosingShuffleWriter(DataSourceArrowWriter):
             lose_newest_shuffle()
         raise RuntimeError(f"injected failure: task {partition} had rows of a lost computation")
 
-    def commit(self, messages):
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         self.writer.commit(messages)
 
-    def abort(self, messages):
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         self.writer.abort(messages)
 
 
-def lose_newest_shuffle():
+def lose_newest_shuffle() -> None:
     """Delete the files of the newest shuffle in this Spark session's local directory."""
     files = list(Path(os.environ[LOCAL_DIR_ENV]).glob("blockmgr-*/*/shuffle_*"))
     newest = max(int(f.name.split("_")[1]) for f in files)
@@ -675,8 +740,8 @@ def lose_newest_shuffle():
 
 
 def test_a_write_stage_rerun_after_a_round_robin_repartition_stores_each_row_once(
-    spark, sql, new_stream
-):
+    spark: SparkSession, sql: psycopg.Connection[Any], new_stream: Callable[..., str]
+) -> None:
     stream = new_stream(partitions=3)
     rows = 200
     frame = (
@@ -712,7 +777,9 @@ def test_a_write_stage_rerun_after_a_round_robin_repartition_stores_each_row_onc
     assert staged_rows(sql, stream) == 0  # the failed attempts' rows are gone too
 
 
-def write_rows(spark, stream, rows, schema, slices=1, **options):
+def write_rows(
+    spark: SparkSession, stream: str, rows: list[Any], schema: str, slices: int = 1, **options: str
+) -> None:
     """Write `rows` to `stream` from `slices` Spark partitions, in the order given."""
     frame = spark.createDataFrame(spark.sparkContext.parallelize(rows, slices), schema)
     writer = frame.write.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV)
@@ -724,7 +791,12 @@ def write_rows(spark, stream, rows, schema, slices=1, **options):
 EXPECTING = "key string, type string, data string, expected_version long"
 
 
-def test_expected_version_is_checked_per_key_and_write(spark, db, sql, new_stream):
+def test_expected_version_is_checked_per_key_and_write(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+) -> None:
     stream = new_stream(partitions=1)
     db.append(stream, [NewEvent("a", "T", {}), NewEvent("a", "T", {})])
 
@@ -751,7 +823,9 @@ def test_expected_version_is_checked_per_key_and_write(spark, db, sql, new_strea
     assert db.heads(stream) == {0: 6}
 
 
-def test_rows_of_one_key_in_two_tasks_must_agree_on_expected_version(spark, db, new_stream):
+def test_rows_of_one_key_in_two_tasks_must_agree_on_expected_version(
+    spark: SparkSession, db: subengine.Engine, new_stream: Callable[..., str]
+) -> None:
     stream = new_stream(partitions=1)
     with pytest.raises(
         PySparkException, match="rows of key 'a' in this write say expected_version 0 and 1"
@@ -766,7 +840,12 @@ def test_rows_of_one_key_in_two_tasks_must_agree_on_expected_version(spark, db, 
     assert db.heads(stream) == {0: 0}
 
 
-def test_a_write_run_again_with_other_partitioning_stores_nothing_twice(spark, db, sql, new_stream):
+def test_a_write_run_again_with_other_partitioning_stores_nothing_twice(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+) -> None:
     stream = new_stream(partitions=2)
     rows = [(f"k{n % 5}", "Counted", json.dumps({"n": n % 40})) for n in range(120)]
     schema = "key string, type string, data string"
@@ -782,8 +861,8 @@ def test_a_write_run_again_with_other_partitioning_stores_nothing_twice(spark, d
     assert sum(db.heads(stream).values()) == 2 * len(rows)
 
 
-def staged_rows(sql, write_id):
-    return sql.execute(
+def staged_rows(sql: psycopg.Connection[Any], write_id: str) -> int:
+    return sql.execute(  # type: ignore[no-any-return, index]
         "SELECT count(*) FROM subengine.spark_staged_events WHERE write_id = %s",
         (f"write:{write_id}",),
     ).fetchone()[0]
@@ -795,16 +874,16 @@ class ForgetfulWrites(SubengineDataSource):
     UNLOGGED)."""
 
     @classmethod
-    def name(cls):
+    def name(cls) -> str:
         return "subengine_forgetful"
 
-    def writer(self, schema, overwrite):
+    def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:
         writer = super().writer(schema, overwrite)
         return ForgetfulBatchWriter(writer.target, writer.partitions, writer.write_id)
 
 
 class ForgetfulBatchWriter(subengine.spark._source.BatchWriter):
-    def commit(self, messages):
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         with psycopg.connect(os.environ[self.target.dsn_env], autocommit=True) as conn:
             conn.execute(
                 "DELETE FROM subengine.spark_staged_events WHERE write_id = %s", (self.write_id,)
@@ -812,7 +891,12 @@ class ForgetfulBatchWriter(subengine.spark._source.BatchWriter):
         super().commit(messages)
 
 
-def test_a_write_whose_staged_rows_are_lost_appends_nothing_and_says_so(spark, db, sql, new_stream):
+def test_a_write_whose_staged_rows_are_lost_appends_nothing_and_says_so(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+) -> None:
     stream = new_stream(partitions=2)
     frame = spark.createDataFrame(
         spark.sparkContext.parallelize([(f"k{n}", "T", "{}") for n in range(10)], 2),
@@ -828,7 +912,7 @@ def test_a_write_whose_staged_rows_are_lost_appends_nothing_and_says_so(spark, d
     assert staged_rows(sql, f"{stream}-lost") == 0
 
 
-def test_derived_ids_are_the_documented_uuids(sql):
+def test_derived_ids_are_the_documented_uuids(sql: psycopg.Connection[Any]) -> None:
     content = uuid.uuid4()
     for occurrence in (0, 1, 70_000):
         digest = bytearray(
@@ -836,14 +920,16 @@ def test_derived_ids_are_the_documented_uuids(sql):
         )
         digest[6] = digest[6] & 0x0F | 0x80
         digest[8] = digest[8] & 0x3F | 0x80
-        derived = sql.execute(
+        derived = sql.execute(  # type: ignore[index]
             "SELECT subengine.spark_event_id(%s, %s)", (content, occurrence)
         ).fetchone()[0]
         assert derived == uuid.UUID(bytes=bytes(digest))
         assert derived.version == 8
 
 
-def test_a_bad_row_fails_the_write_naming_the_row(spark, new_stream):
+def test_a_bad_row_fails_the_write_naming_the_row(
+    spark: SparkSession, new_stream: Callable[..., str]
+) -> None:
     stream = new_stream()
     frame = spark.createDataFrame(
         [("k", "T", "{}"), ("k", "T", "{not json")], "key string, type string, data string"
@@ -883,7 +969,13 @@ def test_a_bad_row_fails_the_write_naming_the_row(spark, new_stream):
         ("stream", {"startingPosition": "latest"}, "has no option 'startingposition'"),
     ],
 )
-def test_bad_read_options_fail_before_any_job(spark, new_stream, kind, options, message):
+def test_bad_read_options_fail_before_any_job(
+    spark: SparkSession,
+    new_stream: Callable[..., str],
+    kind: str,
+    options: dict[str, str],
+    message: str,
+) -> None:
     stream = new_stream()
     group = f"bad-options-{uuid.uuid4().hex}"
     spark.sparkContext.setJobGroup(group, "bad options")
@@ -895,11 +987,13 @@ def test_bad_read_options_fail_before_any_job(spark, new_stream, kind, options, 
         with pytest.raises(PySparkException, match=message):
             reader.load()
     finally:
-        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
     assert no_jobs_ran(spark, group)
 
 
-def test_a_write_without_the_event_columns_fails_before_any_job(spark, new_stream):
+def test_a_write_without_the_event_columns_fails_before_any_job(
+    spark: SparkSession, new_stream: Callable[..., str]
+) -> None:
     stream = new_stream()
     group = f"bad-write-{uuid.uuid4().hex}"
     spark.sparkContext.setJobGroup(group, "bad write")
@@ -910,14 +1004,14 @@ def test_a_write_without_the_event_columns_fails_before_any_job(spark, new_strea
                 "append"
             ).save()
     finally:
-        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
     assert no_jobs_ran(spark, group)
 
 
 # packaging
 
 
-def test_the_core_imports_without_pyspark_and_the_extra_says_how_to_install_it():
+def test_the_core_imports_without_pyspark_and_the_extra_says_how_to_install_it() -> None:
     blocker = (
         "import sys; sys.modules['pyspark'] = None; import subengine; "
         "assert 'pyspark' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
@@ -933,18 +1027,22 @@ def test_the_core_imports_without_pyspark_and_the_extra_says_how_to_install_it()
 # the example pipeline
 
 
-def load_example():
+def load_example() -> ModuleType:
     spec = importlib.util.spec_from_file_location(
         "spark_revenue", ROOT / "examples" / "spark_revenue.py"
     )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 
 
 def test_the_revenue_example_writes_closed_hours_to_parquet_and_closed_days_as_events(
-    spark, db, sql, new_stream, tmp_path
-):
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+) -> None:
     example = load_example()
     source, target = new_stream(partitions=2), new_stream(partitions=1)
     day = datetime(2026, 3, 1, tzinfo=UTC)
@@ -965,7 +1063,7 @@ def test_the_revenue_example_writes_closed_hours_to_parquet_and_closed_days_as_e
         + [NewEvent("order-0", "OrderPaid", {"total": 999}, occurred_at=day)],
     )
 
-    def run():
+    def run() -> None:
         queries = example.start_queries(
             spark,
             output=tmp_path / "hourly",
@@ -1004,7 +1102,7 @@ def test_the_revenue_example_writes_closed_hours_to_parquet_and_closed_days_as_e
     ]
 
 
-def test_the_example_runs_as_the_spark_page_shows(dsn, tmp_path):
+def test_the_example_runs_as_the_spark_page_shows(dsn: str, tmp_path: Path) -> None:
     # docs/spark.md's commands, as written, in a directory holding this checkout's .venv
     # and examples/, against a database of this test's own (the job starts its own Spark).
     page = (ROOT / "docs" / "spark.md").read_text()
@@ -1029,7 +1127,7 @@ def test_the_example_runs_as_the_spark_page_shows(dsn, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert list((tmp_path / "revenue" / "hourly").rglob("*.parquet"))
     with psycopg.connect(dsn) as conn:
-        placed, days = conn.execute(
+        placed, days = conn.execute(  # type: ignore[misc]
             "SELECT count(*) FILTER (WHERE type = 'OrderPlaced'),"
             " count(*) FILTER (WHERE type = 'DailyRevenueComputed') FROM subengine.events"
         ).fetchone()

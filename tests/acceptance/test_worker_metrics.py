@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from typing import Any
 
+import psycopg
 from helpers import (
     APPS,
     expected_lag,
@@ -17,10 +19,13 @@ from helpers import (
     wait_for,
 )
 
+import subengine
 from subengine import NewEvent
 
 
-def test_the_worker_command_serves_metrics_and_logs_json_lines(worker_app_env, engine, sql):
+def test_the_worker_command_serves_metrics_and_logs_json_lines(
+    worker_app_env: dict[str, str], engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     engine.create_stream("orders", partitions=4)
     engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(30)])
     port = free_port()

@@ -12,8 +12,11 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 from helpers import (
     APPS,
@@ -31,13 +34,13 @@ from subengine import NewEvent
 
 
 @pytest.fixture
-def app_env(worker_app_env, tmp_path):
+def app_env(worker_app_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     """The worker app's environment, noting where each batch starts in a file."""
     return dict(worker_app_env, WORKER_APP_MARKS=str(tmp_path / "marks"))
 
 
 @pytest.fixture
-def engine_of(dsn):
+def engine_of(dsn: str) -> Iterator[subengine.Engine]:
     with subengine.Engine(dsn) as engine:
         yield engine
 
@@ -45,12 +48,12 @@ def engine_of(dsn):
 class Workers:
     """Worker processes of one test; whatever is still running at the end is killed."""
 
-    def __init__(self, env, log_dir):
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
         self.env = env
         self.log_dir = log_dir
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(self, *args, **env):
+    def start(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"worker-{len(self.processes)}.log", "wb")
         process = subprocess.Popen(
             [subengine_command(), "worker", "--app", "worker_app:app", *args],
@@ -63,11 +66,11 @@ class Workers:
         self.processes.append(process)
         return process
 
-    def log(self, process):
+    def log(self, process: subprocess.Popen[bytes]) -> str:
         index = self.processes.index(process)
         return (self.log_dir / f"worker-{index}.log").read_text()
 
-    def kill_all(self):
+    def kill_all(self) -> None:
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
@@ -75,17 +78,17 @@ class Workers:
 
 
 @pytest.fixture
-def workers(app_env, tmp_path):
+def workers(app_env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
     workers = Workers(app_env, tmp_path)
     yield workers
     workers.kill_all()
 
 
-def effect_count(sql):
-    return sql.execute("SELECT count(*) FROM effects").fetchone()[0]
+def effect_count(sql: psycopg.Connection[Any]) -> int:
+    return sql.execute("SELECT count(*) FROM effects").fetchone()[0]  # type: ignore[no-any-return, index]
 
 
-def positions(sql):
+def positions(sql: psycopg.Connection[Any]) -> dict[int, int]:
     return dict(
         sql.execute(
             "SELECT partition, position FROM subengine.subscription_positions"
@@ -94,28 +97,30 @@ def positions(sql):
     )
 
 
-def marks(env):
+def marks(env: dict[str, str]) -> list[tuple[int, ...]]:
     path = Path(env["WORKER_APP_MARKS"])
     if not path.exists():
         return []
     return [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
 
 
-def advisory_locks(sql):
-    return sql.execute(
+def advisory_locks(sql: psycopg.Connection[Any]) -> int:
+    return sql.execute(  # type: ignore[no-any-return, index]
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
         " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     ).fetchone()[0]
 
 
-def assert_each_effect_once_in_key_order(sql, engine):
+def assert_each_effect_once_in_key_order(
+    sql: psycopg.Connection[Any], engine: subengine.Engine
+) -> None:
     """Every stored event has exactly one effect, and each key's effects, in the order
     they were made, are its versions 1, 2, 3 …"""
     duplicated = sql.execute(
         "SELECT event_id, count(*) FROM effects GROUP BY 1 HAVING count(*) > 1"
     ).fetchall()
     assert duplicated == []
-    missing = sql.execute(
+    missing = sql.execute(  # type: ignore[index]
         "SELECT count(*) FROM subengine.events e"
         " WHERE NOT EXISTS (SELECT FROM effects f WHERE f.event_id = e.id)"
     ).fetchone()[0]
@@ -138,13 +143,17 @@ def assert_each_effect_once_in_key_order(sql, engine):
         ("worker_app", 2, "is not MODULE:ATTR"),
     ],
 )
-def test_a_bad_app_path_exits_with_a_clear_message(app_env, app, status, message):
+def test_a_bad_app_path_exits_with_a_clear_message(
+    app_env: dict[str, str], app: str, status: int, message: str
+) -> None:
     result = run_subengine(app_env, "worker", "--app", app, cwd=APPS, timeout=60)
     assert result.returncode == status
     assert message in result.stderr
 
 
-def test_an_unknown_subscription_exits_with_a_clear_message(app_env, engine_of):
+def test_an_unknown_subscription_exits_with_a_clear_message(
+    app_env: dict[str, str], engine_of: subengine.Engine
+) -> None:
     engine_of.create_stream("orders", partitions=2)
     result = run_subengine(
         app_env, "worker", "--app", "worker_app:app", "--subscription", "nope", cwd=APPS, timeout=60
@@ -153,7 +162,7 @@ def test_an_unknown_subscription_exits_with_a_clear_message(app_env, engine_of):
     assert "the app declares no subscription 'nope'" in result.stderr
 
 
-def test_a_database_unreachable_at_start_exits_non_zero(app_env):
+def test_a_database_unreachable_at_start_exits_non_zero(app_env: dict[str, str]) -> None:
     port = free_port()
     env = dict(
         app_env,
@@ -166,8 +175,11 @@ def test_a_database_unreachable_at_start_exits_non_zero(app_env):
 
 
 def test_a_database_lost_for_longer_than_the_outage_timeout_exits_non_zero(
-    app_env, engine_of, sql, workers
-):
+    app_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: Workers,
+) -> None:
     engine_of.create_stream("orders", partitions=2)
     engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
     with Proxy(app_env["SUBENGINE_DSN"]) as proxy:
@@ -183,8 +195,11 @@ def test_a_database_lost_for_longer_than_the_outage_timeout_exits_non_zero(
 
 
 def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
-    app_env, engine_of, sql, workers
-):
+    app_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: Workers,
+) -> None:
     # Every connection the worker opens must give up after SUBENGINE_CONNECT_TIMEOUT: its
     # partition locks take a connection of their own only when a partition has work, and
     # that connection is opened after the host went silent.
@@ -196,7 +211,7 @@ def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
             SUBENGINE_CONNECT_TIMEOUT="2",
         )
         wait_for(
-            lambda: sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 1,
+            lambda: sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 1,  # type: ignore[index]
             what="the worker to register",
         )
         proxy.silent = True
@@ -206,7 +221,7 @@ def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
     assert effect_count(sql) == 0
 
 
-def test_migrate_gives_up_on_a_host_that_never_answers(cli_env):
+def test_migrate_gives_up_on_a_host_that_never_answers(cli_env: dict[str, str]) -> None:
     with Proxy(cli_env["SUBENGINE_DSN"]) as proxy:
         proxy.silent = True
         env = dict(
@@ -220,7 +235,12 @@ def test_migrate_gives_up_on_a_host_that_never_answers(cli_env):
     assert line.startswith("error: ")
 
 
-def test_a_busy_partition_never_starves_an_older_event_of_another(app_env, engine_of, sql, workers):
+def test_a_busy_partition_never_starves_an_older_event_of_another(
+    app_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: Workers,
+) -> None:
     # Invariant 7, the issue's reproduction: 4 partitions, batches of 10, 10 ms per event,
     # one slot, about 200 appends a second to one key (twice what the slot can handle),
     # then one event to a key in another partition.
@@ -231,12 +251,12 @@ def test_a_busy_partition_never_starves_an_older_event_of_another(app_env, engin
     )
     worker = workers.start("--concurrency", "1", WORKER_APP_BATCH="10", WORKER_APP_SLEEP="0.01")
     wait_for(
-        lambda: sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 1,
+        lambda: sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 1,  # type: ignore[index]
         what="the worker to register",
     )
     total, appended = 600, []
 
-    def produce():
+    def produce() -> None:
         with subengine.Engine(app_env["SUBENGINE_DSN"]) as producer:
             started = time.monotonic()
             for n in range(total):
@@ -265,8 +285,11 @@ def test_a_busy_partition_never_starves_an_older_event_of_another(app_env, engin
 
 
 def test_sigterm_finishes_the_current_batch_releases_locks_and_exits_0(
-    app_env, engine_of, sql, workers
-):
+    app_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: Workers,
+) -> None:
     engine_of.create_stream("orders", partitions=1)
     engine_of.append("orders", [NewEvent("k", "T", {}) for _ in range(60)])
     worker = workers.start(WORKER_APP_BATCH="10", WORKER_APP_SLEEP="0.1")
@@ -279,10 +302,15 @@ def test_sigterm_finishes_the_current_batch_releases_locks_and_exits_0(
     assert positions(sql) == {0: last}
     assert effect_count(sql) == last
     assert advisory_locks(sql) == 0
-    assert sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 0
+    assert sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 0  # type: ignore[index]
 
 
-def test_a_second_signal_exits_at_once_and_the_batch_rolls_back(app_env, engine_of, sql, workers):
+def test_a_second_signal_exits_at_once_and_the_batch_rolls_back(
+    app_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: Workers,
+) -> None:
     engine_of.create_stream("orders", partitions=1)
     engine_of.append("orders", [NewEvent("k", "T", {}) for _ in range(20)])
     worker = workers.start(WORKER_APP_BATCH="10", WORKER_APP_SLEEP="3")
@@ -302,13 +330,18 @@ def test_a_second_signal_exits_at_once_and_the_batch_rolls_back(app_env, engine_
 # crashes and fencing
 
 
-def test_exactly_once_while_workers_are_killed_at_random(app_env, engine_of, sql, workers):
+def test_exactly_once_while_workers_are_killed_at_random(
+    app_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: Workers,
+) -> None:
     engine_of.create_stream("orders", partitions=8)
     rng = random.Random(7)
     running = [workers.start("--concurrency", "2") for _ in range(3)]
     total, appended = 20_000, threading.Event()
 
-    def produce():
+    def produce() -> None:
         keys = [f"order-{n}" for n in range(400)]
         with subengine.Engine(app_env["SUBENGINE_DSN"]) as producer:
             for _ in range(total // 20):
@@ -320,7 +353,7 @@ def test_exactly_once_while_workers_are_killed_at_random(app_env, engine_of, sql
     producer.start()
     kills = 0
 
-    def caught_up():
+    def caught_up() -> bool:
         return appended.is_set() and sum(positions(sql).values()) == total
 
     while not caught_up() or kills < 5:
@@ -339,8 +372,12 @@ def test_exactly_once_while_workers_are_killed_at_random(app_env, engine_of, sql
 
 @pytest.mark.parametrize("terminated", ["lock", "batch"])
 def test_a_worker_that_loses_a_connection_mid_batch_never_duplicates(
-    app_env, engine_of, sql, workers, terminated
-):
+    app_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: Workers,
+    terminated: str,
+) -> None:
     # One partition, slow batches. While the first worker is inside a batch, terminate
     # either the connection holding its advisory lock (so a second worker takes the
     # partition while the batch runs) or the connection running the batch (which rolls
@@ -367,7 +404,12 @@ def test_a_worker_that_loses_a_connection_mid_batch_never_duplicates(
 # reset
 
 
-def test_reset_while_a_worker_runs(app_env, engine_of, sql, workers):
+def test_reset_while_a_worker_runs(
+    app_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: Workers,
+) -> None:
     engine_of.create_stream("orders", partitions=4)
     engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
     workers.start()
@@ -375,7 +417,7 @@ def test_reset_while_a_worker_runs(app_env, engine_of, sql, workers):
     result = run_subengine(app_env, "subscription", "reset", "effects", "--to", "beginning")
     assert result.returncode == 0, result.stderr
     wait_for(lambda: effect_count(sql) == 80, what="the second pass")
-    twice = sql.execute(
+    twice = sql.execute(  # type: ignore[index]
         "SELECT count(*) FROM (SELECT event_id FROM effects GROUP BY 1 HAVING count(*) = 2) x"
     ).fetchone()[0]
     assert twice == 40
@@ -394,7 +436,12 @@ def test_reset_while_a_worker_runs(app_env, engine_of, sql, workers):
 # helpers
 
 
-def test_the_readme_example_app_runs_as_written(cli_env, engine_of, sql, tmp_path):
+def test_the_readme_example_app_runs_as_written(
+    cli_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    tmp_path: Path,
+) -> None:
     write_readme_app(tmp_path)
     command = next(
         line

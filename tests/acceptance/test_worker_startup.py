@@ -10,12 +10,17 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
+from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 from helpers import APPS, run_subengine, subengine_command, wait_for
 
+import subengine
 
-def start_worker(env, app, *args):
+
+def start_worker(env: dict[str, str], app: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [subengine_command(), "worker", "--app", app, *args],
         cwd=APPS,
@@ -27,7 +32,9 @@ def start_worker(env, app, *args):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_the_apps_import_exits_0(worker_app_env, tmp_path, signum):
+def test_a_signal_during_the_apps_import_exits_0(
+    worker_app_env: dict[str, str], tmp_path: Path, signum: signal.Signals
+) -> None:
     marker = tmp_path / "importing"
     env = dict(worker_app_env, SLOW_IMPORT_MARKER=str(marker), SLOW_IMPORT_SECONDS="600")
     worker = start_worker(env, "slow_import_app:app")
@@ -43,7 +50,7 @@ def test_a_signal_during_the_apps_import_exits_0(worker_app_env, tmp_path, signu
     assert "Traceback" not in err
 
 
-def test_a_sigterm_while_waiting_for_postgresql_exits_0(worker_app_env):
+def test_a_sigterm_while_waiting_for_postgresql_exits_0(worker_app_env: dict[str, str]) -> None:
     env = dict(
         worker_app_env,
         SUBENGINE_DSN="postgresql://app@127.0.0.1:1/db",  # port 1: connections refused
@@ -55,7 +62,7 @@ def test_a_sigterm_while_waiting_for_postgresql_exits_0(worker_app_env):
     try:
         said = ""
         while "waiting for PostgreSQL" not in said:  # after the pool's own warnings
-            line = worker.stderr.readline()
+            line = worker.stderr.readline()  # type: ignore[union-attr]
             assert line, said
             said += line
         worker.send_signal(signal.SIGTERM)
@@ -67,12 +74,14 @@ def test_a_sigterm_while_waiting_for_postgresql_exits_0(worker_app_env):
     assert "SIGTERM before the worker started: it stopped without starting" in err
 
 
-def test_a_sigterm_once_the_worker_runs_still_finishes_cleanly(worker_app_env, engine, sql):
+def test_a_sigterm_once_the_worker_runs_still_finishes_cleanly(
+    worker_app_env: dict[str, str], engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     engine.create_stream("orders", partitions=2)
     worker = start_worker(worker_app_env, "worker_app:app")
     try:
         wait_for(
-            lambda: sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 1,
+            lambda: sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 1,  # type: ignore[index]
             "the worker to register",
         )
         worker.send_signal(signal.SIGTERM)
@@ -81,11 +90,13 @@ def test_a_sigterm_once_the_worker_runs_still_finishes_cleanly(worker_app_env, e
         worker.kill()
     assert worker.returncode == 0, err
     assert "SIGTERM: finishing the current batches, then exiting" in err
-    assert sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 0
+    assert sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 0  # type: ignore[index]
 
 
 @pytest.mark.parametrize("raw", ["nan", "inf"])
-def test_a_worker_with_a_non_finite_poll_interval_exits_with_one_line(orders, worker_app_env, raw):
+def test_a_worker_with_a_non_finite_poll_interval_exits_with_one_line(
+    orders: str, worker_app_env: dict[str, str], raw: str
+) -> None:
     # nan made an idle worker spin (~2,000 transactions/s); inf raised OverflowError
     env = dict(worker_app_env, SUBENGINE_POLL_INTERVAL=raw)
     result = run_subengine(env, "worker", "--app", "worker_app:app", cwd=APPS, timeout=60)

@@ -2,6 +2,7 @@
 dead letters to look at, retry and discard (`--app letters_app:app`)."""
 
 import os
+from typing import Any
 
 import subengine
 
@@ -10,7 +11,7 @@ letters = app.subscription("letters", stream="orders", on_error="dead_letter", m
 
 
 @letters.handler()
-def handle(event, conn):
+def handle(event: subengine.Event, conn: Any) -> None:
     if event.data.get("poison") and not os.environ.get("LETTERS_FIXED"):
         raise ValueError(f"cannot handle {event.key}")
     conn.execute(

@@ -4,6 +4,7 @@ SLOW_IMPORT_SECONDS before declaring anything, as a heavy application import wou
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import subengine
 
@@ -15,5 +16,5 @@ effects = app.subscription("effects", stream="orders")
 
 
 @effects.handler()
-def ignore(event, conn):
+def ignore(event: subengine.Event, conn: Any) -> None:
     pass

@@ -8,6 +8,8 @@ process, partition and first and last positions; outside any transaction).
 """
 
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import subengine
 
@@ -20,7 +22,7 @@ _marks = os.environ.get("WORKER_APP_MARKS")
 
 
 @effects.batch_handler()
-def record(events, conn):
+def record(events: Sequence[subengine.Event], conn: Any) -> None:
     if _marks:
         with open(_marks, "a") as marks:
             first, last = events[0], events[-1]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import psycopg
 import pytest
@@ -19,7 +21,9 @@ def events(*keys: str, type: str = "Happened") -> list[NewEvent]:
     return [NewEvent(key, type, {"n": n}) for n, key in enumerate(keys)]
 
 
-def test_positions_are_dense_per_partition_and_versions_count_per_key(engine, orders):
+def test_positions_are_dense_per_partition_and_versions_count_per_key(
+    engine: subengine.Engine, orders: str
+) -> None:
     keys = [f"order-{n % 7}" for n in range(60)]
     stored = engine.append(orders, events(*keys))
     by_partition: dict[int, list[int]] = {}
@@ -33,13 +37,15 @@ def test_positions_are_dense_per_partition_and_versions_count_per_key(engine, or
     assert engine.heads(orders) == {p: len(by_partition.get(p, [])) for p in range(4)}
 
 
-def test_each_event_lands_in_the_partition_of_its_key(engine, orders):
+def test_each_event_lands_in_the_partition_of_its_key(
+    engine: subengine.Engine, orders: str
+) -> None:
     stored = engine.append(orders, events(*[f"k{n}" for n in range(40)]))
     for n, appended in enumerate(stored):
         assert appended.partition == subengine.partition_for(f"k{n}", 4)
 
 
-def test_partition_function_is_the_same_in_python_and_sql(sql):
+def test_partition_function_is_the_same_in_python_and_sql(sql: psycopg.Connection[Any]) -> None:
     keys = ["", "a", "order-123", "ünïcødé ключ", "🙂", "x" * 1000] + [f"k{n}" for n in range(200)]
     for partitions in (1, 2, 3, 8, 13, 4096):
         rows = sql.execute(
@@ -49,16 +55,20 @@ def test_partition_function_is_the_same_in_python_and_sql(sql):
         assert {k: p for k, p in rows} == {k: subengine.partition_for(k, partitions) for k in keys}
 
 
-def test_an_event_id_already_in_the_stream_is_not_stored_again(engine, orders, sql):
+def test_an_event_id_already_in_the_stream_is_not_stored_again(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     event_id = uuid.uuid4()
     first = engine.append(orders, [NewEvent("order-1", "Placed", {}, id=event_id)])
     again = engine.append(orders, [NewEvent("order-1", "Placed", {}, id=event_id)])
     assert (again[0].partition, again[0].position) == (first[0].partition, first[0].position)
     assert again[0].duplicate and not first[0].duplicate
-    assert sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0] == 1
+    assert sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0] == 1  # type: ignore[index]
 
 
-def test_a_repeated_id_within_one_call_is_stored_once(engine, orders, sql):
+def test_a_repeated_id_within_one_call_is_stored_once(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     event_id = uuid.uuid4()
     stored = engine.append(
         orders,
@@ -66,41 +76,45 @@ def test_a_repeated_id_within_one_call_is_stored_once(engine, orders, sql):
     )
     assert [a.duplicate for a in stored] == [False, True]
     assert stored[0].position == stored[1].position
-    assert sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0] == 1
+    assert sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0] == 1  # type: ignore[index]
 
 
-def test_retrying_a_committed_append_with_expected_version_is_idempotent(engine, orders):
+def test_retrying_a_committed_append_with_expected_version_is_idempotent(
+    engine: subengine.Engine, orders: str
+) -> None:
     batch = [NewEvent("order-1", "Placed", {}, id=uuid.uuid4())]
     first = engine.append(orders, batch, expected_version=0)
     again = engine.append(orders, batch, expected_version=0)
     assert again[0].position == first[0].position and again[0].duplicate
 
 
-def test_expected_version_is_checked_per_key(engine, orders):
+def test_expected_version_is_checked_per_key(engine: subengine.Engine, orders: str) -> None:
     engine.append(orders, events("a", "a", "b"))
     stored = engine.append(orders, events("a", "b"), expected_version={"a": 2, "b": 1})
     assert [a.key_version for a in stored] == [3, 2]
     assert engine.append(orders, events("new"), expected_version=0)[0].key_version == 1
 
 
-def test_wrong_expected_version_names_the_key_and_writes_nothing(engine, orders, sql):
+def test_wrong_expected_version_names_the_key_and_writes_nothing(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     engine.append(orders, events("a", "a", "b"))
     heads = engine.heads(orders)
-    before = sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0]
+    before = sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0]  # type: ignore[index]
     with pytest.raises(subengine.WrongExpectedVersion) as caught:
         engine.append(orders, events("b", "a"), expected_version={"a": 2, "b": 0})
     assert (caught.value.key, caught.value.expected, caught.value.actual) == ("b", 0, 1)
     assert "'b'" in str(caught.value) and "version 1" in str(caught.value)
-    assert sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0] == before
+    assert sql.execute("SELECT count(*) FROM subengine.events").fetchone()[0] == before  # type: ignore[index]
     assert engine.heads(orders) == heads
 
 
-def test_integer_expected_version_needs_a_single_key(engine, orders):
+def test_integer_expected_version_needs_a_single_key(engine: subengine.Engine, orders: str) -> None:
     with pytest.raises(subengine.InvalidInput, match="mapping"):
         engine.append(orders, events("a", "b"), expected_version=0)
 
 
-def test_occurred_at_and_metadata_are_kept(engine, orders):
+def test_occurred_at_and_metadata_are_kept(engine: subengine.Engine, orders: str) -> None:
     when = datetime(2020, 5, 17, 12, 0, tzinfo=UTC)
     engine.append(orders, [NewEvent("k", "T", [1, 2], metadata={"by": "me"}, occurred_at=when)])
     [event] = engine.read(orders, subengine.partition_for("k", 4))
@@ -108,7 +122,9 @@ def test_occurred_at_and_metadata_are_kept(engine, orders):
     assert event.recorded_at > when
 
 
-def test_append_joins_the_callers_psycopg_transaction(engine, orders, dsn):
+def test_append_joins_the_callers_psycopg_transaction(
+    engine: subengine.Engine, orders: str, dsn: str
+) -> None:
     with psycopg.connect(dsn) as conn:
         subengine.append(conn, orders, events("k"))
         conn.execute("CREATE TABLE app_state (n int)")
@@ -121,7 +137,7 @@ def test_append_joins_the_callers_psycopg_transaction(engine, orders, dsn):
 
 
 @pytest.fixture
-def sa_engine(dsn):
+def sa_engine(dsn: str) -> Iterator[sqlalchemy.Engine]:
     sa_engine = sqlalchemy.create_engine(
         "postgresql+psycopg://", creator=lambda: psycopg.connect(dsn)
     )
@@ -129,7 +145,9 @@ def sa_engine(dsn):
     sa_engine.dispose()
 
 
-def test_append_joins_a_sqlalchemy_connection_transaction(engine, orders, sa_engine):
+def test_append_joins_a_sqlalchemy_connection_transaction(
+    engine: subengine.Engine, orders: str, sa_engine: sqlalchemy.Engine
+) -> None:
     with sa_engine.connect() as conn:
         subengine.append(conn, orders, events("k"))
         conn.rollback()
@@ -141,7 +159,9 @@ def test_append_joins_a_sqlalchemy_connection_transaction(engine, orders, sa_eng
     assert sum(engine.heads(orders).values()) == 1
 
 
-def test_append_joins_a_sqlalchemy_session_transaction(engine, orders, sa_engine):
+def test_append_joins_a_sqlalchemy_session_transaction(
+    engine: subengine.Engine, orders: str, sa_engine: sqlalchemy.Engine
+) -> None:
     with Session(sa_engine) as session:
         subengine.append(session, orders, events("k"))
         session.rollback()
@@ -152,7 +172,9 @@ def test_append_joins_a_sqlalchemy_session_transaction(engine, orders, sa_engine
     assert sum(engine.heads(orders).values()) == 2
 
 
-def test_append_on_a_fresh_sqlalchemy_connection_commits_with_it(engine, orders, sa_engine):
+def test_append_on_a_fresh_sqlalchemy_connection_commits_with_it(
+    engine: subengine.Engine, orders: str, sa_engine: sqlalchemy.Engine
+) -> None:
     # No statement ran before the append: SQLAlchemy had not begun a transaction yet,
     # and the caller's commit() must still commit the appended events.
     with sa_engine.connect() as conn:
@@ -162,7 +184,9 @@ def test_append_on_a_fresh_sqlalchemy_connection_commits_with_it(engine, orders,
     assert sum(engine.heads(orders).values()) == 1
 
 
-def test_plain_sql_can_append(engine, orders, sql):
+def test_plain_sql_can_append(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     row = sql.execute(
         "SELECT partition, position, key_version, duplicate FROM subengine.append("
         "'orders', 'order-9', 'Placed', '{\"total\": 3}')"
@@ -177,13 +201,15 @@ def test_plain_sql_can_append(engine, orders, sql):
     assert (event.key, event.type, event.data) == ("order-9", "Placed", {"total": 3})
 
 
-def test_one_notification_per_partition_touched(engine, orders, dsn):
+def test_one_notification_per_partition_touched(
+    engine: subengine.Engine, orders: str, dsn: str
+) -> None:
     keys = [f"k{n}" for n in range(30)]
     with psycopg.connect(dsn, autocommit=True) as listener:
         listener.execute('LISTEN "subengine"')
         stored = engine.append(orders, events(*keys))
         received = [json.loads(n.payload) for n in listener.notifies(timeout=1.0, stop_after=10)]
-    heads = {}
+    heads: dict[int, int] = {}
     for appended in stored:
         heads[appended.partition] = max(heads.get(appended.partition, 0), appended.position)
     assert sorted(received, key=lambda n: n["partition"]) == [
@@ -191,11 +217,11 @@ def test_one_notification_per_partition_touched(engine, orders, dsn):
     ]
 
 
-def test_appending_nothing_is_a_no_op(engine, orders):
+def test_appending_nothing_is_a_no_op(engine: subengine.Engine, orders: str) -> None:
     assert engine.append(orders, []) == []
 
 
-def test_two_schemas_share_a_database(dsn):
+def test_two_schemas_share_a_database(dsn: str) -> None:
     with subengine.Engine(dsn, schema="second") as other:
         other.migrate()
         other.create_stream("orders", partitions=2)
@@ -205,7 +231,9 @@ def test_two_schemas_share_a_database(dsn):
         assert default.streams() == []
 
 
-def test_a_retry_mixing_stored_and_new_events_stays_dense(engine, orders, dsn):
+def test_a_retry_mixing_stored_and_new_events_stays_dense(
+    engine: subengine.Engine, orders: str, dsn: str
+) -> None:
     first = [NewEvent(f"k{n}", "First", {}, id=uuid.uuid4()) for n in range(6)]
     engine.append(orders, first)
     states_before = {s.partition: s for s in engine.partitions(orders)}
@@ -230,7 +258,9 @@ def test_a_retry_mixing_stored_and_new_events_stays_dense(engine, orders, dsn):
             assert (state.head, state.head_time) == (before.head, before.head_time)
 
 
-def test_an_append_of_only_stored_events_changes_nothing(engine, orders, sql):
+def test_an_append_of_only_stored_events_changes_nothing(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     first = [NewEvent(f"k{n}", "First", {}, id=uuid.uuid4()) for n in range(5)]
     engine.append(orders, first)
     before = engine.partitions(orders)
@@ -239,7 +269,9 @@ def test_an_append_of_only_stored_events_changes_nothing(engine, orders, sql):
     assert engine.partitions(orders) == before
 
 
-def test_an_id_names_one_event(engine, orders, sql):
+def test_an_id_names_one_event(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     event_id = uuid.uuid4()
     engine.append(orders, [NewEvent("order-1", "Placed", {}, id=event_id)])
     before = sql.execute("SELECT count(*), max(position) FROM subengine.events").fetchone()
@@ -258,7 +290,9 @@ def test_an_id_names_one_event(engine, orders, sql):
     assert sql.execute("SELECT count(*), max(position) FROM subengine.events").fetchone() == before
 
 
-def test_a_duplicate_retry_in_a_stream_of_many_partitions_stays_fast_and_dense(engine, sql):
+def test_a_duplicate_retry_in_a_stream_of_many_partitions_stays_fast_and_dense(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # the retry path counts events per partition in one query, not once per partition
     engine.create_stream("wide", partitions=4096)
     first = [NewEvent(f"k{n}", "T", {}, id=uuid.uuid4()) for n in range(2000)]

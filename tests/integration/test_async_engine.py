@@ -57,7 +57,12 @@ def async_engine(dsn: str, runner: asyncio.Runner) -> Iterator[subengine.AsyncEn
 
 
 @pytest.fixture(params=["Engine", "AsyncEngine"])
-def either(request, engine, async_engine, runner) -> Any:
+def either(
+    request: pytest.FixtureRequest,
+    engine: subengine.Engine,
+    async_engine: subengine.AsyncEngine,
+    runner: asyncio.Runner,
+) -> Any:
     """The sync engine, or the async one behind a sync facade: the same contract."""
     return engine if request.param == "Engine" else Synced(async_engine, runner)
 
@@ -65,7 +70,7 @@ def either(request, engine, async_engine, runner) -> Any:
 # the contract: both engines
 
 
-def test_appends_are_dense_and_read_back_in_order(either, orders):
+def test_appends_are_dense_and_read_back_in_order(either: Any, orders: str) -> None:
     stored = either.append(orders, events("a", "a", "b"))
     assert [s.key_version for s in stored] == [1, 2, 1]
     for partition in {s.partition for s in stored}:
@@ -73,14 +78,14 @@ def test_appends_are_dense_and_read_back_in_order(either, orders):
         assert [e.position for e in read] == list(range(1, len(read) + 1))
 
 
-def test_create_stream_twice_raises_stream_exists(either):
+def test_create_stream_twice_raises_stream_exists(either: Any) -> None:
     either.create_stream("letters", 3)
     with pytest.raises(subengine.StreamExists) as raised:
         either.create_stream("letters", 5)
     assert raised.value.partitions == 3
 
 
-def test_a_missing_stream_raises_stream_not_found(either):
+def test_a_missing_stream_raises_stream_not_found(either: Any) -> None:
     with pytest.raises(subengine.StreamNotFound):
         either.stream("nowhere")
     with pytest.raises(subengine.StreamNotFound):
@@ -91,12 +96,16 @@ def test_a_missing_stream_raises_stream_not_found(either):
         either.append("nowhere", events("k"))
 
 
-def test_a_partition_outside_the_stream_raises_partition_not_found(either, orders):
+def test_a_partition_outside_the_stream_raises_partition_not_found(
+    either: Any, orders: str
+) -> None:
     with pytest.raises(subengine.PartitionNotFound):
         either.read(orders, 4)
 
 
-def test_a_wrong_expected_version_raises_and_writes_nothing(either, orders, sql):
+def test_a_wrong_expected_version_raises_and_writes_nothing(
+    either: Any, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     either.append(orders, events("k"))
     before = snapshot(sql)
     with pytest.raises(subengine.WrongExpectedVersion) as raised:
@@ -105,7 +114,9 @@ def test_a_wrong_expected_version_raises_and_writes_nothing(either, orders, sql)
     assert snapshot(sql) == before
 
 
-def test_a_bad_event_raises_invalid_event_and_writes_nothing(either, orders, sql):
+def test_a_bad_event_raises_invalid_event_and_writes_nothing(
+    either: Any, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     before = snapshot(sql)
     with pytest.raises(subengine.InvalidEvent) as raised:
         either.append(orders, [NewEvent("k", "Ok", {}), NewEvent("k", "Bad", {1, 2})])
@@ -115,7 +126,7 @@ def test_a_bad_event_raises_invalid_event_and_writes_nothing(either, orders, sql
     assert snapshot(sql) == before
 
 
-def test_an_id_appended_twice_is_stored_once(either, orders):
+def test_an_id_appended_twice_is_stored_once(either: Any, orders: str) -> None:
     event = NewEvent("k", "Once", {}, id=uuid.uuid4())
     first = either.append(orders, [event])
     again = either.append(orders, [event])
@@ -127,7 +138,12 @@ def test_an_id_appended_twice_is_stored_once(either, orders):
 # the async engine reads what the sync one reads
 
 
-def test_async_reads_equal_sync_reads(engine, async_engine, runner, orders):
+def test_async_reads_equal_sync_reads(
+    engine: subengine.Engine,
+    async_engine: subengine.AsyncEngine,
+    runner: asyncio.Runner,
+    orders: str,
+) -> None:
     engine.create_stream("other", 2)
     started = datetime.now(UTC) - timedelta(seconds=1)
     engine.append(orders, events(*(f"order-{n % 7}" for n in range(40))))
@@ -149,14 +165,17 @@ def test_async_reads_equal_sync_reads(engine, async_engine, runner, orders):
 
 
 def test_a_lost_pooled_connection_raises_database_unavailable_then_works(
-    async_engine, runner, orders, sql
-):
+    async_engine: subengine.AsyncEngine,
+    runner: asyncio.Runner,
+    orders: str,
+    sql: psycopg.Connection[Any],
+) -> None:
     async def hold_two() -> None:
         async with async_engine.connection(), async_engine.connection():
             pass
 
     runner.run(hold_two())
-    terminated = sql.execute(
+    terminated = sql.execute(  # type: ignore[index]
         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
         " WHERE datname = current_database() AND application_name = 'subengine'"
         " AND pid <> pg_backend_pid()"
@@ -169,13 +188,13 @@ def test_a_lost_pooled_connection_raises_database_unavailable_then_works(
     assert len(runner.run(async_engine.read(orders, stored[0].partition))) == 1
 
 
-def test_a_malformed_dsn_is_refused_without_quoting_its_password():
+def test_a_malformed_dsn_is_refused_without_quoting_its_password() -> None:
     with pytest.raises(subengine.ConfigurationError) as raised:
         subengine.AsyncEngine("host=localhost password='s3cret port=x")
     assert "s3cret" not in str(raised.value)
 
 
-def test_an_unknown_database_fails_at_once(dsn, runner):
+def test_an_unknown_database_fails_at_once(dsn: str, runner: asyncio.Runner) -> None:
     from psycopg.conninfo import make_conninfo
 
     wrong = make_conninfo(dsn, dbname="no_such_database")
@@ -189,7 +208,9 @@ def test_an_unknown_database_fails_at_once(dsn, runner):
         runner.run(asyncio.wait_for(attempt(), 15))
 
 
-def test_the_async_engine_uses_the_engines_schema_and_limits(dsn, runner, sql):
+def test_the_async_engine_uses_the_engines_schema_and_limits(
+    dsn: str, runner: asyncio.Runner, sql: psycopg.Connection[Any]
+) -> None:
     subengine.Engine(dsn, schema="second").migrate()
     settings = subengine.Settings(dsn=dsn, schema="second", max_event_bytes=100)
 
@@ -201,13 +222,15 @@ def test_the_async_engine_uses_the_engines_schema_and_limits(dsn, runner, sql):
             return await engine.streams()
 
     assert [s.name for s in runner.run(use())] == ["letters"]
-    assert sql.execute("SELECT count(*) FROM subengine.streams").fetchone()[0] == 0
+    assert sql.execute("SELECT count(*) FROM subengine.streams").fetchone()[0] == 0  # type: ignore[index]
 
 
 # append_async in the caller's transaction
 
 
-def test_append_async_in_a_transaction_that_rolls_back_leaves_nothing(orders, dsn, sql):
+def test_append_async_in_a_transaction_that_rolls_back_leaves_nothing(
+    orders: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     before = snapshot(sql)
 
     async def append_then_roll_back() -> list[subengine.Appended]:
@@ -220,10 +243,12 @@ def test_append_async_in_a_transaction_that_rolls_back_leaves_nothing(orders, ds
     stored = asyncio.run(append_then_roll_back())
     assert [s.position for s in stored] != []
     assert snapshot(sql) == before
-    assert sql.execute("SELECT to_regclass('app_state')").fetchone()[0] is None
+    assert sql.execute("SELECT to_regclass('app_state')").fetchone()[0] is None  # type: ignore[index]
 
 
-def test_append_async_commits_with_the_callers_transaction(engine, orders, dsn):
+def test_append_async_commits_with_the_callers_transaction(
+    engine: subengine.Engine, orders: str, dsn: str
+) -> None:
     async def append_and_commit() -> None:
         async with await psycopg.AsyncConnection.connect(dsn) as conn:
             async with conn.transaction():
@@ -244,8 +269,8 @@ def sa_async_engine(dsn: str) -> Iterator[Any]:
 
 
 def test_append_async_through_an_async_session_commits_and_rolls_back_with_it(
-    engine, orders, sa_async_engine, sql
-):
+    engine: subengine.Engine, orders: str, sa_async_engine: Any, sql: psycopg.Connection[Any]
+) -> None:
     sql.execute("CREATE TABLE app_state (n int)")
 
     async def in_session(commit: bool, n: int) -> None:
@@ -264,8 +289,8 @@ def test_append_async_through_an_async_session_commits_and_rolls_back_with_it(
 
 
 def test_append_async_on_a_fresh_sqlalchemy_async_connection_commits_with_it(
-    engine, orders, sa_async_engine
-):
+    engine: subengine.Engine, orders: str, sa_async_engine: Any
+) -> None:
     async def append(commit: bool) -> None:
         async with sa_async_engine.connect() as conn:
             assert not conn.in_transaction()  # no statement ran before the append
@@ -278,7 +303,9 @@ def test_append_async_on_a_fresh_sqlalchemy_async_connection_commits_with_it(
     assert sum(engine.heads(orders).values()) == 1
 
 
-def test_append_async_raises_what_append_raises(engine, orders, dsn, sql):
+def test_append_async_raises_what_append_raises(
+    engine: subengine.Engine, orders: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     engine.append(orders, events("k"))
     before = snapshot(sql)
 
@@ -299,7 +326,9 @@ def test_append_async_raises_what_append_raises(engine, orders, dsn, sql):
     assert snapshot(sql) == before
 
 
-def test_append_async_is_idempotent_by_event_id(engine, orders, dsn):
+def test_append_async_is_idempotent_by_event_id(
+    engine: subengine.Engine, orders: str, dsn: str
+) -> None:
     event = NewEvent("k", "Once", {}, id=uuid.uuid4())
 
     async def append() -> list[subengine.Appended]:
@@ -312,7 +341,9 @@ def test_append_async_is_idempotent_by_event_id(engine, orders, dsn):
     assert sum(engine.heads(orders).values()) == 1
 
 
-def test_append_async_refuses_what_would_commit_on_its_own_or_is_not_async(orders, dsn, sql):
+def test_append_async_refuses_what_would_commit_on_its_own_or_is_not_async(
+    orders: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     before = snapshot(sql)
 
     async def autocommit() -> None:
@@ -328,7 +359,9 @@ def test_append_async_refuses_what_would_commit_on_its_own_or_is_not_async(order
     assert snapshot(sql) == before
 
 
-def test_append_async_appends_to_the_schema_it_is_given(dsn, sql):
+def test_append_async_appends_to_the_schema_it_is_given(
+    dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     subengine.Engine(dsn, schema="second").migrate()
     with subengine.Engine(dsn, schema="second") as second:
         second.create_stream("letters", 1)
@@ -339,4 +372,4 @@ def test_append_async_appends_to_the_schema_it_is_given(dsn, sql):
             await conn.commit()
 
     asyncio.run(append())
-    assert sql.execute("SELECT count(*) FROM second.events").fetchone()[0] == 1
+    assert sql.execute("SELECT count(*) FROM second.events").fetchone()[0] == 1  # type: ignore[index]

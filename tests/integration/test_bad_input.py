@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import psycopg
 import pytest
@@ -25,7 +27,9 @@ HOSTILE_NAMES = [
 
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
-def test_invalid_stream_names_are_refused_everywhere(engine, stored, sql, name):
+def test_invalid_stream_names_are_refused_everywhere(
+    engine: subengine.Engine, stored: str, sql: psycopg.Connection[Any], name: Any
+) -> None:
     before = snapshot(sql)
     with pytest.raises(subengine.InvalidInput, match="invalid stream name"):
         engine.create_stream(name, partitions=2)
@@ -36,7 +40,9 @@ def test_invalid_stream_names_are_refused_everywhere(engine, stored, sql, name):
     assert snapshot(sql) == before
 
 
-def test_unknown_stream(engine, stored, sql):
+def test_unknown_stream(
+    engine: subengine.Engine, stored: str, sql: psycopg.Connection[Any]
+) -> None:
     before = snapshot(sql)
     for call in (
         lambda: engine.append("missing", [NewEvent("k", "T", {})]),
@@ -49,28 +55,32 @@ def test_unknown_stream(engine, stored, sql):
     assert snapshot(sql) == before
 
 
-def test_unknown_partition(engine, stored):
+def test_unknown_partition(engine: subengine.Engine, stored: str) -> None:
     for partition in (4, -1, 10**6):
         with pytest.raises(subengine.PartitionNotFound, match=r"partitions 0\.\.3"):
             engine.read(stored, partition)
 
 
 @pytest.mark.parametrize("partitions", [0, -1, 4097, True, "4", 2.5])
-def test_invalid_partition_counts(engine, sql, partitions):
+def test_invalid_partition_counts(
+    engine: subengine.Engine, sql: psycopg.Connection[Any], partitions: Any
+) -> None:
     before = snapshot(sql)
     with pytest.raises(subengine.InvalidInput, match="partition count"):
         engine.create_stream("new", partitions=partitions)
     assert snapshot(sql) == before
 
 
-def test_creating_an_existing_stream_is_an_error(engine, stored, sql):
+def test_creating_an_existing_stream_is_an_error(
+    engine: subengine.Engine, stored: str, sql: psycopg.Connection[Any]
+) -> None:
     before = snapshot(sql)
     with pytest.raises(subengine.StreamExists, match="exists already, with 4 partitions"):
         engine.create_stream(stored, partitions=8)
     assert snapshot(sql) == before
 
 
-DEEP: list = []
+DEEP: list[Any] = []
 for _ in range(100_000):
     DEEP = [DEEP]
 
@@ -79,14 +89,14 @@ BAD_EVENTS = [
     (NewEvent("k", "T", {"x": math.nan}), "data is not valid JSON"),
     (NewEvent("k", "T", object()), "data is not valid JSON"),
     (NewEvent("k", "T", {"x": "a\u0000b"}), "NUL"),
-    (NewEvent("k", "T", {}, metadata=[1]), "metadata must be a JSON object"),
+    (NewEvent("k", "T", {}, metadata=[1]), "metadata must be a JSON object"),  # type: ignore[arg-type]
     (NewEvent("", "T", {}), "invalid event key"),
     (NewEvent("k" * 10_000, "T", {}), "invalid event key"),
     (NewEvent("k\x00", "T", {}), "invalid event key"),
     (NewEvent("k", "", {}), "invalid event type"),
     (NewEvent("k", " T", {}), "invalid event type"),
     (NewEvent("k", "T" * 201, {}), "invalid event type"),
-    (NewEvent("k", "T", {}, id="not-a-uuid"), "id must be a UUID"),
+    (NewEvent("k", "T", {}, id="not-a-uuid"), "id must be a UUID"),  # type: ignore[arg-type]
     (NewEvent("k", "T", {}, occurred_at=datetime(2020, 1, 1)), "time zone"),
     ({"key": "k", "type": "T", "data": {}}, "not a NewEvent"),
     (NewEvent("k", "T", {"x": "\ud800"}), "data is not valid JSON"),
@@ -100,7 +110,9 @@ BAD_EVENTS = [
 
 
 @pytest.mark.parametrize(("bad", "message"), BAD_EVENTS)
-def test_a_bad_event_fails_the_whole_append(engine, stored, sql, bad, message):
+def test_a_bad_event_fails_the_whole_append(
+    engine: subengine.Engine, stored: str, sql: psycopg.Connection[Any], bad: Any, message: str
+) -> None:
     before = snapshot(sql)
     with pytest.raises(subengine.InvalidEvent, match=message) as caught:
         engine.append(stored, [NewEvent("good", "T", {}), bad])
@@ -109,7 +121,7 @@ def test_a_bad_event_fails_the_whole_append(engine, stored, sql, bad, message):
     assert snapshot(sql) == before
 
 
-def test_payload_over_the_limit(dsn, sql):
+def test_payload_over_the_limit(dsn: str, sql: psycopg.Connection[Any]) -> None:
     settings = subengine.Settings(dsn=dsn, max_event_bytes=1000)
     with subengine.Engine(settings=settings) as engine:
         engine.create_stream("orders", partitions=2)
@@ -130,7 +142,9 @@ def test_payload_over_the_limit(dsn, sql):
         ({"k": 1.5}, "whole number from 0"),
     ],
 )
-def test_invalid_expected_versions(engine, stored, sql, expected, message):
+def test_invalid_expected_versions(
+    engine: subengine.Engine, stored: str, sql: psycopg.Connection[Any], expected: Any, message: str
+) -> None:
     before = snapshot(sql)
     with pytest.raises(subengine.InvalidInput, match=message):
         engine.append(stored, [NewEvent("k", "T", {})], expected_version=expected)
@@ -138,19 +152,23 @@ def test_invalid_expected_versions(engine, stored, sql, expected, message):
 
 
 @pytest.mark.parametrize("limit", [0, -5, True, 10**20])
-def test_invalid_read_limits(engine, stored, limit):
+def test_invalid_read_limits(engine: subengine.Engine, stored: str, limit: Any) -> None:
     with pytest.raises(subengine.InvalidInput, match="limit"):
         engine.read(stored, 0, limit=limit)
 
 
-def test_an_escaped_backslash_before_u0000_is_not_a_nul(engine, stored):
+def test_an_escaped_backslash_before_u0000_is_not_a_nul(
+    engine: subengine.Engine, stored: str
+) -> None:
     text = "C:\\u0000dir"  # a backslash, then the letters u0000
     [appended] = engine.append(stored, [NewEvent("k", "T", {"path": text})])
     [event] = engine.read(stored, appended.partition, after=appended.position - 1)
     assert event.data == {"path": text}
 
 
-def test_an_autocommit_connection_is_refused_outside_a_transaction(engine, stored, dsn, sql):
+def test_an_autocommit_connection_is_refused_outside_a_transaction(
+    engine: subengine.Engine, stored: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     before = snapshot(sql)
     with psycopg.connect(dsn, autocommit=True) as conn:
         with pytest.raises(subengine.InvalidInput, match="autocommit"):
@@ -181,7 +199,12 @@ def test_an_autocommit_connection_is_refused_outside_a_transaction(engine, store
         ),
     ],
 )
-def test_plain_sql_bad_input_is_refused(stored, sql, call, message):
+def test_plain_sql_bad_input_is_refused(
+    stored: str,
+    sql: psycopg.Connection[Any],
+    call: Callable[[psycopg.Connection[Any]], object],
+    message: str,
+) -> None:
     before = snapshot(sql)
     with pytest.raises(psycopg.Error, match=message):
         sql.execute(f"SELECT * FROM subengine.{call}")  # noqa: S608 (constant test SQL)

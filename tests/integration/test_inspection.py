@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import psycopg
 import pytest
@@ -13,7 +14,9 @@ from subengine import NewEvent
 from subengine._worker import lock_key
 
 
-def status(sql, subscription="billing"):
+def status(
+    sql: psycopg.Connection[Any], subscription: str = "billing"
+) -> dict[int, tuple[Any, ...]]:
     rows = sql.execute(
         "SELECT partition, position, head, lag, state, attempts, worker_id"
         " FROM subengine.subscription_status WHERE subscription = %s ORDER BY partition",
@@ -23,12 +26,16 @@ def status(sql, subscription="billing"):
 
 
 @pytest.mark.parametrize("name", ["billing", "a", "x.y-z_9"])
-def test_the_lock_key_is_the_same_in_python_and_sql(sql, name):
+def test_the_lock_key_is_the_same_in_python_and_sql(
+    sql: psycopg.Connection[Any], name: str
+) -> None:
     [(cls,)] = sql.execute("SELECT subengine.lock_class(%s)", (name,)).fetchall()
     assert lock_key("subengine", name, 5) == cls << 32 | 5
 
 
-def test_subscription_status_shows_positions_lag_states_and_holders(fast_engine, sql):
+def test_subscription_status_shows_positions_lag_states_and_holders(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     fast_engine.create_stream("single", partitions=3)
     keys = {
         p: next(f"k{i}" for i in range(99) if subengine.partition_for(f"k{i}", 3) == p)
@@ -41,7 +48,7 @@ def test_subscription_status_shows_positions_lag_states_and_holders(fast_engine,
     inside, release = threading.Event(), threading.Event()
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         if event.type == "Poison":
             raise ValueError("poison")
         if event.type == "Slow":
@@ -62,7 +69,7 @@ def test_subscription_status_shows_positions_lag_states_and_holders(fast_engine,
         rows = status(sql)
         assert rows[2] == (0, 1, 1, "ok", 0, worker_id)
         assert rows[1][3:5] == ("retrying", rows[1][4]) and rows[1][4] >= 1
-        last_error = sql.execute(
+        last_error = sql.execute(  # type: ignore[index]
             "SELECT last_error FROM subengine.subscription_status WHERE partition = 1"
         ).fetchone()[0]
         assert last_error == "ValueError: poison"
@@ -81,7 +88,9 @@ def test_subscription_status_shows_positions_lag_states_and_holders(fast_engine,
     assert lag == (1, True, True)
 
 
-def test_stream_status_counts_events(engine, orders, sql):
+def test_stream_status_counts_events(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
     stored = engine.append(orders, [NewEvent(f"k{n}", "T", {}) for n in range(30)])
     rows = sql.execute(
         "SELECT partition, head, floor, events FROM subengine.stream_status"
@@ -91,7 +100,9 @@ def test_stream_status_counts_events(engine, orders, sql):
     assert rows == [(p, per_partition[p], 1, per_partition[p]) for p in range(4)]
 
 
-def test_an_operator_role_with_select_only_reads_the_views(engine, orders, sql, dsn):
+def test_an_operator_role_with_select_only_reads_the_views(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any], dsn: str
+) -> None:
     engine.append(orders, [NewEvent("k", "T", {})])
     engine.ensure_subscription(subengine.App().subscription("billing", stream=orders))
     role = f"operator_{sql.info.dbname}"

@@ -8,6 +8,8 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -25,12 +27,13 @@ from helpers import (
 
 import subengine
 from subengine import NewEvent, _metrics
+from subengine._declarations import OnError
 from subengine._logging import JsonFormatter
 from subengine._metrics import Progress
 
 
 @pytest.fixture
-def metered_engine(dsn, sql):
+def metered_engine(dsn: str, sql: psycopg.Connection[Any]) -> Iterator[subengine.Engine]:
     """Fast polls, retries and progress readings; a 4-partition stream 'orders'."""
     sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
     settings = subengine.Settings(
@@ -46,19 +49,23 @@ def metered_engine(dsn, sql):
         yield engine
 
 
-def first_of_a_partition(stored):
+def first_of_a_partition(stored: list[subengine.Appended]) -> subengine.Appended:
     """An event at position 1, so the first batch of its partition fails."""
     return next(a for a in stored if a.position == 1)
 
 
-def failed_batches(stored, poison, attempts):
+def failed_batches(
+    stored: list[subengine.Appended], poison: subengine.Appended, attempts: int
+) -> int:
     """The first batch holding the poison fails; if it held more events, it is split
     and the poison fails alone `attempts` times, else that batch was the first attempt."""
     alone = sum(1 for a in stored if a.partition == poison.partition) == 1
     return attempts if alone else attempts + 1
 
 
-def poisoned_app(poison, on_error, max_attempts=3, batch_size=7):
+def poisoned_app(
+    poison: subengine.Appended, on_error: OnError, max_attempts: int = 3, batch_size: int = 7
+) -> subengine.App:
     app = subengine.App()
     sub = app.subscription(
         "billing",
@@ -69,7 +76,7 @@ def poisoned_app(poison, on_error, max_attempts=3, batch_size=7):
     )
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         if event.id == poison.id:
             raise ValueError("cannot handle this one")
         record(event, conn)
@@ -81,8 +88,8 @@ def poisoned_app(poison, on_error, max_attempts=3, batch_size=7):
 
 
 def test_the_counters_equal_the_events_handled_and_the_lag_gauges_head_minus_position(
-    metered_engine, sql
-):
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
     poison = first_of_a_partition(stored)  # its partition stops there and keeps a lag
     port = free_port()
@@ -109,7 +116,7 @@ def test_the_counters_equal_the_events_handled_and_the_lag_gauges_head_minus_pos
     assert batches == value(
         samples, "subengine_batch_duration_seconds_count", subscription="billing"
     )
-    assert batches > 0
+    assert batches > 0  # type: ignore[operator]
     [row] = [
         p
         for p in metered_engine.subscription_positions("billing")
@@ -122,7 +129,9 @@ def test_the_counters_equal_the_events_handled_and_the_lag_gauges_head_minus_pos
     assert value(samples, "subengine_dead_letters_total", subscription="billing") == 0
 
 
-def test_a_dead_lettered_event_is_counted(metered_engine, sql):
+def test_a_dead_lettered_event_is_counted(
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(12)])
     poison = first_of_a_partition(stored)
     port = free_port()
@@ -144,7 +153,9 @@ def test_a_dead_lettered_event_is_counted(metered_engine, sql):
     assert value(samples, "subengine_events_processed_total", subscription="billing") == 11
 
 
-def test_notifications_wake_ups_and_looks_for_work_are_counted(metered_engine, sql):
+def test_notifications_wake_ups_and_looks_for_work_are_counted(
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(record)
     port = free_port()
@@ -153,17 +164,19 @@ def test_notifications_wake_ups_and_looks_for_work_are_counted(metered_engine, s
         metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
         wait_for(lambda: count(sql) == 5)
         wait_for(
-            lambda: value(scrape(port), "subengine_wakeups_total", cause="timer") >= 1,
+            lambda: value(scrape(port), "subengine_wakeups_total", cause="timer") >= 1,  # type: ignore[operator]
             what="a poll timer to expire",
         )
         samples = scrape(port)
-    assert value(samples, "subengine_notifications_received_total") >= 1
-    assert value(samples, "subengine_looks_for_work_total", found_work="true") >= 1
-    assert value(samples, "subengine_looks_for_work_total", found_work="false") >= 1
-    assert value(samples, "subengine_wakeups_total", cause="notification") >= 1
+    assert value(samples, "subengine_notifications_received_total") >= 1  # type: ignore[operator]
+    assert value(samples, "subengine_looks_for_work_total", found_work="true") >= 1  # type: ignore[operator]
+    assert value(samples, "subengine_looks_for_work_total", found_work="false") >= 1  # type: ignore[operator]
+    assert value(samples, "subengine_wakeups_total", cause="notification") >= 1  # type: ignore[operator]
 
 
-def test_two_workers_in_one_process_keep_their_own_counts(metered_engine, sql):
+def test_two_workers_in_one_process_keep_their_own_counts(
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(8)])
     first, second = subengine.App(), subengine.App()
     first.subscription("billing", stream="orders").handler()(record)
@@ -175,7 +188,7 @@ def test_two_workers_in_one_process_keep_their_own_counts(metered_engine, sql):
     ):
         for port, name in zip(ports, ("billing", "audit"), strict=True):
             wait_for(
-                lambda p=port, n=name: (
+                lambda p=port, n=name: (  # type: ignore[misc]
                     value(scrape(p), "subengine_events_processed_total", subscription=n) == 8
                 ),
                 what=f"{name}'s count",
@@ -187,8 +200,8 @@ def test_two_workers_in_one_process_keep_their_own_counts(metered_engine, sql):
 
 
 def test_a_metrics_port_in_use_is_a_clear_error_and_leaves_no_worker_registered(
-    metered_engine, sql
-):
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(record)
     with socket.socket() as taken:
@@ -199,7 +212,9 @@ def test_a_metrics_port_in_use_is_a_clear_error_and_leaves_no_worker_registered(
     assert count(sql, "subengine.workers") == 0
 
 
-def test_metrics_are_served_on_the_address_asked_for(metered_engine, sql):
+def test_metrics_are_served_on_the_address_asked_for(
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(record)
     port = free_port()
@@ -214,18 +229,18 @@ def test_metrics_are_served_on_the_address_asked_for(metered_engine, sql):
 
 
 @pytest.fixture
-def lag_reads(monkeypatch):
+def lag_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts of the worker's lag readings, of the readings it skipped, and of those it
     skipped since its last reading (one or more: that reading found nothing behind)."""
     counts = {"read": 0, "skipped": 0, "skipped since a read": 0}
     read_lag, skip = _metrics.read_lag, Progress.skip
 
-    def counting_read(*args):
+    def counting_read(*args: Any) -> Any:
         counts["read"] += 1
         counts["skipped since a read"] = 0
         return read_lag(*args)
 
-    def counting_skip(self, now):
+    def counting_skip(self: Progress, now: float) -> None:
         counts["skipped"] += 1
         counts["skipped since a read"] += 1
         skip(self, now)
@@ -236,8 +251,8 @@ def lag_reads(monkeypatch):
 
 
 def test_an_idle_worker_without_metrics_reads_the_lag_once_until_it_has_work(
-    metered_engine, sql, lag_reads
-):
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any], lag_reads: dict[str, int]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(record)
     with Running(app, metered_engine):
@@ -257,7 +272,9 @@ def test_an_idle_worker_without_metrics_reads_the_lag_once_until_it_has_work(
         assert lag_reads["read"] == reads  # idle again: no more readings
 
 
-def test_a_worker_serving_metrics_reads_the_lag_every_interval(metered_engine, lag_reads):
+def test_a_worker_serving_metrics_reads_the_lag_every_interval(
+    metered_engine: subengine.Engine, lag_reads: dict[str, int]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(record)
     with Running(app, metered_engine, metrics_port=free_port()):
@@ -269,7 +286,7 @@ def test_a_worker_serving_metrics_reads_the_lag_every_interval(metered_engine, l
 
 
 @pytest.fixture
-def json_log():
+def json_log() -> Iterator[Callable[[], list[Any]]]:
     """The `subengine` loggers' records at DEBUG and above, formatted as JSON lines."""
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -283,7 +300,11 @@ def json_log():
     logger.setLevel(level)
 
 
-def test_json_log_lines_carry_the_structured_fields(metered_engine, sql, json_log):
+def test_json_log_lines_carry_the_structured_fields(
+    metered_engine: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    json_log: Callable[[], list[Any]],
+) -> None:
     stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(12)])
     poison = first_of_a_partition(stored)
     with Running(poisoned_app(poison, "dead_letter", max_attempts=2), metered_engine):
@@ -307,17 +328,19 @@ def test_json_log_lines_carry_the_structured_fields(metered_engine, sql, json_lo
         assert line["subscription"] == "billing" and 0 <= line["partition"] < 4
 
 
-def test_progress_lines_report_a_backlog_until_it_is_caught_up(dsn, sql, json_log):
+def test_progress_lines_report_a_backlog_until_it_is_caught_up(
+    dsn: str, sql: psycopg.Connection[Any], json_log: Callable[[], list[Any]]
+) -> None:
     settings = subengine.Settings(dsn=dsn, poll_interval=0.2, progress_interval=0.1)
     with subengine.Engine(settings=settings) as engine:
         engine.create_stream("orders", partitions=2)
         engine.append("orders", [NewEvent(f"k{n % 8}", "T", {}) for n in range(300)])
         app = subengine.App()
         app.subscription("billing", stream="orders", batch_size=10).handler()(
-            lambda event, conn: conn.execute("SELECT pg_sleep(0.002)")
+            lambda event, conn: conn.execute("SELECT pg_sleep(0.002)")  # type: ignore[union-attr]
         )
 
-        def progress():
+        def progress() -> list[Any]:
             return [line for line in json_log() if "remaining" in line]
 
         with Running(app, engine):
@@ -341,7 +364,9 @@ def test_progress_lines_report_a_backlog_until_it_is_caught_up(dsn, sql, json_lo
 # the command
 
 
-def test_summing_the_lag_gauges_over_workers_counts_each_partition_once(metered_engine, sql):
+def test_summing_the_lag_gauges_over_workers_counts_each_partition_once(
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # the usual aggregation, sum by (subscription) over every worker's scrape, must give
     # the subscription's lag, however many workers run it
     stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
@@ -369,7 +394,9 @@ def test_summing_the_lag_gauges_over_workers_counts_each_partition_once(metered_
         assert sum(sum(lag_gauges(scrape(port)).values()) for port in ports) == behind
 
 
-def test_the_lag_is_exported_when_a_worker_of_lower_id_serves_no_metrics(metered_engine, sql, dsn):
+def test_the_lag_is_exported_when_a_worker_of_lower_id_serves_no_metrics(
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any], dsn: str
+) -> None:
     stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
     poison = first_of_a_partition(stored)
     app = poisoned_app(poison, "stop")

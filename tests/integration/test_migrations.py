@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 import pytest
 from helpers import Running, tables, wait_for
@@ -10,14 +12,14 @@ import subengine
 from subengine import _migrate
 
 
-def test_upgrade_from_empty_creates_the_data_model(blank_dsn):
+def test_upgrade_from_empty_creates_the_data_model(blank_dsn: str) -> None:
     with subengine.Engine(blank_dsn) as engine:
         assert engine.schema_revision() is None
         engine.migrate()
         assert engine.schema_revision() == _migrate.head_revision()
     assert {"streams", "partitions", "events", "subengine_alembic_version"} <= tables(blank_dsn)
     with psycopg.connect(blank_dsn) as conn:
-        types = dict(
+        types: dict[str, str] = dict(
             conn.execute(
                 "SELECT table_name || '.' || column_name, data_type FROM information_schema.columns"
                 " WHERE table_schema = 'subengine'"
@@ -32,7 +34,7 @@ def test_upgrade_from_empty_creates_the_data_model(blank_dsn):
     assert types["partitions.head_time"] == "timestamp with time zone"
 
 
-def test_upgrade_twice_changes_nothing(blank_dsn):
+def test_upgrade_twice_changes_nothing(blank_dsn: str) -> None:
     with subengine.Engine(blank_dsn) as engine:
         engine.migrate()
         engine.create_stream("orders", partitions=2)
@@ -44,7 +46,7 @@ def test_upgrade_twice_changes_nothing(blank_dsn):
         }
 
 
-def test_a_schema_that_was_never_migrated_says_what_to_do(blank_dsn):
+def test_a_schema_that_was_never_migrated_says_what_to_do(blank_dsn: str) -> None:
     with subengine.Engine(blank_dsn) as engine:
         for call in (
             lambda: engine.append("orders", [subengine.NewEvent("k", "T", {})]),
@@ -56,7 +58,7 @@ def test_a_schema_that_was_never_migrated_says_what_to_do(blank_dsn):
                 call()
 
 
-def test_printed_sql_builds_a_working_schema(blank_dsn):
+def test_printed_sql_builds_a_working_schema(blank_dsn: str) -> None:
     ddl = _migrate.upgrade_sql("subengine")
     with psycopg.connect(blank_dsn, autocommit=True) as conn:
         conn.execute(ddl)  # as a DBA would run it with psql
@@ -67,7 +69,7 @@ def test_printed_sql_builds_a_working_schema(blank_dsn):
         engine.migrate()  # recognises the revision the SQL recorded
 
 
-def migrate_as_before(dsn, revision):
+def migrate_as_before(dsn: str, revision: str) -> None:
     """Migrate to `revision` keeping the version in alembic_version, as subengine did
     before it had a version table of its own."""
     from alembic import command
@@ -87,7 +89,9 @@ def migrate_as_before(dsn, revision):
 
 
 @pytest.mark.parametrize("revision", ["0002", "head"])
-def test_an_older_installation_moves_to_subengines_version_table(blank_dsn, revision):
+def test_an_older_installation_moves_to_subengines_version_table(
+    blank_dsn: str, revision: str
+) -> None:
     migrate_as_before(blank_dsn, revision)
     with subengine.Engine(blank_dsn) as engine:
         engine.create_stream("orders", partitions=2)
@@ -108,7 +112,7 @@ def test_an_older_installation_moves_to_subengines_version_table(blank_dsn, revi
         )
 
 
-def test_a_dead_letter_from_before_0004_does_not_block_its_replay(blank_dsn):
+def test_a_dead_letter_from_before_0004_does_not_block_its_replay(blank_dsn: str) -> None:
     # An event dead-lettered, then a reset, then the upgrade: the replay fails on the
     # event again and must record a dead letter of its own.
     migrate_as_before(blank_dsn, "0003")
@@ -116,7 +120,7 @@ def test_a_dead_letter_from_before_0004_does_not_block_its_replay(blank_dsn):
     sub = app.subscription("billing", stream="single", on_error="dead_letter", max_attempts=1)
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         if event.position == 2:
             raise ValueError("poison")
 

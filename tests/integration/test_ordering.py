@@ -10,6 +10,7 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import psycopg
 from helpers import key_in
@@ -34,7 +35,9 @@ def wait_until_blocked(sql: psycopg.Connection, application_name: str) -> None:
     raise AssertionError(f"{application_name} never waited for a lock")
 
 
-def test_open_append_holds_back_later_appends_to_its_partition_only(engine, orders, dsn, sql):
+def test_open_append_holds_back_later_appends_to_its_partition_only(
+    engine: subengine.Engine, orders: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     first_key = key_in(1)
     second_key = key_in(1, avoid={first_key})
     other_key = key_in(2)
@@ -64,7 +67,9 @@ def test_open_append_holds_back_later_appends_to_its_partition_only(engine, orde
     assert [(e.position, e.type) for e in engine.read(orders, 1)] == [(1, "First"), (2, "Second")]
 
 
-def test_rolled_back_append_leaves_no_hole(engine, orders, dsn, sql):
+def test_rolled_back_append_leaves_no_hole(
+    engine: subengine.Engine, orders: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     key = key_in(3)
     with psycopg.connect(dsn) as conn:
         subengine.append(conn, orders, [NewEvent(key, "Lost", {})])
@@ -73,7 +78,9 @@ def test_rolled_back_append_leaves_no_hole(engine, orders, dsn, sql):
     assert [(e.position, e.key_version, e.type) for e in engine.read(orders, 3)] == [(1, 1, "Kept")]
 
 
-def test_append_waiting_on_a_rolled_back_one_takes_its_position(engine, orders, dsn, sql):
+def test_append_waiting_on_a_rolled_back_one_takes_its_position(
+    engine: subengine.Engine, orders: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     key = key_in(0)
     holder = psycopg.connect(dsn)
     try:
@@ -91,10 +98,12 @@ def test_append_waiting_on_a_rolled_back_one_takes_its_position(engine, orders, 
     finally:
         holder.close()
     assert (kept.position, kept.key_version) == (1, 1)
-    assert sql.execute("SELECT max(position) FROM subengine.events").fetchone()[0] == 1
+    assert sql.execute("SELECT max(position) FROM subengine.events").fetchone()[0] == 1  # type: ignore[index]
 
 
-def test_concurrent_appends_are_dense_ordered_and_never_skipped_by_a_tailing_reader(dsn):
+def test_concurrent_appends_are_dense_ordered_and_never_skipped_by_a_tailing_reader(
+    dsn: str,
+) -> None:
     threads, appends_per_thread = 8, 1000
     keys = [f"order-{n}" for n in range(40)]
     with subengine.Engine(dsn, settings=subengine.Settings(dsn=dsn, pool_max_size=12)) as engine:
@@ -147,7 +156,9 @@ def test_concurrent_appends_are_dense_ordered_and_never_skipped_by_a_tailing_rea
         assert all(ns == sorted(ns) for ns in per_writer.values())
 
 
-def test_multi_partition_appends_in_opposite_orders_do_not_deadlock(engine, orders):
+def test_multi_partition_appends_in_opposite_orders_do_not_deadlock(
+    engine: subengine.Engine, orders: str
+) -> None:
     keys = [key_in(p) for p in range(PARTITIONS)]
 
     def produce(order: list[str]) -> None:
@@ -166,14 +177,20 @@ def test_multi_partition_appends_in_opposite_orders_do_not_deadlock(engine, orde
     assert engine.heads(orders) == dict.fromkeys(range(PARTITIONS), 400)
 
 
-def _append_while_held(dsn, sql, holder_events, waiter_events, waiter_expected=None):
+def _append_while_held(
+    dsn: str,
+    sql: psycopg.Connection[Any],
+    holder_events: list[NewEvent],
+    waiter_events: list[NewEvent],
+    waiter_expected: Any = None,
+) -> tuple[BaseException | None, Any]:
     """Append `holder_events` in an open transaction, start `waiter_events` in another
     (which must wait for the first), commit the first and return the waiter's outcome."""
     holder = psycopg.connect(dsn)
     try:
         subengine.append(holder, "orders", holder_events)
 
-        def waiter():
+        def waiter() -> list[subengine.Appended]:
             with psycopg.connect(dsn, application_name="waiter") as conn:
                 return subengine.append(conn, "orders", waiter_events, waiter_expected)
 
@@ -187,7 +204,9 @@ def _append_while_held(dsn, sql, holder_events, waiter_events, waiter_expected=N
         holder.close()
 
 
-def test_two_writers_expecting_the_same_version_one_wins(engine, orders, dsn, sql):
+def test_two_writers_expecting_the_same_version_one_wins(
+    engine: subengine.Engine, orders: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     error, _ = _append_while_held(
         dsn,
         sql,
@@ -200,7 +219,9 @@ def test_two_writers_expecting_the_same_version_one_wins(engine, orders, dsn, sq
     assert engine.heads(orders)[subengine.partition_for("order-1", PARTITIONS)] == 1
 
 
-def test_concurrent_retries_of_one_append_store_it_once(engine, orders, dsn, sql):
+def test_concurrent_retries_of_one_append_store_it_once(
+    engine: subengine.Engine, orders: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     event = NewEvent("order-1", "Placed", {}, id=uuid.uuid4())
     error, result = _append_while_held(dsn, sql, [event], [event])
     assert error is None
@@ -208,14 +229,16 @@ def test_concurrent_retries_of_one_append_store_it_once(engine, orders, dsn, sql
     assert engine.heads(orders)[subengine.partition_for("order-1", PARTITIONS)] == 1
 
 
-def test_one_id_appended_at_once_under_two_keys_fails_clearly(engine, orders, dsn, sql):
+def test_one_id_appended_at_once_under_two_keys_fails_clearly(
+    engine: subengine.Engine, orders: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     event_id = uuid.uuid4()
     first_key, other_key = key_in(0), key_in(1)
     holder = psycopg.connect(dsn)
     try:
         subengine.append(holder, orders, [NewEvent(first_key, "Placed", {}, id=event_id)])
 
-        def other():
+        def other() -> None:
             with psycopg.connect(dsn, application_name="other-key") as conn:
                 subengine.append(conn, orders, [NewEvent(other_key, "Placed", {}, id=event_id)])
 

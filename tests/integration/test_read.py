@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -10,7 +10,9 @@ import subengine
 from subengine import NewEvent
 
 
-def test_read_returns_events_after_a_position_in_order_up_to_the_limit(engine, orders):
+def test_read_returns_events_after_a_position_in_order_up_to_the_limit(
+    engine: subengine.Engine, orders: str
+) -> None:
     engine.append(orders, [NewEvent("k", "T", {"n": n}) for n in range(10)])
     partition = subengine.partition_for("k", 4)
     page = engine.read(orders, partition, after=3, limit=4)
@@ -19,7 +21,7 @@ def test_read_returns_events_after_a_position_in_order_up_to_the_limit(engine, o
     assert engine.read(orders, partition, after=10) == []
 
 
-def test_events_carry_every_field(engine, orders):
+def test_events_carry_every_field(engine: subengine.Engine, orders: str) -> None:
     [stored] = engine.append(orders, [NewEvent("k", "Placed", {"a": 1}, metadata={"m": 2})])
     [event] = engine.read(orders, stored.partition)
     assert (event.id, event.stream, event.partition, event.position) == (
@@ -35,12 +37,14 @@ def test_events_carry_every_field(engine, orders):
         event.position = 5  # type: ignore[misc]
 
 
-def server_now(engine):
+def server_now(engine: subengine.Engine) -> datetime:
     with engine.connection() as conn:
-        return conn.execute("SELECT clock_timestamp()").fetchone()[0]
+        return conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[no-any-return, index]
 
 
-def test_read_since_spans_partitions_in_recorded_order(engine, orders):
+def test_read_since_spans_partitions_in_recorded_order(
+    engine: subengine.Engine, orders: str
+) -> None:
     engine.append(orders, [NewEvent(f"early-{n}", "T", {}) for n in range(5)])
     middle = server_now(engine)
     later = engine.append(orders, [NewEvent(f"late-{n}", "T", {}) for n in range(6)])
@@ -57,7 +61,7 @@ def test_read_since_spans_partitions_in_recorded_order(engine, orders):
     assert engine.read_since(orders, server_now(engine) + timedelta(hours=1)) == []
 
 
-def test_heads_and_partitions(engine, orders):
+def test_heads_and_partitions(engine: subengine.Engine, orders: str) -> None:
     assert engine.heads(orders) == {0: 0, 1: 0, 2: 0, 3: 0}
     stored = engine.append(orders, [NewEvent("k", "T", {}), NewEvent("k", "T", {})])
     partition = stored[0].partition
@@ -70,7 +74,7 @@ def test_heads_and_partitions(engine, orders):
     assert all(s.head_time is None for s in states if s.partition != partition)
 
 
-def test_streams_are_listed_by_name(engine):
+def test_streams_are_listed_by_name(engine: subengine.Engine) -> None:
     engine.create_stream("zeta", partitions=1)
     engine.create_stream("alpha", partitions=3)
     assert [(s.name, s.partitions) for s in engine.streams()] == [("alpha", 3), ("zeta", 1)]

@@ -3,6 +3,8 @@ committed or rolled back together with the caller's other writes (a projection r
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 import pytest
 import sqlalchemy
@@ -13,7 +15,7 @@ from subengine import NewEvent
 
 
 @pytest.fixture
-def billing(engine, sql):
+def billing(engine: subengine.Engine, sql: psycopg.Connection[Any]) -> str:
     """Subscription 'billing' of a 2-partition stream 'orders', its positions at the heads
     (5 events), and a table `projection` holding one row."""
     engine.create_stream("orders", partitions=2)
@@ -25,17 +27,19 @@ def billing(engine, sql):
     return "billing"
 
 
-def state(sql):
+def state(sql: psycopg.Connection[Any]) -> tuple[Any, ...]:
     """(generation, sum of positions, rows in the projection)"""
-    generation, positions = sql.execute(
+    generation, positions = sql.execute(  # type: ignore[misc]
         "SELECT max(generation), sum(position) FROM subengine.subscription_positions"
         " WHERE subscription = 'billing'"
     ).fetchone()
-    rows = sql.execute("SELECT count(*) FROM projection").fetchone()[0]
+    rows = sql.execute("SELECT count(*) FROM projection").fetchone()[0]  # type: ignore[index]
     return generation, positions, rows
 
 
-def test_a_reset_commits_together_with_the_callers_writes(dsn, engine, billing, sql):
+def test_a_reset_commits_together_with_the_callers_writes(
+    dsn: str, engine: subengine.Engine, billing: str, sql: psycopg.Connection[Any]
+) -> None:
     assert state(sql) == (2, 5, 1)
     with psycopg.connect(dsn) as conn:
         conn.execute("TRUNCATE projection")
@@ -48,7 +52,9 @@ def test_a_reset_commits_together_with_the_callers_writes(dsn, engine, billing, 
     assert state(sql) == (3, 0, 0)
 
 
-def test_a_reset_rolls_back_with_the_callers_transaction(dsn, engine, billing, sql):
+def test_a_reset_rolls_back_with_the_callers_transaction(
+    dsn: str, engine: subengine.Engine, billing: str, sql: psycopg.Connection[Any]
+) -> None:
     with psycopg.connect(dsn) as conn:
         conn.execute("TRUNCATE projection")
         subengine.reset_subscription(conn, billing, "beginning", settings=engine.settings)
@@ -56,7 +62,9 @@ def test_a_reset_rolls_back_with_the_callers_transaction(dsn, engine, billing, s
     assert state(sql) == (2, 5, 1)
 
 
-def test_a_reset_joins_a_sqlalchemy_session(dsn, engine, billing, sql):
+def test_a_reset_joins_a_sqlalchemy_session(
+    dsn: str, engine: subengine.Engine, billing: str, sql: psycopg.Connection[Any]
+) -> None:
     sa_engine = sqlalchemy.create_engine(
         "postgresql+psycopg://", creator=lambda: psycopg.connect(dsn)
     )
@@ -71,8 +79,8 @@ def test_a_reset_joins_a_sqlalchemy_session(dsn, engine, billing, sql):
 
 
 def test_a_failed_reset_changes_nothing_and_leaves_the_transaction_usable(
-    dsn, engine, billing, sql
-):
+    dsn: str, engine: subengine.Engine, billing: str, sql: psycopg.Connection[Any]
+) -> None:
     with psycopg.connect(dsn) as conn:
         conn.execute("TRUNCATE projection")
         with pytest.raises(subengine.SubscriptionNotFound):
@@ -83,7 +91,9 @@ def test_a_failed_reset_changes_nothing_and_leaves_the_transaction_usable(
     assert state(sql) == (2, 5, 1)
 
 
-def test_an_autocommit_connection_without_a_transaction_is_refused(dsn, engine, billing, sql):
+def test_an_autocommit_connection_without_a_transaction_is_refused(
+    dsn: str, engine: subengine.Engine, billing: str, sql: psycopg.Connection[Any]
+) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         with pytest.raises(subengine.InvalidInput, match="the reset would commit on its own"):
             subengine.reset_subscription(conn, billing, "beginning")
@@ -92,7 +102,7 @@ def test_an_autocommit_connection_without_a_transaction_is_refused(dsn, engine, 
     assert state(sql) == (3, 0, 1)
 
 
-def test_a_reset_in_another_schema(dsn, sql):
+def test_a_reset_in_another_schema(dsn: str, sql: psycopg.Connection[Any]) -> None:
     with subengine.Engine(dsn, schema="elsewhere") as other:
         other.migrate()
         other.create_stream("orders", partitions=1)

@@ -8,6 +8,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 import pytest
@@ -20,16 +21,16 @@ from subengine import NewEvent
 
 
 @pytest.fixture
-def projections(sql):
+def projections(sql: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
     return sql
 
 
-def effects(sql):
+def effects(sql: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
     return sql.execute("SELECT partition, position FROM effects ORDER BY 1, 2").fetchall()
 
 
-def one_partition_stream(engine, name="orders", events=10):
+def one_partition_stream(engine: subengine.Engine, name: str = "orders", events: int = 10) -> None:
     engine.create_stream(name, partitions=1)
     engine.append(name, [NewEvent(f"k{n % 3}", "Step", {"n": n}) for n in range(events)])
 
@@ -43,7 +44,9 @@ class Placed:
     currency: str = "EUR"
 
 
-def test_a_handler_can_take_a_typed_payload(engine, projections):
+def test_a_handler_can_take_a_typed_payload(
+    engine: subengine.Engine, projections: psycopg.Connection[Any]
+) -> None:
     engine.create_stream("orders", partitions=1)
     engine.append(
         "orders",
@@ -53,7 +56,7 @@ def test_a_handler_can_take_a_typed_payload(engine, projections):
     seen = []
 
     @sub.handler("Placed", payload=Placed)
-    def placed(event, conn):
+    def placed(event: subengine.Event, conn: Any) -> None:
         seen.append(event.payload)
 
     engine.ensure_subscription(sub)
@@ -65,7 +68,9 @@ def test_a_handler_can_take_a_typed_payload(engine, projections):
     assert engine.subscription_positions("billing")[0].position == 1
 
 
-def test_a_handler_that_returns_a_generator_fails_its_batch(engine, projections):
+def test_a_handler_that_returns_a_generator_fails_its_batch(
+    engine: subengine.Engine, projections: psycopg.Connection[Any]
+) -> None:
     one_partition_stream(engine, events=3)
     sub = subengine.App().subscription("billing", stream="orders")
     sub.handler()(lambda event, conn: generator_handler(event, conn))
@@ -76,7 +81,9 @@ def test_a_handler_that_returns_a_generator_fails_its_batch(engine, projections)
     assert effects(projections) == []
 
 
-def test_a_handler_that_returns_an_awaitable_fails_its_batch(engine, projections):
+def test_a_handler_that_returns_an_awaitable_fails_its_batch(
+    engine: subengine.Engine, projections: psycopg.Connection[Any]
+) -> None:
     one_partition_stream(engine, events=3)
     sub = subengine.App().subscription("billing", stream="orders")
     sub.handler()(lambda event, conn: async_handler(event, conn))  # a coroutine, unawaited
@@ -89,7 +96,7 @@ def test_a_handler_that_returns_an_awaitable_fails_its_batch(engine, projections
 # storing and start points
 
 
-def test_a_subscription_is_stored_once_and_must_agree_later(engine):
+def test_a_subscription_is_stored_once_and_must_agree_later(engine: subengine.Engine) -> None:
     one_partition_stream(engine)
     engine.create_stream("audit", partitions=1)
     sub = subengine.App().subscription("billing", stream="orders")
@@ -105,11 +112,11 @@ def test_a_subscription_is_stored_once_and_must_agree_later(engine):
         engine.ensure_subscription(subengine.App().subscription("x", stream="missing"))
 
 
-def test_start_points_set_the_first_positions(engine, orders):
+def test_start_points_set_the_first_positions(engine: subengine.Engine, orders: str) -> None:
     engine.append(orders, [NewEvent(f"k{n}", "T", {}) for n in range(20)])
     heads = engine.heads(orders)
     with engine.connection() as conn:
-        middle = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+        middle = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
     later = engine.append(orders, [NewEvent(f"k{n}", "T", {}) for n in range(8)])
     app = subengine.App()
     cases = {
@@ -131,7 +138,9 @@ def test_start_points_set_the_first_positions(engine, orders):
 @pytest.mark.parametrize(
     ("start", "message"), [({9: 0}, "partitions 0..3"), ({0: 99}, "past its head")]
 )
-def test_start_positions_must_exist(engine, orders, start, message):
+def test_start_positions_must_exist(
+    engine: subengine.Engine, orders: str, start: Any, message: str
+) -> None:
     sub = subengine.App().subscription("billing", stream=orders, start=start)
     with pytest.raises(subengine.InvalidInput, match=message):
         engine.ensure_subscription(sub)
@@ -142,25 +151,29 @@ def test_start_positions_must_exist(engine, orders, start, message):
 # the batch transaction
 
 
-def test_batches_commit_handler_effects_and_position_together(engine, projections):
+def test_batches_commit_handler_effects_and_position_together(
+    engine: subengine.Engine, projections: psycopg.Connection[Any]
+) -> None:
     one_partition_stream(engine, events=10)
     sub = subengine.App().subscription("billing", stream="orders", batch_size=4)
     sub.handler()(record)
     engine.ensure_subscription(sub)
     outcomes = [engine.process_batch(sub, 0) for _ in range(4)]
-    assert [(o.handled, o.position) for o in outcomes] == [(4, 4), (4, 8), (2, 10), (0, 10)]
+    assert [(o.handled, o.position) for o in outcomes] == [(4, 4), (4, 8), (2, 10), (0, 10)]  # type: ignore[union-attr]
     events = engine.read("orders", 0)
-    assert outcomes[0].next_time == events[4].occurred_at
-    assert outcomes[2].next_time is None
+    assert outcomes[0].next_time == events[4].occurred_at  # type: ignore[union-attr]
+    assert outcomes[2].next_time is None  # type: ignore[union-attr]
     assert effects(projections) == [(0, p) for p in range(1, 11)]
 
 
-def test_a_failing_handler_rolls_back_the_whole_batch(engine, projections):
+def test_a_failing_handler_rolls_back_the_whole_batch(
+    engine: subengine.Engine, projections: psycopg.Connection[Any]
+) -> None:
     one_partition_stream(engine, events=5)
     sub = subengine.App().subscription("billing", stream="orders", batch_size=5)
 
     @sub.handler()
-    def fail_on_third(event, conn):
+    def fail_on_third(event: subengine.Event, conn: Any) -> None:
         record(event, conn)
         if event.position == 3:
             raise RuntimeError("boom")
@@ -172,12 +185,14 @@ def test_a_failing_handler_rolls_back_the_whole_batch(engine, projections):
     assert engine.subscription_positions("billing")[0].position == 0
 
 
-def test_a_position_moved_under_the_batch_fails_the_compare_and_set(engine, projections):
+def test_a_position_moved_under_the_batch_fails_the_compare_and_set(
+    engine: subengine.Engine, projections: psycopg.Connection[Any]
+) -> None:
     one_partition_stream(engine, events=3)
     sub = subengine.App().subscription("billing", stream="orders")
 
     @sub.handler()
-    def reset_meanwhile(event, conn):
+    def reset_meanwhile(event: subengine.Event, conn: Any) -> None:
         record(event, conn)
         # what a reset does to the row: a new generation (same transaction, so no wait)
         conn.execute("UPDATE subengine.subscription_positions SET generation = generation + 1")
@@ -190,18 +205,20 @@ def test_a_position_moved_under_the_batch_fails_the_compare_and_set(engine, proj
     assert (position.position, position.generation) == (0, 1)
 
 
-def test_two_workers_on_one_partition_never_handle_an_event_twice(engine, projections, dsn):
+def test_two_workers_on_one_partition_never_handle_an_event_twice(
+    engine: subengine.Engine, projections: psycopg.Connection[Any], dsn: str
+) -> None:
     one_partition_stream(engine, events=40)
     sub = subengine.App().subscription("billing", stream="orders", batch_size=5)
 
     @sub.handler()
-    def slow(event, conn):
+    def slow(event: subengine.Event, conn: Any) -> None:
         record(event, conn)
         time.sleep(0.005)  # keep batches overlapping in time
 
     engine.ensure_subscription(sub)
 
-    def work():
+    def work() -> None:
         with psycopg.connect(dsn) as conn:
             db = subengine._sql.Db(conn, subengine._sql.SQL("subengine"))
             while (
@@ -231,13 +248,15 @@ class Effect(Base):
     position: Mapped[int]
 
 
-def test_a_sqlalchemy_session_writes_in_the_batch_transaction(engine, projections):
+def test_a_sqlalchemy_session_writes_in_the_batch_transaction(
+    engine: subengine.Engine, projections: psycopg.Connection[Any]
+) -> None:
     one_partition_stream(engine, events=6)
     sub = subengine.App().subscription("billing", stream="orders", batch_size=3)
     fail_at = {5}
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         with subengine.sqlalchemy_session(conn) as session:
             session.add(Effect(event_id=event.id, partition=0, position=event.position))
             session.commit()  # commits nothing yet: the batch's transaction is the worker's
@@ -245,7 +264,7 @@ def test_a_sqlalchemy_session_writes_in_the_batch_transaction(engine, projection
                 raise ValueError("after the session's commit")
 
     engine.ensure_subscription(sub)
-    assert engine.process_batch(sub, 0).position == 3
+    assert engine.process_batch(sub, 0).position == 3  # type: ignore[union-attr]
     assert effects(projections) == [(0, 1), (0, 2), (0, 3)]
     with pytest.raises(ValueError, match="after the session's commit"):
         engine.process_batch(sub, 0)
@@ -253,12 +272,12 @@ def test_a_sqlalchemy_session_writes_in_the_batch_transaction(engine, projection
     assert effects(projections) == [(0, 1), (0, 2), (0, 3)]
     assert engine.subscription_positions("billing")[0].position == 3
     fail_at.clear()
-    assert engine.process_batch(sub, 0).position == 6
+    assert engine.process_batch(sub, 0).position == 6  # type: ignore[union-attr]
     assert effects(projections) == [(0, p) for p in range(1, 7)]
 
 
-def test_sqlalchemy_sessions_keep_nothing_alive_after_their_connections_close(dsn):
-    def live_engines():
+def test_sqlalchemy_sessions_keep_nothing_alive_after_their_connections_close(dsn: str) -> None:
+    def live_engines() -> int:
         return sum(isinstance(o, sqlalchemy.Engine) for o in gc.get_objects())
 
     gc.collect()

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -86,7 +87,7 @@ def assert_exactly_once_in_order(got: list[Event], start: Cursor, heads: dict[in
 # the cursor
 
 
-def test_a_cursor_round_trips_through_its_text():
+def test_a_cursor_round_trips_through_its_text() -> None:
     for cursor in (Cursor("orders"), Cursor("a.b-c_1", (0, 17, 2**63 - 1))):
         assert Cursor.parse(str(cursor)) == cursor
     assert str(Cursor.at("orders", {1: 5, 0: 3})) == "orders:3,5"
@@ -95,12 +96,14 @@ def test_a_cursor_round_trips_through_its_text():
 @pytest.mark.parametrize(
     "text", ["orders", "orders:1,,2", "orders:-1", "orders:+1", "orders: 1", ":1", "o:1:2", ""]
 )
-def test_a_malformed_cursor_text_is_refused(text):
+def test_a_malformed_cursor_text_is_refused(text: str) -> None:
     with pytest.raises(subengine.InvalidInput):
         Cursor.parse(text)
 
 
-def test_a_cursor_of_another_stream_or_partition_count_is_refused(quiet_engine):
+def test_a_cursor_of_another_stream_or_partition_count_is_refused(
+    quiet_engine: subengine.Engine,
+) -> None:
     with pytest.raises(subengine.InvalidInput, match="letters"):
         quiet_engine.tail("orders", after=Cursor("letters", (0, 0, 0, 0)))
     with quiet_engine.tail("orders", after="orders:0,0") as tail:
@@ -108,7 +111,7 @@ def test_a_cursor_of_another_stream_or_partition_count_is_refused(quiet_engine):
             tail.next_event(timeout=EVENT_TIMEOUT)
 
 
-def test_a_tail_of_a_missing_stream_raises_stream_not_found(quiet_engine):
+def test_a_tail_of_a_missing_stream_raises_stream_not_found(quiet_engine: subengine.Engine) -> None:
     with quiet_engine.tail("nowhere") as tail, pytest.raises(subengine.StreamNotFound):
         tail.next_event(timeout=EVENT_TIMEOUT)
 
@@ -116,7 +119,9 @@ def test_a_tail_of_a_missing_stream_raises_stream_not_found(quiet_engine):
 # the sync tail
 
 
-def test_a_tail_gives_every_event_from_the_beginning_then_new_ones(quiet_engine):
+def test_a_tail_gives_every_event_from_the_beginning_then_new_ones(
+    quiet_engine: subengine.Engine,
+) -> None:
     for n in range(30):
         append_one(quiet_engine, f"order-{n % 9}")
     with quiet_engine.tail("orders") as tail:
@@ -129,7 +134,9 @@ def test_a_tail_gives_every_event_from_the_beginning_then_new_ones(quiet_engine)
     assert_exactly_once_in_order([*got, late], Cursor("orders"), quiet_engine.heads("orders"))
 
 
-def test_a_tail_resumes_from_a_stored_cursor_without_repeating(quiet_engine):
+def test_a_tail_resumes_from_a_stored_cursor_without_repeating(
+    quiet_engine: subengine.Engine,
+) -> None:
     for n in range(20):
         append_one(quiet_engine, f"order-{n}")
     with quiet_engine.tail("orders") as tail:
@@ -144,7 +151,9 @@ def test_a_tail_resumes_from_a_stored_cursor_without_repeating(quiet_engine):
     assert_exactly_once_in_order([*first, *rest], Cursor("orders"), quiet_engine.heads("orders"))
 
 
-def test_filters_keep_some_events_and_the_cursor_passes_the_others(quiet_engine):
+def test_filters_keep_some_events_and_the_cursor_passes_the_others(
+    quiet_engine: subengine.Engine,
+) -> None:
     for n in range(24):
         append_one(quiet_engine, f"order-{n % 6}", "Paid" if n % 2 else "Placed")
     with quiet_engine.tail("orders", keys=["order-1", "order-2"], types=["Paid"]) as tail:
@@ -155,12 +164,14 @@ def test_filters_keep_some_events_and_the_cursor_passes_the_others(quiet_engine)
     assert {e.type for e in got} == {"Paid"}
 
 
-def test_a_single_string_as_a_filter_is_refused(quiet_engine):
+def test_a_single_string_as_a_filter_is_refused(quiet_engine: subengine.Engine) -> None:
     with pytest.raises(subengine.InvalidInput, match="keys"):
         quiet_engine.tail("orders", keys="order-1")
 
 
-def test_the_tails_of_one_engine_share_one_listening_connection(quiet_engine, sql):
+def test_the_tails_of_one_engine_share_one_listening_connection(
+    quiet_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     tails = [quiet_engine.tail("orders") for _ in range(3)]
     try:
         wait_for(lambda: listener_pids(sql), "the listener")
@@ -175,8 +186,8 @@ def test_the_tails_of_one_engine_share_one_listening_connection(quiet_engine, sq
 
 
 def test_what_commits_while_the_listener_reconnects_is_still_delivered(
-    quiet_engine, sql, monkeypatch
-):
+    quiet_engine: subengine.Engine, sql: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # a longer pause before reconnecting: the append below surely lands in it, and its
     # notification is lost; only the pull after the reconnection can deliver it
     monkeypatch.setattr("subengine._listener._FIRST_RECONNECT_SECONDS", 1.0)
@@ -191,7 +202,7 @@ def test_what_commits_while_the_listener_reconnects_is_still_delivered(
         assert listener_pids(sql) not in ([], [old])
 
 
-def test_closing_a_tail_ends_an_iteration_in_another_thread(quiet_engine):
+def test_closing_a_tail_ends_an_iteration_in_another_thread(quiet_engine: subengine.Engine) -> None:
     tail = quiet_engine.tail("orders")
     ended = threading.Event()
 
@@ -284,7 +295,9 @@ def run_against_writers(
     assert_exactly_once_in_order(got, start, quiet_engine.heads("orders"))
 
 
-def test_a_tail_gets_every_position_once_in_order_under_concurrent_writers(quiet_engine, dsn, sql):
+def test_a_tail_gets_every_position_once_in_order_under_concurrent_writers(
+    quiet_engine: subengine.Engine, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     def consume(start: Cursor, expected: int, terminate: Callable[[], None]) -> list[Event]:
         got: list[Event] = []
         with quiet_engine.tail("orders", after=start) as tail:
@@ -304,8 +317,11 @@ def test_a_tail_gets_every_position_once_in_order_under_concurrent_writers(quiet
 
 
 def test_an_async_tail_gets_every_position_once_in_order_under_concurrent_writers(
-    quiet_engine, settings, dsn, sql
-):
+    quiet_engine: subengine.Engine,
+    settings: subengine.Settings,
+    dsn: str,
+    sql: psycopg.Connection[Any],
+) -> None:
     async def consume_async(
         start: Cursor, expected: int, terminate: Callable[[], None]
     ) -> list[Event]:
@@ -332,7 +348,9 @@ def test_an_async_tail_gets_every_position_once_in_order_under_concurrent_writer
     )
 
 
-def test_an_async_tail_resumes_from_a_cursor_and_filters(quiet_engine, settings):
+def test_an_async_tail_resumes_from_a_cursor_and_filters(
+    quiet_engine: subengine.Engine, settings: subengine.Settings
+) -> None:
     for n in range(16):
         append_one(quiet_engine, f"order-{n % 4}", "Paid" if n % 2 else "Placed")
 
@@ -364,7 +382,7 @@ def readme_block(heading: str) -> str:
 
 
 @pytest.mark.parametrize("heading", ["From asyncio", "A live tail"])
-def test_the_readme_examples_run(heading, cli_env, tmp_path):
+def test_the_readme_examples_run(heading: str, cli_env: dict[str, str], tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-c", readme_block(heading)],
         env=cli_env,

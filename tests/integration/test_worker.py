@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -15,15 +17,16 @@ from psycopg.sql import SQL, Identifier
 
 import subengine
 from subengine import NewEvent
+from subengine._declarations import OnError
 
 
-def poisoned_app(stream, poison, **options):
+def poisoned_app(stream: str, poison: subengine.Appended, **options: Any) -> subengine.App:
     """Subscription billing of `stream`, recording every event but `poison`, which raises."""
     app = subengine.App()
     sub = app.subscription("billing", stream=stream, **options)
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         if event.id == poison.id:
             raise ValueError("cannot handle this one")
         record(event, conn)
@@ -31,25 +34,29 @@ def poisoned_app(stream, poison, **options):
     return app
 
 
-def test_a_worker_handles_every_event_once_and_stops_cleanly(fast_engine, sql):
+def test_a_worker_handles_every_event_once_and_stops_cleanly(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(100)])
     app = subengine.App()
     app.subscription("billing", stream="orders", batch_size=7).handler()(record)
     with Running(app, fast_engine, concurrency=2):
         fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(50)])
         wait_for(lambda: count(sql) == 150)
-    assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 150
+    assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 150  # type: ignore[index]
     positions = {p.partition: p.position for p in fast_engine.subscription_positions("billing")}
     assert positions == fast_engine.heads("orders")
     locks = sql.execute(
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
         " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     ).fetchone()
-    assert locks[0] == 0
+    assert locks[0] == 0  # type: ignore[index]
     assert count(sql, "subengine.workers") == 0
 
 
-def test_polling_alone_delivers_everything(fast_engine, sql):
+def test_polling_alone_delivers_everything(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(record)
     with Running(app, fast_engine, listen=False):
@@ -65,7 +72,7 @@ LISTENING = (
 
 
 @contextmanager
-def push_only_worker(dsn, sql):
+def push_only_worker(dsn: str, sql: psycopg.Connection[Any]) -> Iterator[subengine.Engine]:
     """A running worker whose poll interval is far longer than a test: only notifications
     can deliver in time. Yields its engine, with a 2-partition stream 'orders'."""
     sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
@@ -78,21 +85,25 @@ def push_only_worker(dsn, sql):
             yield engine
 
 
-def test_the_listening_connection_is_terminated_again_and_again(dsn, sql):
+def test_the_listening_connection_is_terminated_again_and_again(
+    dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     listening = LISTENING
     with push_only_worker(dsn, sql) as engine:
         for round_ in range(3):
-            wait_for(lambda: sql.execute(listening).fetchone()[0] == 1)
+            wait_for(lambda: sql.execute(listening).fetchone()[0] == 1)  # type: ignore[index]
             sql.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
                 " AND datname = current_database()"
             )
             engine.append("orders", [NewEvent(f"r{round_}-{n}", "T", {}) for n in range(5)])
-            wait_for(lambda r=round_: count(sql) == 5 * (r + 1))
+            wait_for(lambda r=round_: count(sql) == 5 * (r + 1))  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("policy", ["stop", "dead_letter"])
-def test_a_poison_event_is_retried_then_handled_by_policy(fast_engine, sql, policy):
+def test_a_poison_event_is_retried_then_handled_by_policy(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], policy: OnError
+) -> None:
     keys = [f"k{n}" for n in range(12)]
     stored = fast_engine.append("orders", [NewEvent(k, "T", {"n": n}) for n, k in enumerate(keys)])
     poison = stored[5]
@@ -117,17 +128,19 @@ def test_a_poison_event_is_retried_then_handled_by_policy(fast_engine, sql, poli
     ]
     if policy == "stop":
         assert (row.stopped, row.attempts, row.position) == (True, 3, poison.position - 1)
-        assert "ValueError: cannot handle this one" in row.last_error
+        assert "ValueError: cannot handle this one" in row.last_error  # type: ignore[operator]
     else:
         dead = sql.execute(
             "SELECT event_id, position, attempts, error FROM subengine.dead_letters"
         ).fetchone()
-        assert dead[:3] == (poison.id, poison.position, 3)
+        assert dead[:3] == (poison.id, poison.position, 3)  # type: ignore[index]
         assert row.position == fast_engine.heads("orders")[poison.partition]
         assert not row.stopped and row.attempts == 0
 
 
-def test_a_single_attempt_dead_letters_the_failing_event_not_the_batch_head(fast_engine, sql):
+def test_a_single_attempt_dead_letters_the_failing_event_not_the_batch_head(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # One partition, the poison event in the middle of the first batch: with one attempt
     # allowed, the failed batch of 10 must not send its first event to the dead letters.
     fast_engine.create_stream("single", partitions=1)
@@ -142,7 +155,9 @@ def test_a_single_attempt_dead_letters_the_failing_event_not_the_batch_head(fast
     assert [p for (p,) in handled] == [p for p in range(1, 11) if p != poison.position]
 
 
-def test_a_failing_event_deep_in_a_batch_waits_for_no_retry_delay_of_the_events_before_it(dsn, sql):
+def test_a_failing_event_deep_in_a_batch_waits_for_no_retry_delay_of_the_events_before_it(
+    dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     # With retries an hour apart, reaching the poison (40th of a batch of 50) and sending
     # it to the dead letters in time means the 39 events before it were handled at once,
     # one by one, and the failure was counted against the poison alone.
@@ -163,7 +178,9 @@ def test_a_failing_event_deep_in_a_batch_waits_for_no_retry_delay_of_the_events_
     assert (position.position, position.attempts, position.stopped) == (50, 0, False)
 
 
-def test_a_batch_whose_commit_fails_is_split_like_one_whose_handler_raises(dsn, sql):
+def test_a_batch_whose_commit_fails_is_split_like_one_whose_handler_raises(
+    dsn: str, sql: psycopg.Connection[Any]
+) -> None:
     # The poison's write breaks a deferred unique constraint, so its batch fails only at
     # commit. With retries an hour apart, it reaches the dead letters in time only if the
     # commit failure splits the batch too, and is pinned on the poison, not the batch head.
@@ -183,7 +200,7 @@ def test_a_batch_whose_commit_fails_is_split_like_one_whose_handler_raises(dsn, 
         )
 
         @sub.handler()
-        def handle(event, conn):
+        def handle(event: subengine.Event, conn: Any) -> None:
             conn.execute("INSERT INTO numbers VALUES (%s)", (event.data["n"],))
             record(event, conn)
 
@@ -193,7 +210,7 @@ def test_a_batch_whose_commit_fails_is_split_like_one_whose_handler_raises(dsn, 
     assert dead == [(stored[39].id, stored[39].position, 1)]
 
 
-def test_the_partition_with_the_oldest_next_event_goes_first(fast_engine):
+def test_the_partition_with_the_oldest_next_event_goes_first(fast_engine: subengine.Engine) -> None:
     # Invariant 7: keys in two partitions; the later-appended partition holds older events.
     new_key = next(f"n{i}" for i in range(100) if subengine.partition_for(f"n{i}", 4) == 0)
     old_key = next(f"o{i}" for i in range(100) if subengine.partition_for(f"o{i}", 4) == 3)
@@ -214,7 +231,9 @@ def test_the_partition_with_the_oldest_next_event_goes_first(fast_engine):
 
 
 @pytest.mark.parametrize("start", ["beginning", "end", "time", "positions"])
-def test_each_start_point_through_the_worker(fast_engine, sql, start):
+def test_each_start_point_through_the_worker(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], start: Any
+) -> None:
     old = [fast_engine.append("orders", [NewEvent(f"k{n}", "T", {"n": n})])[0] for n in range(12)]
     middle = old[6]
     [event] = fast_engine.read("orders", middle.partition, middle.position - 1, 1)
@@ -233,7 +252,7 @@ def test_each_start_point_through_the_worker(fast_engine, sql, start):
         ],
     }[start]
     app = subengine.App()
-    sub = app.subscription("billing", stream="orders", start=declared)
+    sub = app.subscription("billing", stream="orders", start=declared)  # type: ignore[arg-type]
     sub.handler()(record)
     fast_engine.ensure_subscription(sub)  # stored now: "end" means the heads of now
     with Running(app, fast_engine):
@@ -246,7 +265,9 @@ def test_each_start_point_through_the_worker(fast_engine, sql, start):
     assert count(sql) == len(wanted)
 
 
-def test_at_least_once_handlers_run_outside_the_transaction_and_may_repeat(fast_engine, sql):
+def test_at_least_once_handlers_run_outside_the_transaction_and_may_repeat(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     stored = fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(20)])
     calls = []
     app = subengine.App()
@@ -254,7 +275,7 @@ def test_at_least_once_handlers_run_outside_the_transaction_and_may_repeat(fast_
     reset_once = threading.Event()
 
     @sub.handler()
-    def send(event, conn):
+    def send(event: subengine.Event, conn: Any) -> None:
         assert conn is None  # no transaction to write in: the effect is outside
         calls.append(event.id)
         if not reset_once.is_set():
@@ -276,14 +297,16 @@ def test_at_least_once_handlers_run_outside_the_transaction_and_may_repeat(fast_
     assert all(p.generation == 2 for p in fast_engine.subscription_positions("mailer"))
 
 
-def worker_warned(caplog):
+def worker_warned(caplog: pytest.LogCaptureFixture) -> bool:
     return any(
         r.name == "subengine.worker" and r.levelno >= logging.WARNING for r in caplog.records
     )
 
 
 @pytest.mark.parametrize("where", ["reading the batch", "moving the position"])
-def test_a_database_error_is_retried_and_never_counted_against_the_events(dsn, sql, caplog, where):
+def test_a_database_error_is_retried_and_never_counted_against_the_events(
+    dsn: str, sql: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture, where: str
+) -> None:
     # Invariant 8: with one attempt allowed and on_error="stop", counting a database error
     # as the events' failure would stop a partition whose events no handler ever saw.
     sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
@@ -331,12 +354,14 @@ def test_a_database_error_is_retried_and_never_counted_against_the_events(dsn, s
             rows = engine.subscription_positions("billing")
         assert [(p.stopped, p.attempts, p.last_error) for p in rows] == [(False, 0, None)] * 2
         assert count(sql, "subengine.dead_letters") == 0
-        assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 6
+        assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 6  # type: ignore[index]
     finally:
         sql.execute(SQL("DROP OWNED BY {role}; DROP ROLE {role}").format(role=Identifier(role)))
 
 
-def test_missing_positions_stop_the_partition_with_an_error_naming_them(fast_engine, sql):
+def test_missing_positions_stop_the_partition_with_an_error_naming_them(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     fast_engine.create_stream("single", partitions=1)
     fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(10)])
     sql.execute("DELETE FROM subengine.events WHERE stream = 'single' AND position <= 5")
@@ -348,13 +373,15 @@ def test_missing_positions_stop_the_partition_with_an_error_naming_them(fast_eng
         wait_for(lambda: fast_engine.subscription_positions("billing")[0].stopped)
     [row] = fast_engine.subscription_positions("billing")
     assert (row.position, row.attempts) == (0, 0)
-    assert "partition 0 of stream 'single' no longer stores positions 1 to 5" in row.last_error
+    assert "partition 0 of stream 'single' no longer stores positions 1 to 5" in row.last_error  # type: ignore[operator]
     assert count(sql) == 0  # the handler saw none of 6..10
     [(state,)] = sql.execute("SELECT state FROM subengine.subscription_status").fetchall()
     assert state == "stopped"
 
 
-def test_a_partition_whose_every_event_is_gone_stops_too(fast_engine, sql):
+def test_a_partition_whose_every_event_is_gone_stops_too(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     fast_engine.create_stream("single", partitions=1)
     fast_engine.append("single", [NewEvent("k", "T", {}) for _ in range(3)])
     sql.execute("DELETE FROM subengine.events WHERE stream = 'single'")
@@ -369,7 +396,9 @@ def test_a_partition_whose_every_event_is_gone_stops_too(fast_engine, sql):
     assert (row.position, row.stopped) == (0, True)
 
 
-def test_a_dead_letter_clears_the_failure_state_of_its_partition(fast_engine, sql):
+def test_a_dead_letter_clears_the_failure_state_of_its_partition(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # the poison is the partition's last event: no later batch clears the state for it
     stored = fast_engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
     app = poisoned_app("orders", stored[2], max_attempts=2, on_error="dead_letter")
@@ -388,14 +417,16 @@ def test_a_dead_letter_clears_the_failure_state_of_its_partition(fast_engine, sq
     assert state == "idle"
 
 
-def test_a_failing_event_that_is_gone_is_not_skipped_by_its_dead_letter(fast_engine, sql, dsn):
+def test_a_failing_event_that_is_gone_is_not_skipped_by_its_dead_letter(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], dsn: str
+) -> None:
     stored = fast_engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
     poison = stored[1]
     app = subengine.App()
     sub = app.subscription("billing", stream="orders", max_attempts=1, on_error="dead_letter")
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         if event.id == poison.id:
             with psycopg.connect(dsn, autocommit=True) as other:
                 other.execute("DELETE FROM subengine.events WHERE id = %s", (poison.id,))
@@ -406,17 +437,17 @@ def test_a_failing_event_that_is_gone_is_not_skipped_by_its_dead_letter(fast_eng
         wait_for(lambda: any(p.stopped for p in fast_engine.subscription_positions("billing")))
     [row] = [p for p in fast_engine.subscription_positions("billing") if p.stopped]
     assert row.position == poison.position - 1
-    assert f"no longer stores position {poison.position}," in row.last_error
+    assert f"no longer stores position {poison.position}," in row.last_error  # type: ignore[operator]
     assert count(sql, "subengine.dead_letters") == 0
     assert count(sql) == 1  # the event after the gone one waits behind it
 
 
-def reset_waiting_for_the_batch(dsn, name="billing"):
+def reset_waiting_for_the_batch(dsn: str, name: str = "billing") -> threading.Thread:
     """Start resetting subscription `name` to the beginning, from a thread, and return
     once the reset waits for the running batch's position row: it moves the position as
     soon as that batch ends (the caller joins the returned thread)."""
 
-    def reset():
+    def reset() -> None:
         with subengine.Engine(dsn) as other:
             other.reset_subscription(name, "beginning")
 
@@ -427,25 +458,25 @@ def reset_waiting_for_the_batch(dsn, name="billing"):
         " AND datname = current_database() AND application_name = 'subengine'"
     )
     with psycopg.connect(dsn, autocommit=True) as watcher:
-        wait_for(lambda: watcher.execute(waiting).fetchone()[0] == 1)
+        wait_for(lambda: watcher.execute(waiting).fetchone()[0] == 1)  # type: ignore[index]
     return thread
 
 
 @pytest.mark.parametrize("policy", ["dead_letter", "stop"])
 def test_a_reset_during_a_failing_retry_charges_nothing_to_the_new_generation(
-    fast_engine, sql, dsn, policy
-):
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], dsn: str, policy: OnError
+) -> None:
     fast_engine.create_stream("single", partitions=1)
     stored = fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(8)])
     poison = stored[4]
-    resets = []
+    resets: list[threading.Thread] = []
     app = subengine.App()
     sub = app.subscription(
         "billing", stream="single", batch_size=1, max_attempts=1, on_error=policy
     )
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         if event.id != poison.id:
             return record(event, conn)
         if not resets:
@@ -473,7 +504,9 @@ def test_a_reset_during_a_failing_retry_charges_nothing_to_the_new_generation(
         assert (row.position, row.stopped) == (poison.position - 1, True)
 
 
-def test_a_rebuild_records_a_repeated_dead_letter_and_goes_on(fast_engine, sql):
+def test_a_rebuild_records_a_repeated_dead_letter_and_goes_on(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     fast_engine.create_stream("single", partitions=1)
     stored = fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(5)])
     app = poisoned_app("single", stored[2], max_attempts=1, on_error="dead_letter")
@@ -491,8 +524,8 @@ def test_a_rebuild_records_a_repeated_dead_letter_and_goes_on(fast_engine, sql):
 
 
 def test_an_unexpected_error_in_one_partition_leaves_the_worker_and_the_others_running(
-    fast_engine, sql, caplog
-):
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
     # Recording the dead letter fails: the poison's partition waits and tries again; the
     # other partitions go on; the worker does not stop.
     sql.execute(
@@ -512,10 +545,12 @@ def test_an_unexpected_error_in_one_partition_leaves_the_worker_and_the_others_r
     assert any("not today" in r.getMessage() for r in caplog.records)
 
 
-def test_the_listener_survives_a_notification_it_cannot_parse(dsn, sql, caplog):
+def test_the_listener_survives_a_notification_it_cannot_parse(
+    dsn: str, sql: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
     with push_only_worker(dsn, sql) as engine:
         listening = LISTENING
-        wait_for(lambda: sql.execute(listening).fetchone()[0] == 1)
+        wait_for(lambda: sql.execute(listening).fetchone()[0] == 1)  # type: ignore[index]
         sql.execute("SELECT pg_notify('subengine', repeat('[', 7000))")
         engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
         wait_for(lambda: count(sql) == 5)
@@ -524,7 +559,9 @@ def test_the_listener_survives_a_notification_it_cannot_parse(dsn, sql, caplog):
     )
 
 
-def slow_backlog(engine, sql, events=400):
+def slow_backlog(
+    engine: subengine.Engine, sql: psycopg.Connection[Any], events: int = 400
+) -> subengine.App:
     """One partition with a backlog that takes a few seconds, and an app handling it."""
     engine.create_stream("single", partitions=1)
     engine.append("single", [NewEvent("k", "T", {}) for _ in range(events)])
@@ -532,14 +569,14 @@ def slow_backlog(engine, sql, events=400):
     sub = app.subscription("billing", stream="single", batch_size=5)
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         conn.execute("SELECT pg_sleep(0.005)")
         record(event, conn)
 
     return app
 
 
-def lock_holders(sql):
+def lock_holders(sql: psycopg.Connection[Any]) -> set[int]:
     return {
         pid
         for (pid,) in sql.execute(
@@ -549,7 +586,9 @@ def lock_holders(sql):
     }
 
 
-def test_a_worker_whose_connections_are_all_ended_goes_on(fast_engine, sql):
+def test_a_worker_whose_connections_are_all_ended_goes_on(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     app = slow_backlog(fast_engine, sql)
     with Running(app, fast_engine):
         wait_for(lambda: lock_holders(sql) and 20 < count(sql) < 200)
@@ -558,10 +597,12 @@ def test_a_worker_whose_connections_are_all_ended_goes_on(fast_engine, sql):
             " WHERE application_name LIKE 'subengine worker %' AND datname = current_database()"
         )
         wait_for(lambda: count(sql) == 400)
-    assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 400
+    assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 400  # type: ignore[index]
 
 
-def test_a_held_lock_whose_connection_ended_is_taken_again(fast_engine, sql):
+def test_a_held_lock_whose_connection_ended_is_taken_again(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # the slot keeps a partition's lock between batches; when the lock's connection ends,
     # the lock is gone (another worker could take the partition): the slot must notice
     app = slow_backlog(fast_engine, sql)
@@ -572,7 +613,9 @@ def test_a_held_lock_whose_connection_ended_is_taken_again(fast_engine, sql):
         wait_for(lambda: lock_holders(sql) - {holder} and count(sql) < 400)
 
 
-def test_a_pause_stops_a_partition_the_slot_holds(fast_engine, sql):
+def test_a_pause_stops_a_partition_the_slot_holds(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     app = slow_backlog(fast_engine, sql)
     with Running(app, fast_engine):
         wait_for(lambda: 20 < count(sql) < 200)
@@ -586,7 +629,9 @@ def test_a_pause_stops_a_partition_the_slot_holds(fast_engine, sql):
         wait_for(lambda: count(sql) == 400)
 
 
-def test_a_handler_that_swallows_a_database_error_fails_its_batch(fast_engine, sql):
+def test_a_handler_that_swallows_a_database_error_fails_its_batch(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # The handler catches its statement's error, so the batch's transaction is aborted
     # and moving the position fails: that failure is the handlers' doing, and counts.
     # The poison is the batch's last event, so no later statement of the handlers meets
@@ -598,7 +643,7 @@ def test_a_handler_that_swallows_a_database_error_fails_its_batch(fast_engine, s
     sub = app.subscription("billing", stream="single", max_attempts=1, on_error="stop")
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         if event.id == poison.id:
             try:
                 conn.execute("SELECT 1 / 0")
@@ -611,20 +656,22 @@ def test_a_handler_that_swallows_a_database_error_fails_its_batch(fast_engine, s
         wait_for(lambda: fast_engine.subscription_positions("billing")[0].stopped)
     [row] = fast_engine.subscription_positions("billing")
     assert row.position == poison.position - 1
-    assert "InFailedSqlTransaction" in row.last_error
+    assert "InFailedSqlTransaction" in row.last_error  # type: ignore[operator]
     assert count(sql) == poison.position - 1
 
 
-def test_a_database_error_raised_by_a_handler_is_not_counted_either(fast_engine, sql):
+def test_a_database_error_raised_by_a_handler_is_not_counted_either(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # the handler's own statement times out twice (a lock held elsewhere, say), then works
     fast_engine.create_stream("single", partitions=1)
     stored = fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(6)])
-    timeouts = []
+    timeouts: list[Any] = []
     app = subengine.App()
     sub = app.subscription("billing", stream="single", max_attempts=1, on_error="stop")
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         if event.id == stored[3].id and len(timeouts) < 2:
             timeouts.append(event.id)
             conn.execute("SET LOCAL statement_timeout = 10")
@@ -638,18 +685,21 @@ def test_a_database_error_raised_by_a_handler_is_not_counted_either(fast_engine,
     assert len(timeouts) == 2
 
 
-def test_a_reset_during_a_split_ends_the_split(fast_engine, sql, dsn):
+def test_a_reset_during_a_split_ends_the_split(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], dsn: str
+) -> None:
     # The batch of positions 401..450 fails once; while it runs, a reset to the beginning
     # waits for its row lock. The split that follows must not replay the whole stream one
     # event per transaction.
     fast_engine.create_stream("single", partitions=1)
     fast_engine.append("single", [NewEvent("k", "T", {}) for _ in range(500)])
-    sizes, resets = [], []
+    sizes: list[int] = []
+    resets: list[threading.Thread] = []
     app = subengine.App()
     sub = app.subscription("billing", stream="single", batch_size=50)
 
     @sub.batch_handler()
-    def handle(events, conn):
+    def handle(events: Sequence[subengine.Event], conn: Any) -> None:
         sizes.append(len(events))
         if events[-1].position == 450 and not resets:
             resets.append(reset_waiting_for_the_batch(dsn))
@@ -670,13 +720,15 @@ def test_a_reset_during_a_split_ends_the_split(fast_engine, sql, dsn):
     assert sizes.count(1) < 50, sizes
 
 
-def deadlocks(sql):
-    return sql.execute(
+def deadlocks(sql: psycopg.Connection[Any]) -> int:
+    return sql.execute(  # type: ignore[no-any-return, index]
         "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
     ).fetchone()[0]
 
 
-def test_a_forced_delete_while_a_dead_letter_is_recorded_does_not_deadlock(fast_engine, sql):
+def test_a_forced_delete_while_a_dead_letter_is_recorded_does_not_deadlock(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     # The dead letter's insert is slowed down by a trigger; the delete comes in meanwhile
     # and must wait for it, not deadlock with it.
     sql.execute(
@@ -693,14 +745,16 @@ def test_a_forced_delete_while_a_dead_letter_is_recorded_does_not_deadlock(fast_
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'"
             " AND datname = current_database()"
         )
-        wait_for(lambda: sql.execute(sleeping).fetchone()[0] == 1)
+        wait_for(lambda: sql.execute(sleeping).fetchone()[0] == 1)  # type: ignore[index]
         deleted = fast_engine.delete_subscription("billing", force=True)
     assert (deleted.partitions, deleted.dead_letters) == (4, 1)
     assert deadlocks(sql) == before
     assert count(sql, "subengine.subscriptions") == 0
 
 
-def test_an_event_gone_on_replay_leaves_its_older_dead_letter_open(fast_engine, sql, dsn):
+def test_an_event_gone_on_replay_leaves_its_older_dead_letter_open(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], dsn: str
+) -> None:
     fast_engine.create_stream("single", partitions=1)
     stored = fast_engine.append("single", [NewEvent("k", "T", {}) for _ in range(3)])
     poison = stored[1]
@@ -713,7 +767,7 @@ def test_an_event_gone_on_replay_leaves_its_older_dead_letter_open(fast_engine, 
     )
 
     @sub.handler()
-    def handle(event, conn):
+    def handle(event: subengine.Event, conn: Any) -> None:
         if event.id == poison.id:
             if fast_engine.subscription_positions("billing")[0].generation == 2:
                 replays.append(event.id)  # on the replay, the event goes before it fails
@@ -733,7 +787,9 @@ def test_an_event_gone_on_replay_leaves_its_older_dead_letter_open(fast_engine, 
     assert replays == [poison.id]
 
 
-def test_a_subscription_declared_anew_on_another_stream_is_left_alone(fast_engine, sql):
+def test_a_subscription_declared_anew_on_another_stream_is_left_alone(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(record)
     fast_engine.create_stream("other", partitions=2)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from helpers import async_handler, generator_handler
@@ -11,7 +13,7 @@ from helpers import async_handler, generator_handler
 import subengine
 
 
-def test_handlers_are_dispatched_by_type_with_a_catch_all():
+def test_handlers_are_dispatched_by_type_with_a_catch_all() -> None:
     app = subengine.App()
     sub = app.subscription("billing", stream="orders")
     seen = []
@@ -22,7 +24,7 @@ def test_handlers_are_dispatched_by_type_with_a_catch_all():
     assert [(kind, e.position) for kind, e in seen] == [("placed", 1), ("other", 2)]
 
 
-def test_events_without_a_handler_are_skipped():
+def test_events_without_a_handler_are_skipped() -> None:
     app = subengine.App()
     sub = app.subscription("billing", stream="orders")
     seen = []
@@ -31,7 +33,7 @@ def test_events_without_a_handler_are_skipped():
     assert seen == [2]
 
 
-def test_a_batch_handler_gets_the_whole_batch_and_must_be_alone():
+def test_a_batch_handler_gets_the_whole_batch_and_must_be_alone() -> None:
     app = subengine.App()
     sub = app.subscription("projection", stream="orders")
     batches = []
@@ -54,17 +56,17 @@ def test_a_batch_handler_gets_the_whole_batch_and_must_be_alone():
         ({"stream": "bad name"}, "invalid stream name"),
     ],
 )
-def test_invalid_declarations_are_refused(options, message):
+def test_invalid_declarations_are_refused(options: dict[str, Any], message: str) -> None:
     with pytest.raises(subengine.InvalidInput, match=message):
         subengine.App().subscription("billing", **{"stream": "orders", **options})
 
 
-async def async_generator_handler(event, conn):
+async def async_generator_handler(event: subengine.Event, conn: Any) -> AsyncIterator[None]:
     yield
 
 
 class AsyncCallable:
-    async def __call__(self, event, conn):
+    async def __call__(self, event: subengine.Event, conn: Any) -> None:
         pass
 
 
@@ -74,9 +76,9 @@ class AsyncCallable:
     ids=["async def", "async generator", "async __call__", "partial of async def"],
 )
 @pytest.mark.parametrize("register", ["handler", "catch-all", "batch handler"])
-def test_an_async_handler_is_refused_when_registered(function, register):
+def test_an_async_handler_is_refused_when_registered(function: Any, register: str) -> None:
     sub = subengine.App().subscription("billing", stream="orders")
-    decorator = {
+    decorator: Callable[[Any], object] = {  # type: ignore[no-untyped-call]
         "handler": lambda: sub.handler("OrderPlaced"),
         "catch-all": lambda: sub.handler(),
         "batch handler": lambda: sub.batch_handler(),
@@ -93,7 +95,7 @@ def test_an_async_handler_is_refused_when_registered(function, register):
     [lambda: None, lambda event: None, lambda event, conn, extra: None, lambda e, *, conn: None],
     ids=["no argument", "one argument", "three arguments", "keyword-only conn"],
 )
-def test_a_handler_that_cannot_take_event_and_conn_is_refused(function):
+def test_a_handler_that_cannot_take_event_and_conn_is_refused(function: Any) -> None:
     sub = subengine.App().subscription("billing", stream="orders")
     with pytest.raises(subengine.InvalidInput, match=r"cannot be called as handler\(event, conn\)"):
         sub.handler("OrderPlaced")(function)
@@ -102,7 +104,7 @@ def test_a_handler_that_cannot_take_event_and_conn_is_refused(function):
     ):
         sub.batch_handler()(function)
     with pytest.raises(subengine.InvalidInput, match="must be callable"):
-        sub.handler()("not a function")
+        sub.handler()("not a function")  # type: ignore[arg-type]
     assert (sub.handlers, sub.catch_all, sub.batch) == ({}, None, None)
 
 
@@ -117,22 +119,22 @@ def test_a_handler_that_cannot_take_event_and_conn_is_refused(function):
     ],
     ids=["two arguments", "varargs", "a default", "partial", "a builtin"],
 )
-def test_handlers_that_take_event_and_conn_are_accepted(function):
+def test_handlers_that_take_event_and_conn_are_accepted(function: Any) -> None:
     sub = subengine.App().subscription("billing", stream="orders")
     sub.handler("OrderPlaced")(function)
     assert sub.handlers == {"OrderPlaced": function}
 
 
-def test_a_generator_handler_is_refused_when_registered():
+def test_a_generator_handler_is_refused_when_registered() -> None:
     sub = subengine.App().subscription("billing", stream="orders")
     with pytest.raises(subengine.InvalidInput, match="is a generator function"):
         sub.handler()(generator_handler)
     with pytest.raises(subengine.InvalidInput, match="is a generator function"):
-        sub.batch_handler()(generator_handler)
+        sub.batch_handler()(generator_handler)  # type: ignore[arg-type]
     assert (sub.handlers, sub.catch_all, sub.batch) == ({}, None, None)
 
 
-def test_a_name_is_declared_once_and_a_type_handled_once():
+def test_a_name_is_declared_once_and_a_type_handled_once() -> None:
     app = subengine.App()
     sub = app.subscription("billing", stream="orders")
     with pytest.raises(subengine.InvalidInput, match="twice"):
@@ -142,10 +144,10 @@ def test_a_name_is_declared_once_and_a_type_handled_once():
         sub.handler("A")(lambda event, conn: None)
 
 
-def _event(event_type, position):
+def _event(event_type: str, position: int) -> subengine.Event:
     now = datetime.now(UTC)
     return subengine.Event(
-        id=None,
+        id=None,  # type: ignore[arg-type]
         stream="orders",
         partition=0,
         position=position,

@@ -148,21 +148,21 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_there_is_no_import_cycle_inside_subengine():
+def test_there_is_no_import_cycle_inside_subengine() -> None:
     cycle = find_cycle(graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_the_cycle_finder_finds_a_cycle():
+def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_every_module_has_a_layer():
+def test_every_module_has_a_layer() -> None:
     assert sorted(set(modules()) - set(LAYERS)) == []
 
 
-def test_modules_import_only_from_their_layer_or_below():
+def test_modules_import_only_from_their_layer_or_below() -> None:
     upward = [
         f"{module} (layer {LAYERS[module]}) imports {target} (layer {LAYERS[target]})"
         for module, targets in sorted(graph().items())
@@ -173,7 +173,9 @@ def test_modules_import_only_from_their_layer_or_below():
 
 
 @pytest.mark.parametrize("lower", ["_engine", "_subscriptions", "_operations", "_reset"])
-def test_the_engine_and_the_data_modules_never_import_the_worker_or_the_registry(lower):
+def test_the_engine_and_the_data_modules_never_import_the_worker_or_the_registry(
+    lower: str,
+) -> None:
     assert graph()[lower] & {"_worker", "_app"} == set()
 
 
@@ -185,7 +187,7 @@ def _attribute(call: ast.Call) -> str | None:
     return call.func.attr if isinstance(call.func, ast.Attribute) else None
 
 
-def test_only_the_sql_layer_executes_sql():
+def test_only_the_sql_layer_executes_sql() -> None:
     outside = [
         f"{module}:{call.lineno} .{_attribute(call)}()"
         for module, tree in sorted(modules().items())
@@ -204,7 +206,7 @@ def _dotted(node: ast.expr) -> str:
     return "?"
 
 
-def test_only_the_connection_module_opens_connections():
+def test_only_the_connection_module_opens_connections() -> None:
     opening = {
         "psycopg.connect",
         "psycopg.Connection.connect",
@@ -222,7 +224,7 @@ def test_only_the_connection_module_opens_connections():
     assert outside == []
 
 
-def test_connections_carry_the_schema_and_keep_the_options_the_dsn_gives():
+def test_connections_carry_the_schema_and_keep_the_options_the_dsn_gives() -> None:
     options = connect_options(3, "subengine", schema="events", dsn="options='-c work_mem=8MB'")
     assert options == {
         "connect_timeout": 3,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subengine
 
 
-def test_partition_function_is_stable():
+def test_partition_function_is_stable() -> None:
     # Changing the function would move existing keys to other partitions.
     keys = ("a", "b", "order-1", "order-2", "order-3")
     assert [subengine.partition_for(k, 8) for k in keys] == PINNED_8

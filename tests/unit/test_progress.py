@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from subengine._metrics import PartitionLag, Progress
 
 
-def reading(*lags, halted=()):
+def reading(*lags: int, halted: Collection[int] = ()) -> list[PartitionLag]:
     return [
         PartitionLag("billing", partition, 100, 100 + lag, partition in halted)
         for partition, lag in enumerate(lags)
     ]
 
 
-def test_progress_is_quiet_when_nothing_is_behind_and_nothing_was_done():
+def test_progress_is_quiet_when_nothing_is_behind_and_nothing_was_done() -> None:
     progress = Progress(["billing"], now=0.0)
     assert progress.report(0.0, {"billing": 0}, reading(0, 0)) == []
     assert not progress.wants_reading({"billing": 0}, serving_metrics=False)
     assert progress.report(10.0, {"billing": 0}, reading(0, 0)) == []
 
 
-def test_progress_counts_events_rate_remaining_and_eta():
+def test_progress_counts_events_rate_remaining_and_eta() -> None:
     progress = Progress(["billing"], now=0.0)
     [first] = progress.report(0.0, {"billing": 0}, reading(600, 400))
     assert first.message() == "subscription billing: 1,000 events to catch up"
@@ -36,7 +38,7 @@ def test_progress_counts_events_rate_remaining_and_eta():
     assert line.message().endswith("caught up")
 
 
-def test_stopped_or_paused_partitions_are_not_remaining_work():
+def test_stopped_or_paused_partitions_are_not_remaining_work() -> None:
     progress = Progress(["billing"], now=0.0)
     assert progress.report(0.0, {"billing": 0}, reading(0, 50, halted={1})) == []
     assert not progress.wants_reading({"billing": 0}, serving_metrics=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import PASSWORD, README
@@ -12,7 +13,7 @@ import subengine
 from subengine import Settings
 
 
-def test_defaults():
+def test_defaults() -> None:
     settings = Settings.from_env({})
     assert settings.dsn is None
     assert settings.home == Path(".subengine")
@@ -20,7 +21,7 @@ def test_defaults():
     assert settings.max_event_bytes == 1_048_576
 
 
-def test_environment_values_are_parsed_by_type():
+def test_environment_values_are_parsed_by_type() -> None:
     settings = Settings.from_env(
         {
             "SUBENGINE_DSN": "postgresql://x/y",
@@ -38,7 +39,7 @@ def test_environment_values_are_parsed_by_type():
     assert (settings.max_event_bytes, settings.connect_timeout) == (2048, 2.5)
 
 
-def test_overrides_win_over_the_environment():
+def test_overrides_win_over_the_environment() -> None:
     settings = Settings.from_env({"SUBENGINE_SCHEMA": "env"}, schema="given", dsn=None)
     assert settings.schema == "given"
 
@@ -60,12 +61,12 @@ def test_overrides_win_over_the_environment():
         ({"SUBENGINE_POOL_MIN_SIZE": "5", "SUBENGINE_POOL_MAX_SIZE": "2"}, "pool_max_size"),
     ],
 )
-def test_invalid_settings_are_refused(environ, message):
+def test_invalid_settings_are_refused(environ: dict[str, str], message: str) -> None:
     with pytest.raises(subengine.ConfigurationError, match=message):
         Settings.from_env(environ)
 
 
-def test_every_setting_has_an_environment_variable_and_a_description():
+def test_every_setting_has_an_environment_variable_and_a_description() -> None:
     described = list(Settings.describe())
     assert [name for name, *_ in described] == [f.name for f in dataclasses.fields(Settings)]
     for name, env, _default, doc in described:
@@ -73,7 +74,7 @@ def test_every_setting_has_an_environment_variable_and_a_description():
         assert doc
 
 
-def test_the_readme_configuration_table_lists_every_setting():
+def test_the_readme_configuration_table_lists_every_setting() -> None:
     readme = README.read_text()
     for name, env, default, _doc in Settings.describe():
         row = next((line for line in readme.splitlines() if line.startswith(f"| {name} |")), None)
@@ -82,12 +83,12 @@ def test_the_readme_configuration_table_lists_every_setting():
         assert (f"`{default}`" in row) or (default == "unset" and "unset" in row)
 
 
-def test_invalid_dsn_is_a_configuration_error():
+def test_invalid_dsn_is_a_configuration_error() -> None:
     with pytest.raises(subengine.ConfigurationError, match="invalid DSN"):
         subengine.Engine("host=x port")
 
 
-def test_unreachable_database_fails_with_the_reason():
+def test_unreachable_database_fails_with_the_reason() -> None:
     settings = Settings(dsn="postgresql://nobody@127.0.0.1:1/none", connect_timeout=1)
     with (
         subengine.Engine(settings=settings) as engine,
@@ -106,12 +107,12 @@ def test_unreachable_database_fails_with_the_reason():
         ("outage_timeout", "SUBENGINE_OUTAGE_TIMEOUT"),
     ],
 )
-def test_non_finite_and_absurd_durations_are_refused(name, env, raw):
+def test_non_finite_and_absurd_durations_are_refused(name: str, env: str, raw: str) -> None:
     message = rf"setting {name} must be a number of seconds above 0 and at most 604800 .*{env}"
     with pytest.raises(subengine.ConfigurationError, match=message):
         Settings.from_env({env: raw})
     with pytest.raises(subengine.ConfigurationError, match=message):
-        Settings(**{name: float(raw)})
+        Settings(**{name: float(raw)})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -123,23 +124,23 @@ def test_non_finite_and_absurd_durations_are_refused(name, env, raw):
         ({"pool_max_size": None}, "pool_max_size must be a whole number, not None"),
     ],
 )
-def test_settings_of_the_wrong_type_are_refused(changes, message):
+def test_settings_of_the_wrong_type_are_refused(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(subengine.ConfigurationError, match=message):
         Settings(**changes)
 
 
-def test_a_week_is_the_longest_duration():
+def test_a_week_is_the_longest_duration() -> None:
     assert Settings(poll_interval=604800, outage_timeout=604800.0).poll_interval == 604800
 
 
-def test_settings_never_show_the_dsn_and_its_password():
+def test_settings_never_show_the_dsn_and_its_password() -> None:
     settings = subengine.Settings(dsn="postgresql://app:Sup3rSecret@db.example/app")
     assert "Sup3rSecret" not in repr(settings)
     assert "Sup3rSecret" not in str(settings)
     assert settings.dsn == "postgresql://app:Sup3rSecret@db.example/app"
 
 
-def test_a_malformed_dsn_keeps_the_option_name_it_is_about():
+def test_a_malformed_dsn_keeps_the_option_name_it_is_about() -> None:
     with pytest.raises(subengine.ConfigurationError) as raised:
         subengine.Engine(f"host=localhost password {PASSWORD}")
     assert 'missing "=" after "password"' in str(raised.value)
