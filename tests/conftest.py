@@ -124,8 +124,6 @@ def blank_dsn(
 ) -> str:
     """Connection string of a fresh database that was never migrated."""
     return _dsn_of(postgresql_blank, postgresql_blank_server.password)
-    """Connection string of a fresh database that was never migrated."""
-    return _dsn_of(postgresql_blank, postgresql_blank_server.password)
 
 
 @pytest.fixture
