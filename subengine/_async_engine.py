@@ -9,7 +9,6 @@ validated by the same functions), with `SQL.run_async` on a
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -23,12 +22,11 @@ from subengine._append import ExpectedVersion, append_events, prepare, schema_no
 from subengine._connection import (
     APPLICATION_NAME,
     PooledAsyncConnection,
+    PoolWait,
     connect_async,
     connect_options,
-    connection_lost,
+    connection_lost_error,
     dsn_problem,
-    may_succeed_later,
-    safe_message,
 )
 from subengine._cursor import Cursor
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
@@ -39,13 +37,6 @@ from subengine._sql import SQL
 from subengine._tail import LISTENER_APPLICATION_NAME, AsyncTail
 
 log = logging.getLogger("subengine")
-
-# As the sync engine: how long to wait for the pool before looking at why it has no
-# connection (doubled after every look, up to the second value), and how long one more
-# connection attempt that explains a pool timeout may take.
-_FIRST_LOOK_SECONDS = 0.5
-_LONGEST_LOOK_SECONDS = 4.0
-_DIAGNOSIS_TIMEOUT_SECONDS = 5.0
 
 
 class AsyncEngine:
@@ -128,13 +119,11 @@ class AsyncEngine:
             missing = schema_not_ready(error)
             if missing is not None:
                 raise missing from error
-            if not connection_lost(error):
+            unavailable = connection_lost_error(error, self.dsn)
+            if unavailable is None:
                 raise
             lost = True
-            raise DatabaseUnavailable(
-                f"lost the connection to PostgreSQL: {safe_message(error, self.dsn)}; "
-                "nothing of this call committed unless the loss came during its commit"
-            ) from error
+            raise unavailable from error
         finally:
             if isinstance(conn, PooledAsyncConnection):
                 await self._pool.putconn(conn)
@@ -148,55 +137,23 @@ class AsyncEngine:
         (see `Engine._checkout`, which this follows step by step)."""
         if self._pool.closed:
             await self.open()
-        timeout = self.settings.connect_timeout
-        deadline = time.monotonic() + timeout
-        look = _FIRST_LOOK_SECONDS
-        reported = False
+        wait = PoolWait(self.dsn, self.settings.connect_timeout, self.settings.pool_max_size)
         while True:
             errors = self._pool.get_stats().get("connections_errors", 0)
             try:
-                conn = await self._pool.getconn(
-                    timeout=max(0.0, min(look, deadline - time.monotonic()))
-                )
+                conn = await self._pool.getconn(timeout=wait.look())
             except PoolTimeout:
                 pass
             else:
                 self._pool_errors_seen = errors
                 return conn
-            look = min(2 * look, _LONGEST_LOOK_SECONDS)
             if self._pool.get_stats().get("connections_errors", 0) == self._pool_errors_seen:
-                if time.monotonic() >= deadline:
-                    raise DatabaseUnavailable(
-                        f"no free connection within {timeout:g} s (SUBENGINE_CONNECT_TIMEOUT): "
-                        f"all {self.settings.pool_max_size} of the pool "
-                        "(SUBENGINE_POOL_MAX_SIZE) are in use"
-                    )
+                wait.pool_busy()  # or one connection is on its way
                 continue
             try:
-                remaining = deadline - time.monotonic()
-                return await connect_async(
-                    self.dsn, max(0.1, min(remaining, _DIAGNOSIS_TIMEOUT_SECONDS))
-                )
+                return await connect_async(self.dsn, wait.diagnosis_timeout(), schema=self.schema)
             except psycopg.Error as error:
-                reason = safe_message(error, self.dsn)
-                if not may_succeed_later(error):
-                    raise ConfigurationError(
-                        f"cannot connect to PostgreSQL: {reason} (retrying cannot help: check "
-                        "the DSN, the server's roles and databases, and pg_hba.conf)"
-                    ) from error
-            if time.monotonic() >= deadline:
-                raise DatabaseUnavailable(
-                    f"could not connect to PostgreSQL within {timeout:g} s "
-                    f"(SUBENGINE_CONNECT_TIMEOUT): {reason}"
-                )
-            if not reported:
-                reported = True
-                log.warning(
-                    "subengine: waiting for PostgreSQL, which does not accept connections "
-                    "yet: %s; retrying for up to %g s (SUBENGINE_CONNECT_TIMEOUT)",
-                    reason,
-                    timeout,
-                )
+                wait.failed(error)
 
     async def connect(
         self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False

@@ -21,17 +21,19 @@ a SQLAlchemy `Connection` or a SQLAlchemy `Session` (on the psycopg driver).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import re
 import socket
+import time
 from collections.abc import Callable
 from typing import Any, Self, TypeVar
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from subengine._errors import InvalidInput
+from subengine._errors import ConfigurationError, DatabaseUnavailable, InvalidInput
 
 PgConnection = psycopg.Connection[Any]
 
@@ -208,6 +210,89 @@ def may_succeed_later(error: psycopg.Error) -> bool:
     if _RESOLVER_BUSY.search(text):
         return True  # a resolver that could not answer now may answer later
     return _FOR_GOOD.search(text) is None
+
+
+# How long to wait for the pool before looking at why it has no connection; doubled after
+# every look up to the second value. The first is short, so that a wrong password fails,
+# and a server that is starting says so, within a second.
+_FIRST_LOOK_SECONDS = 0.5
+_LONGEST_LOOK_SECONDS = 4.0
+# How long to wait for one more connection attempt that explains a pool timeout.
+_DIAGNOSIS_TIMEOUT_SECONDS = 5.0
+
+
+class PoolWait:
+    """The decisions of one wait for a pooled connection, shared by `Engine` and
+    `AsyncEngine` (which do the waiting, each with its own kind of I/O).
+
+    While the pool fails to connect, a connection attempt of the engine's own tells why: a
+    problem no retry fixes raises at once; one that a starting server explains is reported
+    once and waited out, up to `timeout`. While the pool connects fine and all its
+    connections are in use, the wait goes on until `timeout` too.
+    """
+
+    def __init__(self, dsn: str, timeout: float, pool_size: int) -> None:
+        self._dsn = dsn
+        self._timeout = timeout
+        self._pool_size = pool_size
+        self._deadline = time.monotonic() + timeout
+        self._look = _FIRST_LOOK_SECONDS
+        self._reported = False
+
+    def look(self) -> float:
+        """How long to wait on the pool now (each look waits longer than the last)."""
+        wait = max(0.0, min(self._look, self._deadline - time.monotonic()))
+        self._look = min(2 * self._look, _LONGEST_LOOK_SECONDS)
+        return wait
+
+    def pool_busy(self) -> None:
+        """The pool connects fine, but every connection is in use: wait for one rather
+        than open more than SUBENGINE_POOL_MAX_SIZE, up to the deadline."""
+        if time.monotonic() >= self._deadline:
+            raise DatabaseUnavailable(
+                f"no free connection within {self._timeout:g} s (SUBENGINE_CONNECT_TIMEOUT): "
+                f"all {self._pool_size} of the pool (SUBENGINE_POOL_MAX_SIZE) are in use"
+            )
+
+    def diagnosis_timeout(self) -> float:
+        """The connect timeout of the engine's own attempt that tells why."""
+        remaining = self._deadline - time.monotonic()
+        return max(0.1, min(remaining, _DIAGNOSIS_TIMEOUT_SECONDS))
+
+    def failed(self, error: psycopg.Error) -> None:
+        """The engine's own attempt failed too: raise what no retry fixes, or what lasted
+        past the deadline; otherwise say once (a warning, which reaches stderr even where
+        logging is not configured) that we wait."""
+        reason = safe_message(error, self._dsn)
+        if not may_succeed_later(error):
+            raise ConfigurationError(
+                f"cannot connect to PostgreSQL: {reason} (retrying cannot help: check "
+                "the DSN, the server's roles and databases, and pg_hba.conf)"
+            ) from error
+        if time.monotonic() >= self._deadline:
+            raise DatabaseUnavailable(
+                f"could not connect to PostgreSQL within {self._timeout:g} s "
+                f"(SUBENGINE_CONNECT_TIMEOUT): {reason}"
+            )
+        if not self._reported:
+            self._reported = True
+            logging.getLogger("subengine").warning(
+                "subengine: waiting for PostgreSQL, which does not accept connections "
+                "yet: %s; retrying for up to %g s (SUBENGINE_CONNECT_TIMEOUT)",
+                reason,
+                self._timeout,
+            )
+
+
+def connection_lost_error(error: psycopg.Error, dsn: str) -> DatabaseUnavailable | None:
+    """DatabaseUnavailable when `error`, raised inside an engine's call, says the
+    connection was lost (the server restarted, the backend was terminated)."""
+    if not connection_lost(error):
+        return None
+    return DatabaseUnavailable(
+        f"lost the connection to PostgreSQL: {safe_message(error, dsn)}; "
+        "nothing of this call committed unless the loss came during its commit"
+    )
 
 
 def psycopg_connection(

@@ -6,7 +6,6 @@ Thread-safe; close it (or use it as a context manager) to release its connection
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -26,13 +25,12 @@ from subengine._connection import (
     APPLICATION_NAME,
     PgConnection,
     PooledConnection,
+    PoolWait,
     connect,
     connect_options,
-    connection_lost,
+    connection_lost_error,
     dsn_problem,
-    may_succeed_later,
     one_line,
-    safe_message,
 )
 from subengine._cursor import Cursor
 from subengine._declarations import Start, Subscription
@@ -56,14 +54,6 @@ log = logging.getLogger("subengine")
 # application configured no logging they would all land on stderr; subengine reports the
 # failure once, as DatabaseUnavailable. Configured handlers still receive them.
 logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
-
-# How long to wait for one more connection attempt that explains a pool timeout.
-_DIAGNOSIS_TIMEOUT_SECONDS = 5
-# How long to wait for the pool before looking at why it has no connection; doubled after
-# every look up to the second value. The first is short, so that a wrong password fails,
-# and a server that is starting says so, within a second.
-_FIRST_LOOK_SECONDS = 0.5
-_LONGEST_LOOK_SECONDS = 4.0
 
 _announced_homes: set[str] = set()
 
@@ -152,13 +142,11 @@ class Engine:
             missing = schema_not_ready(error)
             if missing is not None:
                 raise missing from error
-            if not connection_lost(error):
+            unavailable = connection_lost_error(error, self.dsn)
+            if unavailable is None:
                 raise
             lost = True
-            raise DatabaseUnavailable(
-                f"lost the connection to PostgreSQL: {safe_message(error, self.dsn)}; "
-                "nothing of this call committed unless the loss came during its commit"
-            ) from error
+            raise unavailable from error
         finally:
             if isinstance(conn, PooledConnection):
                 self._pool.putconn(conn)
@@ -179,58 +167,23 @@ class Engine:
         retries with a growing back-off) still has nothing, the caller gets that fresh
         connection instead of waiting for the pool's next attempt.
         """
-        timeout = self.settings.connect_timeout
-        deadline = time.monotonic() + timeout
-        look = _FIRST_LOOK_SECONDS
-        reported = False
+        wait = PoolWait(self.dsn, self.settings.connect_timeout, self.settings.pool_max_size)
         while True:
             errors = self._pool.get_stats().get("connections_errors", 0)
             try:
-                conn = self._pool.getconn(timeout=max(0.0, min(look, deadline - time.monotonic())))
+                conn = self._pool.getconn(timeout=wait.look())
             except PoolTimeout:
                 pass
             else:
                 self._pool_errors_seen = errors
                 return conn
-            look = min(2 * look, _LONGEST_LOOK_SECONDS)
             if self._pool.get_stats().get("connections_errors", 0) == self._pool_errors_seen:
-                # The pool connects fine; its connections are all in use (or one is on its
-                # way): wait for one rather than open more than SUBENGINE_POOL_MAX_SIZE.
-                if time.monotonic() >= deadline:
-                    raise DatabaseUnavailable(
-                        f"no free connection within {timeout:g} s (SUBENGINE_CONNECT_TIMEOUT): "
-                        f"all {self.settings.pool_max_size} of the pool "
-                        "(SUBENGINE_POOL_MAX_SIZE) are in use"
-                    )
+                wait.pool_busy()  # or one connection is on its way
                 continue
             try:
-                return self._direct_connection(deadline)
+                return connect(self.dsn, wait.diagnosis_timeout(), schema=self.schema)
             except psycopg.Error as error:
-                reason = safe_message(error, self.dsn)
-                if not may_succeed_later(error):
-                    raise ConfigurationError(
-                        f"cannot connect to PostgreSQL: {reason} (retrying cannot help: check "
-                        "the DSN, the server's roles and databases, and pg_hba.conf)"
-                    ) from error
-            if time.monotonic() >= deadline:
-                raise DatabaseUnavailable(
-                    f"could not connect to PostgreSQL within {timeout:g} s "
-                    f"(SUBENGINE_CONNECT_TIMEOUT): {reason}"
-                )
-            if not reported:
-                reported = True
-                # A warning reaches stderr even where logging is not configured.
-                log.warning(
-                    "subengine: waiting for PostgreSQL, which does not accept connections "
-                    "yet: %s; retrying for up to %g s (SUBENGINE_CONNECT_TIMEOUT)",
-                    reason,
-                    timeout,
-                )
-
-    def _direct_connection(self, deadline: float) -> PgConnection:
-        remaining = deadline - time.monotonic()
-        timeout = max(0.1, min(remaining, _DIAGNOSIS_TIMEOUT_SECONDS))
-        return connect(self.dsn, timeout, schema=self.schema)
+                wait.failed(error)
 
     def connect(
         self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False
