@@ -111,6 +111,7 @@ def table(records: Sequence[Record], shown: Sequence[Column], title: str | None 
     """A rich table of `records`: framed under `title`, or plain columns without one."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     if title is None:
         result = Table(box=None, pad_edge=False, padding=(0, 2, 0, 0), header_style="bold")
@@ -120,7 +121,8 @@ def table(records: Sequence[Record], shown: Sequence[Column], title: str | None 
         result.add_column(column.header, overflow="fold")
     for record in records:
         values = fields_of(record)
-        result.add_row(*(column.shown(values.get(column.field)) for column in shown))
+        # Text, not str: keys, data and errors are users' text, never rich markup
+        result.add_row(*(Text(column.shown(values.get(column.field))) for column in shown))
     return result
 
 

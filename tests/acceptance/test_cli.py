@@ -226,3 +226,15 @@ def test_a_bad_reset_changes_nothing(
     assert result.returncode == status
     assert message in result.stderr
     assert subscription_rows(sql) == before
+
+
+def test_stored_text_that_looks_like_markup_is_printed_as_it_is(
+    cli_env: dict[str, str], engine: subengine.Engine, orders: str
+) -> None:
+    # keys, data and errors are the users' text: a table shows them, never interprets them
+    engine.append("orders", [subengine.NewEvent("[b]k", "T", {"p": "[/x]", "q": "[red]y"})])
+    result = run(cli_env, "read", "orders")
+    assert result.returncode == 0
+    assert "[b]k" in result.stdout
+    assert '"[/x]"' in result.stdout
+    assert '"[red]y"' in result.stdout
