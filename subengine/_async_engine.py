@@ -169,6 +169,8 @@ class AsyncEngine:
         )
 
     async def _listening_connection(self) -> psycopg.AsyncConnection[Any]:
+        if self._closed:
+            raise DatabaseUnavailable("this AsyncEngine is closed")
         return await self.connect(application_name=LISTENER_APPLICATION_NAME, autocommit=True)
 
     # streams

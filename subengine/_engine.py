@@ -47,7 +47,7 @@ from subengine._records import (
 from subengine._settings import Settings
 from subengine._sql import SQL, Db
 from subengine._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
-from subengine._tail import Tail
+from subengine._tail import Tail, close_listener
 
 log = logging.getLogger("subengine")
 # The pool logs every failed connection attempt, from a background thread. Where the
@@ -114,7 +114,8 @@ class Engine:
             )
 
     def close(self) -> None:
-        """Close every connection of the pool."""
+        """End its tails, stop their listener and close every connection of the pool."""
+        close_listener(self)
         self._pool.close()
 
     def __enter__(self) -> Engine:

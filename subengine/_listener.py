@@ -18,13 +18,13 @@ import asyncio
 import json
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
 
 from subengine._connection import one_line
+from subengine._errors import DatabaseUnavailable
 from subengine._sql import SQL, Query
 
 log = logging.getLogger("subengine")
@@ -151,9 +151,22 @@ class _Inboxes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_stream: dict[str, set[Inbox]] = {}
+        self._closed = False
 
     def _add(self, inbox: Inbox) -> None:
+        # under the lock
+        if self._closed:
+            raise DatabaseUnavailable("the engine of this tail is closed")
         self._by_stream.setdefault(inbox.stream, set()).add(inbox)
+
+    def _close_inboxes(self) -> None:
+        """Refuse new tails and end every registered one (the listener then stops)."""
+        with self._lock:
+            self._closed = True
+            inboxes = [inbox for found in self._by_stream.values() for inbox in found]
+            self._by_stream.clear()
+        for inbox in inboxes:
+            inbox.close()
 
     def unregister(self, inbox: Inbox) -> None:
         """Stop delivering to `inbox` (the listener stops once no inbox is left)."""
@@ -207,6 +220,7 @@ class Listener(_Inboxes):
         self._connect = connect
         self._sql = sql
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()  # cuts a wait before reconnecting short
 
     def register(self, stream: str) -> ThreadInbox:
         """A new inbox for a tail of `stream`; starts the listener if it is not running."""
@@ -227,6 +241,15 @@ class Listener(_Inboxes):
                 return False
             return True
 
+    def close(self) -> None:
+        """End every tail, refuse new ones, and stop listening."""
+        self._close_inboxes()
+        self._stopped.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=4 * _CHECK_SECONDS)
+
     def _run(self) -> None:
         delay = _FIRST_RECONNECT_SECONDS
         while self._needed():
@@ -241,7 +264,7 @@ class Listener(_Inboxes):
                             self.deliver(notification.payload)
             except Exception as error:
                 _failed(error, delay)
-                time.sleep(delay)
+                self._stopped.wait(delay)
                 delay = min(2 * delay, _LONGEST_RECONNECT_SECONDS)
             else:
                 return
@@ -278,17 +301,18 @@ class AsyncListener(_Inboxes):
             return True
 
     async def close(self) -> None:
-        """Stop listening now, whoever is registered."""
-        task, self._task = self._task, None
+        """End every tail, refuse new ones, and stop listening now."""
+        self._close_inboxes()
+        with self._lock:
+            task, self._task = self._task, None
         if task is not None:
             task.cancel()
             try:
                 await task
             except asyncio.CancelledError:
-                pass
-        for inbox in self._all():
-            self.unregister(inbox)
-            inbox.close()
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the close itself was cancelled, not only the listener
 
     async def _run(self) -> None:
         delay = _FIRST_RECONNECT_SECONDS

@@ -186,6 +186,19 @@ def listener_of(engine: SyncSource) -> Listener:
         return listener
 
 
+def close_listener(engine: SyncSource) -> None:
+    """End the tails of `engine` and stop its listener; later tails are refused."""
+    with _listeners_lock:
+        listener = _listeners.get(engine)
+        if listener is None:  # none yet: a closed one, so that no tail starts one
+            listener = _listeners[engine] = Listener(_refuse_connecting, engine.sql)
+    listener.close()
+
+
+def _refuse_connecting() -> psycopg.Connection[Any]:
+    raise DatabaseUnavailable("the engine of this tail is closed")
+
+
 class AsyncSource(Protocol):
     """What an async tail needs of its engine (`AsyncEngine` is one)."""
 
@@ -256,7 +269,7 @@ class Tail:
         """The next event; None when `timeout` seconds passed first, or the tail closed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         state = self._state
-        while not self._closed:
+        while not self._closed and not self._inbox.closed:
             event = state.next_event()
             if event is not None:
                 return event

@@ -398,3 +398,46 @@ def test_the_readme_examples_run(heading: str, cli_env: dict[str, str], tmp_path
         assert (cursor.stream, sum(cursor.positions)) == ("shipments", 3)
     else:
         assert sum(ast.literal_eval(last).values()) == 2
+
+
+def test_closing_the_engine_ends_its_tails_and_their_listening_connection(
+    settings: subengine.Settings, sql: psycopg.Connection[Any]
+) -> None:
+    engine = subengine.Engine(settings=settings)
+    engine.create_stream("orders", partitions=4)
+    tail = engine.tail("orders")
+    ended = threading.Event()
+
+    def iterate() -> None:
+        for _ in tail:
+            pass
+        ended.set()  # the iteration ended, as the close must make it
+
+    threading.Thread(target=iterate, daemon=True).start()
+    wait_for(lambda: listener_pids(sql), "the listener")
+    engine.close()
+    wait_for(ended.is_set, "the iteration to end with the engine")
+    wait_for(lambda: not listener_pids(sql), "the listener to stop with the engine")
+    with pytest.raises(subengine.DatabaseUnavailable, match="closed"):
+        engine.tail("orders")
+
+
+def test_closing_an_async_engine_leaves_no_listening_connection_behind(
+    settings: subengine.Settings, sql: psycopg.Connection[Any]
+) -> None:
+    async def scenario() -> None:
+        engine = subengine.AsyncEngine(settings=settings)
+        await engine.create_stream("orders", partitions=4)
+        tail = engine.tail("orders")
+        assert await tail.next_event(timeout=0.05) is None
+        await engine.close()
+        late = engine.tail("orders")  # made after the close: refused when first used
+        with pytest.raises(subengine.DatabaseUnavailable, match="closed"):
+            await late.next_event(timeout=0.05)
+        # Still inside the event loop, whose end would close whatever was left open: give
+        # a listener the refused tail might have started the time to connect, then look.
+        for _ in range(10):
+            await asyncio.sleep(0.1)
+            assert listener_pids(sql) == [], "a listening connection outlived the close"
+
+    asyncio.run(scenario())
