@@ -78,6 +78,7 @@ class TailState:
         self._known: dict[int, int] = {}  # committed heads learnt, per partition
         self.look_at_heads = True  # read every head before trusting `_known`
         self._unread: deque[Event] = deque()
+        self._read_last = -1  # the partition read last
 
     @property
     def cursor(self) -> Cursor:
@@ -124,20 +125,32 @@ class TailState:
 
     def behind(self) -> list[int]:
         """The partitions with a known head past the cursor, to read now (none while
-        events read earlier are still to be delivered)."""
-        if self._unread or self.partitions is None:
+        events read earlier are still to be delivered), from the one after the partition
+        read last, so that a busy partition cannot keep the others waiting."""
+        partitions = self.partitions
+        if self._unread or partitions is None:
             return []
-        return [
-            p
-            for p, head in self._known.items()
-            if p < self.partitions and head > self._positions[p]  # not of an older stream
-        ]
+        start = self._read_last + 1
+        return sorted(
+            (
+                p
+                for p, head in self._known.items()
+                if p < partitions and head > self._positions[p]  # not of an older stream
+            ),
+            key=lambda p: (p - start) % partitions,
+        )
+
+    def full(self) -> bool:
+        """Whether enough events wait to be delivered to stop reading for now: a tail
+        far behind holds about one read's worth, however many partitions are behind."""
+        return len(self._unread) >= self.read_limit
 
     def read_query(self, partition: int) -> Query[list[Event]]:
         return _read.read_after(self.stream, partition, self._positions[partition], self.read_limit)
 
     def read(self, partition: int, events: list[Event]) -> None:
         """What a read of `partition` after the cursor gave."""
+        self._read_last = partition
         self._unread.extend(events)
         if len(events) < self.read_limit:
             # everything committed up to the read: the head is its last event (the same
@@ -294,6 +307,8 @@ class Tail:
                 self._next_poll = time.monotonic() + self._poll_interval
                 state.learn_all(sql.run(conn, state.heads_query()))
             for partition in state.behind():
+                if state.full():
+                    break
                 state.read(partition, sql.run(conn, state.read_query(partition)))
 
 
@@ -381,4 +396,6 @@ class AsyncTail:
                 self._next_poll = time.monotonic() + self._poll_interval
                 state.learn_all(await sql.run_async(conn, state.heads_query()))
             for partition in state.behind():
+                if state.full():
+                    break
                 state.read(partition, await sql.run_async(conn, state.read_query(partition)))

@@ -441,3 +441,24 @@ def test_closing_an_async_engine_leaves_no_listening_connection_behind(
             assert listener_pids(sql) == [], "a listening connection outlived the close"
 
     asyncio.run(scenario())
+
+
+def test_a_tail_far_behind_holds_about_one_read_of_events_not_one_per_partition(
+    dsn: str,
+) -> None:
+    settings = subengine.Settings(dsn=dsn, poll_interval=RARE_POLL, read_limit=7)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("wide", 16)
+        events = [NewEvent(f"k{n}", "Happened", {}) for n in range(320)]
+        engine.append("wide", events)
+        heads = engine.heads("wide")
+        with engine.tail("wide") as tail:
+            first = tail.next_event(timeout=10)
+            assert first is not None
+            # held: what the first pull read, less the event given
+            assert len(tail._state._unread) < settings.read_limit
+            seen = [first, *drain(tail, 319)]
+        assert sorted((e.partition, e.position) for e in seen) == sorted(
+            (p, n) for p, head in heads.items() for n in range(1, head + 1)
+        )
+        assert tail.cursor.positions == tuple(heads[p] for p in range(16))
