@@ -75,9 +75,7 @@ class AsyncEngine:
             min_size=self.settings.pool_min_size,
             max_size=self.settings.pool_max_size,
             timeout=self.settings.connect_timeout,
-            kwargs=connect_options(
-                self.settings.connect_timeout, APPLICATION_NAME, schema=self.schema, dsn=self.dsn
-            ),
+            kwargs=connect_options(self.settings.connect_timeout, APPLICATION_NAME),
             name="subengine-async",
             open=False,
         )
@@ -151,7 +149,7 @@ class AsyncEngine:
                 wait.pool_busy()  # or one connection is on its way
                 continue
             try:
-                return await connect_async(self.dsn, wait.diagnosis_timeout(), schema=self.schema)
+                return await connect_async(self.dsn, wait.diagnosis_timeout())
             except psycopg.Error as error:
                 wait.failed(error)
 
@@ -165,7 +163,6 @@ class AsyncEngine:
             self.settings.connect_timeout,
             application_name=application_name,
             autocommit=autocommit,
-            schema=self.schema,
         )
 
     async def _listening_connection(self) -> psycopg.AsyncConnection[Any]:

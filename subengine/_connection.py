@@ -2,11 +2,12 @@
 
 `connect` is the one place subengine opens a connection of its own (the engine's pool
 opens its connections with the same options): every one carries a connect timeout (an
-unreachable host fails instead of hanging), an application name (the status views and
-`pg_stat_activity` tell subengine's connections apart) and, given one, the schema it
-serves as the session setting `subengine.schema`. The schema is not put on the
-search_path: handlers run on these connections, and their unqualified names must resolve
-as the application expects.
+unreachable host fails instead of hanging) and an application name (the status views and
+`pg_stat_activity` tell subengine's connections apart). Nothing else is set on the
+session: the schema is in every statement the SQL layer renders, never on the
+search_path (handlers run on these connections, and their unqualified names must resolve
+as the application expects), and the `options` the DSN, a service file or PGOPTIONS give
+stay in force (an `options` keyword of ours would replace them, and PgBouncer refuses it).
 
 A DSN holds a password, and libpq quotes pieces of the DSN in its messages. Every message
 that leaves this module names no secret: see `dsn_problem` and `connect`. The errors
@@ -23,7 +24,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import re
 import socket
 import time
@@ -47,35 +47,13 @@ _HIDDEN = "(hidden)"
 _QUOTED = re.compile(r'"[^"]*"|\'[^\']*\'')
 
 
-def connect_options(
-    connect_timeout: float,
-    application_name: str,
-    *,
-    schema: str | None = None,
-    dsn: str = "",
-) -> dict[str, Any]:
-    """The libpq options every connection of subengine carries (a pool's `kwargs`); with
-    `schema`, the session setting `subengine.schema`, added to the options `dsn` (or else
-    PGOPTIONS) already gives."""
+def connect_options(connect_timeout: float, application_name: str) -> dict[str, Any]:
+    """The libpq options every connection of subengine carries (a pool's `kwargs`)."""
     # libpq's connect_timeout is whole seconds, at least 2 (smaller values mean 2)
-    options: dict[str, Any] = {
+    return {
         "connect_timeout": max(2, math.ceil(connect_timeout)),
         "application_name": application_name,
     }
-    if schema is not None:
-        options["options"] = " ".join(
-            part for part in (_given_options(dsn), f"-c subengine.schema={schema}") if part
-        )
-    return options
-
-
-def _given_options(dsn: str) -> str:
-    # an `options` keyword replaces the DSN's and PGOPTIONS: keep what they say
-    try:
-        given = conninfo_to_dict(dsn).get("options")
-    except psycopg.ProgrammingError:
-        given = None  # psycopg.connect reports the malformed DSN
-    return str(given if given is not None else os.environ.get("PGOPTIONS", "")).strip()
 
 
 def connect(
@@ -84,15 +62,14 @@ def connect(
     *,
     application_name: str = APPLICATION_NAME,
     autocommit: bool = False,
-    schema: str | None = None,
 ) -> PgConnection:
     """A new connection to `dsn` that gives up after `connect_timeout` seconds, named
-    `application_name`, serving `schema` (see the module's documentation).
+    `application_name`.
 
     A failure raises the psycopg error libpq gave (OperationalError; ProgrammingError for
     a malformed DSN), its message stripped of the DSN's secrets.
     """
-    options = connect_options(connect_timeout, application_name, schema=schema, dsn=dsn)
+    options = connect_options(connect_timeout, application_name)
     return _opened(lambda: psycopg.connect(dsn, autocommit=autocommit, **options), dsn)
 
 
@@ -379,11 +356,10 @@ async def connect_async(
     *,
     application_name: str = APPLICATION_NAME,
     autocommit: bool = False,
-    schema: str | None = None,
 ) -> psycopg.AsyncConnection[Any]:
     """`connect` for asyncio: a new `AsyncConnection` with the same options, whose
     errors name no secret of `dsn` either."""
-    options = connect_options(connect_timeout, application_name, schema=schema, dsn=dsn)
+    options = connect_options(connect_timeout, application_name)
     try:
         return await psycopg.AsyncConnection.connect(dsn, autocommit=autocommit, **options)
     except psycopg.Error as error:

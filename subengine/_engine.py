@@ -94,9 +94,7 @@ class Engine:
             min_size=self.settings.pool_min_size,
             max_size=self.settings.pool_max_size,
             timeout=self.settings.connect_timeout,
-            kwargs=connect_options(
-                self.settings.connect_timeout, APPLICATION_NAME, schema=self.schema, dsn=self.dsn
-            ),
+            kwargs=connect_options(self.settings.connect_timeout, APPLICATION_NAME),
             name="subengine",
             open=True,
         )
@@ -182,7 +180,7 @@ class Engine:
                 wait.pool_busy()  # or one connection is on its way
                 continue
             try:
-                return connect(self.dsn, wait.diagnosis_timeout(), schema=self.schema)
+                return connect(self.dsn, wait.diagnosis_timeout())
             except psycopg.Error as error:
                 wait.failed(error)
 
@@ -196,7 +194,6 @@ class Engine:
             self.settings.connect_timeout,
             application_name=application_name,
             autocommit=autocommit,
-            schema=self.schema,
         )
 
     # schema

@@ -48,12 +48,12 @@ APPLICATION_NAME = "subengine migrate"
 
 
 def connect_factory(
-    dsn: str, connect_timeout: float, schema: str | None = None
+    dsn: str, connect_timeout: float
 ) -> Callable[[], psycopg.Connection[tuple[object, ...]]]:
     """A connection factory SQLAlchemy can use, for any DSN psycopg accepts."""
 
     def factory() -> psycopg.Connection[tuple[object, ...]]:
-        return connect(dsn, connect_timeout, application_name=APPLICATION_NAME, schema=schema)
+        return connect(dsn, connect_timeout, application_name=APPLICATION_NAME)
 
     return factory
 
@@ -69,7 +69,7 @@ def upgrade(dsn: str, schema: str, connect_timeout: float) -> None:
     config = _config(schema)
     engine = create_engine(
         "postgresql+psycopg://",
-        creator=connect_factory(dsn, connect_timeout, schema),
+        creator=connect_factory(dsn, connect_timeout),
         poolclass=NullPool,
     )
     try:
@@ -144,7 +144,7 @@ def current_revision(dsn: str, schema: str, connect_timeout: float) -> str | Non
     revision = Query(
         "schema_revision", {}, lambda result: str(result.rows[0][0]) if result.rows else None
     )
-    with connect(dsn, connect_timeout, application_name=APPLICATION_NAME, schema=schema) as conn:
+    with connect(dsn, connect_timeout, application_name=APPLICATION_NAME) as conn:
         if not queries.run(conn, exists):
             return None
         return queries.run(conn, revision)

@@ -91,7 +91,7 @@ def connect(dsn: str, schema: str) -> Iterator[Db]:
     """A new connection with the queries of `schema`, in a transaction that commits when
     the block ends; the data source opens one per task or driver call."""
     with _connection.connect(
-        dsn, Settings.from_env().connect_timeout, application_name="subengine-spark", schema=schema
+        dsn, Settings.from_env().connect_timeout, application_name="subengine-spark"
     ) as conn:
         yield Db(conn, SQL(schema))
 

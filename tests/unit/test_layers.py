@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-from subengine._connection import connect_options
-
 PACKAGE = ROOT / "subengine"
 
 # Lower layers first; a module may import only from its own layer or those below it.
@@ -222,13 +220,3 @@ def test_only_the_connection_module_opens_connections() -> None:
         if _dotted(call.func) in opening
     ]
     assert outside == []
-
-
-def test_connections_carry_the_schema_and_keep_the_options_the_dsn_gives() -> None:
-    options = connect_options(3, "subengine", schema="events", dsn="options='-c work_mem=8MB'")
-    assert options == {
-        "connect_timeout": 3,
-        "application_name": "subengine",
-        "options": "-c work_mem=8MB -c subengine.schema=events",
-    }
-    assert "options" not in connect_options(3, "subengine")
