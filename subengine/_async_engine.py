@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from subengine import _embedded, _read, _streams
+from subengine import _read, _streams
 from subengine._append import ExpectedVersion, append_events, prepare, schema_not_ready
 from subengine._connection import (
     APPLICATION_NAME,
@@ -26,10 +26,10 @@ from subengine._connection import (
     connect_async,
     connect_options,
     connection_lost_error,
-    dsn_problem,
 )
 from subengine._cursor import Cursor
-from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
+from subengine._engine import configured
+from subengine._errors import DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
 from subengine._listener import AsyncListener
 from subengine._settings import Settings
@@ -53,18 +53,8 @@ class AsyncEngine:
         schema: str | None = None,
         settings: Settings | None = None,
     ) -> None:
-        base = settings or Settings.from_env()
-        changes = {k: v for k, v in {"dsn": dsn, "schema": schema}.items() if v is not None}
-        self.settings = base.with_changes(**changes) if changes else base
+        self.settings, self.dsn = configured(dsn, schema, settings)
         self.embedded = self.settings.dsn is None
-        if self.settings.dsn is None:
-            # starts (or finds) the server; Engine says so once per process already
-            self.dsn = _embedded.embedded_url(self.settings.home)
-        else:
-            self.dsn = self.settings.dsn
-            problem = dsn_problem(self.dsn)
-            if problem is not None:
-                raise ConfigurationError(f"invalid DSN: {problem}")
         self.schema = self.settings.schema
         self.sql = SQL(self.schema)
         self._closed = False

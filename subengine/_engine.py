@@ -58,6 +58,34 @@ logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
 _announced_homes: set[str] = set()
 
 
+def configured(
+    dsn: str | None, schema: str | None, settings: Settings | None
+) -> tuple[Settings, str]:
+    """The settings an engine runs with and the DSN it connects to: the given DSN once it
+    parses, or the embedded PostgreSQL's, which it starts (or finds) and announces once per
+    data directory and process."""
+    base = settings or Settings.from_env()
+    changes = {k: v for k, v in {"dsn": dsn, "schema": schema}.items() if v is not None}
+    settings = base.with_changes(**changes) if changes else base
+    if settings.dsn is not None:
+        problem = dsn_problem(settings.dsn)
+        if problem is not None:
+            raise ConfigurationError(f"invalid DSN: {problem}")
+        return settings, settings.dsn
+    url = _embedded.embedded_url(settings.home)
+    # A warning, so that it reaches stderr even where logging is not configured: a
+    # production deployment that forgot SUBENGINE_DSN should notice.
+    home = str(settings.home.expanduser().resolve())
+    if home not in _announced_homes:
+        _announced_homes.add(home)
+        log.warning(
+            "subengine: no SUBENGINE_DSN or dsn given; using the embedded PostgreSQL in %s "
+            "(stop it with `subengine db stop`)",
+            home,
+        )
+    return settings, url
+
+
 class Engine:
     """Streams in one PostgreSQL database and schema.
 
@@ -72,18 +100,8 @@ class Engine:
         schema: str | None = None,
         settings: Settings | None = None,
     ) -> None:
-        base = settings or Settings.from_env()
-        changes = {k: v for k, v in {"dsn": dsn, "schema": schema}.items() if v is not None}
-        self.settings = base.with_changes(**changes) if changes else base
+        self.settings, self.dsn = configured(dsn, schema, settings)
         self.embedded = self.settings.dsn is None
-        if self.settings.dsn is None:
-            self.dsn = _embedded.embedded_url(self.settings.home)
-            self._announce_embedded()
-        else:
-            self.dsn = self.settings.dsn
-            problem = dsn_problem(self.dsn)
-            if problem is not None:
-                raise ConfigurationError(f"invalid DSN: {problem}")
         self.schema = self.settings.schema
         self.sql = SQL(self.schema)
         # the pool's count of failed connection attempts when it last gave a connection
@@ -98,18 +116,6 @@ class Engine:
             name="subengine",
             open=True,
         )
-
-    def _announce_embedded(self) -> None:
-        # A warning, so that it reaches stderr even where logging is not configured: a
-        # production deployment that forgot SUBENGINE_DSN should notice. Once per process.
-        home = str(self.settings.home.expanduser().resolve())
-        if home not in _announced_homes:
-            _announced_homes.add(home)
-            log.warning(
-                "subengine: no SUBENGINE_DSN or dsn given; using the embedded PostgreSQL in %s "
-                "(stop it with `subengine db stop`)",
-                home,
-            )
 
     def close(self) -> None:
         """End its tails, stop their listener and close every connection of the pool."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,3 +66,22 @@ def test_engine_without_dsn_uses_the_embedded_server(tmp_path: Path) -> None:
             assert engine.append("s", [subengine.NewEvent("k", "T", {})])[0].position == 1
     finally:
         _embedded.stop_embedded(tmp_path / "home")
+
+
+def test_an_async_engine_without_dsn_says_it_uses_the_embedded_server(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # an async-only application (no sync Engine to say it) must notice a forgotten DSN too
+    home = tmp_path / "home"
+    settings = subengine.Settings(home=home)
+
+    async def scenario() -> None:
+        async with subengine.AsyncEngine(settings=settings) as engine:
+            assert engine.embedded
+
+    try:
+        with caplog.at_level("WARNING", logger="subengine"):
+            asyncio.run(scenario())
+        assert f"using the embedded PostgreSQL in {home.resolve()}" in caplog.text
+    finally:
+        _embedded.stop_embedded(home)
