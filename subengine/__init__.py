@@ -109,7 +109,8 @@ def migration_sql(schema: str = "subengine") -> str:
     return _migrate.upgrade_sql(schema)
 
 
-def stop_embedded(home: str | PathLike[str] = ".subengine") -> bool:
-    """Stop the embedded PostgreSQL whose data is in `home` (SUBENGINE_HOME), the one an
-    Engine without a DSN starts; False if none was running there."""
-    return _embedded.stop_embedded(Path(home))
+def stop_embedded(home: str | PathLike[str] | None = None) -> bool:
+    """Stop the embedded PostgreSQL whose data is in `home` (default: SUBENGINE_HOME, else
+    .subengine), the one an Engine without a DSN starts; False if none was running there."""
+    folder = Settings.from_env().home if home is None else Path(home)
+    return _embedded.stop_embedded(folder.expanduser())

@@ -25,7 +25,8 @@ import psycopg
 
 from subengine._connection import one_line
 from subengine._errors import DatabaseUnavailable
-from subengine._sql import SQL, Query
+from subengine._sql import SQL
+from subengine._streams import listen
 
 log = logging.getLogger("subengine")
 
@@ -34,8 +35,6 @@ _CHECK_SECONDS = 0.25
 # The wait before the first reconnection after an error; doubled up to the longest.
 _FIRST_RECONNECT_SECONDS = 0.1
 _LONGEST_RECONNECT_SECONDS = 5.0
-
-LISTEN = Query[Any]("listen")
 
 
 class Inbox:
@@ -255,7 +254,7 @@ class Listener(_Inboxes):
         while self._needed():
             try:
                 with self._connect() as conn:
-                    self._sql.run(conn, LISTEN)
+                    self._sql.run(conn, listen())
                     delay = _FIRST_RECONNECT_SECONDS
                     # anything committed while no connection listened: pull again
                     self.resync_all()
@@ -319,7 +318,7 @@ class AsyncListener(_Inboxes):
         while self._needed():
             try:
                 async with await self._connect() as conn:
-                    await self._sql.run_async(conn, LISTEN)
+                    await self._sql.run_async(conn, listen())
                     delay = _FIRST_RECONNECT_SECONDS
                     self.resync_all()
                     while self._needed():

@@ -58,9 +58,6 @@ _RECONNECT_DELAY_SECONDS = 1.0
 _LISTEN_CHECK_SECONDS = 0.25
 
 
-__all__ = ["Worker", "lock_key"]
-
-
 class _Wakeup:
     """A counter of notifications that idle slots wait on; no wake-up is lost between
     a slot's look for work and its wait, because it waits only if the count is unchanged."""
