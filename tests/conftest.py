@@ -4,8 +4,9 @@ The server is started only when a test asks for a database, so the unit tier nev
 one. By default that is an embedded PostgreSQL (pgserver) in a temporary directory, one
 per pytest process (each xdist worker has its own); with SUBENGINE_TEST_DSN set it is that
 server instead. pytest-postgresql's no-process mode then gives each test a fresh database
-cloned from a template that subengine's migrations have already been applied to; under
-xdist both names carry the worker's id, so workers sharing one server never meet.
+cloned from a template that subengine's migrations have already been applied to; both
+names carry a random tag of the pytest process (and under xdist the worker's id), so
+workers and whole sessions sharing one server never meet.
 
 Every test under acceptance/ is marked `slow`. Plain helpers live in helpers.py.
 """
@@ -25,6 +26,7 @@ from helpers import (  # noqa: F401  (re-exported for tests that still import fr
     APPS,
     PYTHON,
     README,
+    SESSION_TAG,
     Proxy,
     run_subengine,
     run_subengine_until,
@@ -83,8 +85,10 @@ def migrate_template(
     _migrate.upgrade(dsn, "subengine", subengine.Settings().connect_timeout)
 
 
-_migrated_template = factories.postgresql_noproc(dbname="subengine_tests", load=[migrate_template])
-_blank_template = factories.postgresql_noproc(dbname="subengine_blank")
+_migrated_template = factories.postgresql_noproc(
+    dbname=f"subengine_tests_{SESSION_TAG}_", load=[migrate_template]
+)
+_blank_template = factories.postgresql_noproc(dbname=f"subengine_blank_{SESSION_TAG}_")
 
 
 @pytest.fixture(scope="session")

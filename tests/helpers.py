@@ -8,6 +8,7 @@ Fixtures live in conftest.py; plain functions and classes live here, imported by
 
 from __future__ import annotations
 
+import secrets
 import socket
 import subprocess
 import sys
@@ -31,6 +32,9 @@ APPS = TESTS / "apps"
 README = ROOT / "README.md"
 PYTHON = sys.executable
 PASSWORD = "Tr0ub4dor-Sekrit"  # distinctive, so that any echo of it shows
+# Part of every database name this pytest process creates, so that sessions sharing one
+# server (two checkouts, CI beside a developer) never drop or reuse each other's databases.
+SESSION_TAG = secrets.token_hex(4)
 
 
 def snapshot(sql: psycopg.Connection[Any]) -> tuple[Any, ...]:

@@ -3,9 +3,9 @@
 How the tests reach a database: Spark's Python workers inherit the environment of the
 JVM, which is fixed when the SparkSession starts, so the per-test databases of conftest.py
 cannot reach them. These tests instead create one database of their own, once, on the same
-server (`subengine_spark_tests`, dropped and migrated afresh), put its DSN in the variable
-SUBENGINE_SPARK_TEST_DSN before the session starts, and pass that name as the `dsnEnv`
-option. Every test uses streams of its own, with unique names. The one SparkSession,
+server (`subengine_spark_tests_<tag>`, tagged like conftest's, dropped afterwards), put its
+DSN in the variable SUBENGINE_SPARK_TEST_DSN before the session starts, and pass that name
+as the `dsnEnv` option. Every test uses streams of its own, with unique names. The one SparkSession,
 local[2] with up to 2 attempts per task, is shared by every test of the session.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SESSION_TAG
 from psycopg.conninfo import make_conninfo
 from psycopg.sql import SQL, Identifier
 from pytest_postgresql.executors import NoopExecutor
@@ -71,7 +71,7 @@ from subengine.spark._source import (  # noqa: E402
 
 DSN_ENV = "SUBENGINE_SPARK_TEST_DSN"
 LOCAL_DIR_ENV = "SUBENGINE_SPARK_TEST_LOCAL_DIR"
-DATABASE = "subengine_spark_tests"
+DATABASE = f"subengine_spark_tests_{SESSION_TAG}"
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # The injected-failure data sources below are pickled by value: Spark's Python workers
