@@ -35,6 +35,9 @@ PASSWORD = "Tr0ub4dor-Sekrit"  # distinctive, so that any echo of it shows
 # Part of every database name this pytest process creates, so that sessions sharing one
 # server (two checkouts, CI beside a developer) never drop or reuse each other's databases.
 SESSION_TAG = secrets.token_hex(4)
+# JVM options for the tests' short Spark jobs: the quick (C1) compiler only and the serial
+# collector spend far less CPU on a job that lasts seconds, and change no result.
+JIT_LIGHT = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 def snapshot(sql: psycopg.Connection[Any]) -> tuple[Any, ...]:
