@@ -69,6 +69,21 @@ def record(event: subengine.Event, conn: Any) -> None:
     )
 
 
+def poisoned_app(stream: str, poison: subengine.Appended, **options: Any) -> subengine.App:
+    """Subscription billing of `stream` (with `options`), recording every event but
+    `poison`, which raises."""
+    app = subengine.App()
+    sub = app.subscription("billing", stream=stream, **options)
+
+    @sub.handler()
+    def handle(event: subengine.Event, conn: Any) -> None:
+        if event.id == poison.id:
+            raise ValueError("cannot handle this one")
+        record(event, conn)
+
+    return app
+
+
 def generator_handler(event: subengine.Event, conn: Any) -> Iterator[None]:
     """A handler that is a generator function: records, then yields."""
     record(event, conn)

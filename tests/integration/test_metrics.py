@@ -19,6 +19,7 @@ from helpers import (
     expected_lag,
     free_port,
     lag_gauges,
+    poisoned_app,
     record,
     scrape,
     value,
@@ -27,7 +28,6 @@ from helpers import (
 
 import subengine
 from subengine import NewEvent, _metrics
-from subengine._declarations import OnError
 from subengine._logging import JsonFormatter
 from subengine._metrics import Progress
 
@@ -63,27 +63,6 @@ def failed_batches(
     return attempts if alone else attempts + 1
 
 
-def poisoned_app(
-    poison: subengine.Appended, on_error: OnError, max_attempts: int = 3, batch_size: int = 7
-) -> subengine.App:
-    app = subengine.App()
-    sub = app.subscription(
-        "billing",
-        stream="orders",
-        batch_size=batch_size,
-        on_error=on_error,
-        max_attempts=max_attempts,
-    )
-
-    @sub.handler()
-    def handle(event: subengine.Event, conn: Any) -> None:
-        if event.id == poison.id:
-            raise ValueError("cannot handle this one")
-        record(event, conn)
-
-    return app
-
-
 # the metrics endpoint
 
 
@@ -93,7 +72,11 @@ def test_the_counters_equal_the_events_handled_and_the_lag_gauges_head_minus_pos
     stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
     poison = first_of_a_partition(stored)  # its partition stops there and keeps a lag
     port = free_port()
-    with Running(poisoned_app(poison, "stop"), metered_engine, metrics_port=port):
+    with Running(
+        poisoned_app("orders", poison, batch_size=7, max_attempts=3, on_error="stop"),
+        metered_engine,
+        metrics_port=port,
+    ):
         wait_for(
             lambda: any(p.stopped for p in metered_engine.subscription_positions("billing")),
             what="the poison's partition to stop",
@@ -136,7 +119,7 @@ def test_a_dead_lettered_event_is_counted(
     poison = first_of_a_partition(stored)
     port = free_port()
     with Running(
-        poisoned_app(poison, "dead_letter", max_attempts=2),
+        poisoned_app("orders", poison, batch_size=7, max_attempts=2, on_error="dead_letter"),
         metered_engine,
         metrics_port=port,
     ):
@@ -307,7 +290,10 @@ def test_json_log_lines_carry_the_structured_fields(
 ) -> None:
     stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(12)])
     poison = first_of_a_partition(stored)
-    with Running(poisoned_app(poison, "dead_letter", max_attempts=2), metered_engine):
+    with Running(
+        poisoned_app("orders", poison, batch_size=7, max_attempts=2, on_error="dead_letter"),
+        metered_engine,
+    ):
         wait_for(lambda: count(sql) == 11 and count(sql, "subengine.dead_letters") == 1)
     lines = [line for line in json_log() if line["logger"] == "subengine.worker"]
     assert all({"time", "level", "message", "worker_id"} <= set(line) for line in lines)
@@ -371,7 +357,7 @@ def test_summing_the_lag_gauges_over_workers_counts_each_partition_once(
     # the subscription's lag, however many workers run it
     stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
     poison = first_of_a_partition(stored)  # its partition stops there and keeps a lag
-    app = poisoned_app(poison, "stop")
+    app = poisoned_app("orders", poison, batch_size=7, max_attempts=3, on_error="stop")
     ports = [free_port(), free_port()]
     with (
         Running(app, metered_engine, metrics_port=ports[0]),
@@ -399,7 +385,7 @@ def test_the_lag_is_exported_when_a_worker_of_lower_id_serves_no_metrics(
 ) -> None:
     stored = metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])
     poison = first_of_a_partition(stored)
-    app = poisoned_app(poison, "stop")
+    app = poisoned_app("orders", poison, batch_size=7, max_attempts=3, on_error="stop")
     metered_engine.ensure_subscription(app.subscriptions["billing"])
     # a connected worker of the lowest id there is, running billing without metrics
     quiet = "00000000-0000-0000-0000-000000000000"

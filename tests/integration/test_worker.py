@@ -12,26 +12,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Running, count, key_in, record, wait_for
+from helpers import Running, count, key_in, poisoned_app, record, wait_for
 from psycopg.sql import SQL, Identifier
 
 import subengine
 from subengine import NewEvent
 from subengine._declarations import OnError
-
-
-def poisoned_app(stream: str, poison: subengine.Appended, **options: Any) -> subengine.App:
-    """Subscription billing of `stream`, recording every event but `poison`, which raises."""
-    app = subengine.App()
-    sub = app.subscription("billing", stream=stream, **options)
-
-    @sub.handler()
-    def handle(event: subengine.Event, conn: Any) -> None:
-        if event.id == poison.id:
-            raise ValueError("cannot handle this one")
-        record(event, conn)
-
-    return app
 
 
 def test_a_worker_handles_every_event_once_and_stops_cleanly(
