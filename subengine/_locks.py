@@ -33,8 +33,3 @@ def lock_partition(key: int, held: int | None) -> Query[bool]:
 def unlock_partition(key: int) -> Query[None]:
     """Give the lock `key` back."""
     return Query("unlock_partition", {"key": key}, nothing)
-
-
-def ping() -> Query[None]:
-    """A statement that only checks the connection still answers."""
-    return Query("ping", {}, nothing)

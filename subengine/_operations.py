@@ -89,11 +89,6 @@ def register_worker(registration: dict[str, Any]) -> Query[None]:
     return Query("register_worker", registration, nothing)
 
 
-def heartbeat(registration: dict[str, Any]) -> Query[None]:
-    """A worker is alive; records it again if a prune removed it."""
-    return Query("heartbeat", registration, nothing)
-
-
 def unregister_worker(worker_id: Any) -> Query[None]:
     return Query("unregister_worker", {"id": worker_id}, nothing)
 

@@ -65,7 +65,7 @@ class Settings:
     poll_interval: float = _setting(
         5.0,
         "SUBENGINE_POLL_INTERVAL",
-        "Seconds an idle worker waits for a notification before it looks for work anyway.",
+        "Seconds between a worker's polls, which find what notifications did not bring.",
     )
     retry_delay: float = _setting(
         1.0,

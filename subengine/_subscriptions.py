@@ -195,13 +195,45 @@ def positions(name: str) -> Query[list[SubscriptionPosition]]:
     )
 
 
-def partitions_with_work(names: list[str], limit: int) -> Query[list[tuple[str, int, Any]]]:
-    """Up to `limit` (subscription, partition, next event's time) of these subscriptions
-    with events to handle, oldest next event first (DESIGN.md invariant 7)."""
+@dataclass(frozen=True, slots=True)
+class Look:
+    """What a look for work found: up to `limit` partitions with work, oldest next event
+    first, and the suspects it could not settle because a batch held their rows."""
+
+    work: list[tuple[tuple[str, int], datetime]]
+    deferred: list[tuple[str, int]]
+
+
+def look_for_work(
+    serving: Sequence[str],
+    suspects: Sequence[tuple[str, int]],
+    whole: Sequence[str],
+    limit: int,
+) -> Query[Look]:
+    """The look of the `look_for_work` query: the partitions with work of the `serving`
+    subscriptions, after giving a next event's time to the `suspects` (pairs) and to
+    every partition of the `whole` subscriptions that have events after their position
+    but none yet (DESIGN.md invariant 7)."""
+
+    def read(result: Result) -> Look:
+        work, deferred = [], []
+        for name, partition, next_time, later in result.rows:
+            if later:
+                deferred.append((str(name), int(partition)))
+            else:
+                work.append(((str(name), int(partition)), next_time))
+        return Look(work, deferred)
+
     return Query(
-        "partitions_with_work",
-        {"names": names, "limit": limit},
-        lambda result: [(str(name), int(p), time) for name, p, time in result.rows],
+        "look_for_work",
+        {
+            "serving": list(serving),
+            "names": [name for name, _ in suspects],
+            "partitions": [partition for _, partition in suspects],
+            "whole": list(whole),
+            "limit": limit,
+        },
+        read,
     )
 
 
@@ -383,16 +415,19 @@ def _commit_position(db: Db, subscription: Subscription, batch: _Batch) -> Batch
                 "generation": batch.generation,
                 "new": new,
                 "next_time": batch.next_time,
+                "stream": subscription.stream,
             },
-            rowcount,
+            first_row,
         )
     )
-    if moved != 1:
+    if moved is None:
         raise Fenced(
             f"the position of {subscription.name!r} in partition {batch.partition} moved "
             "during the batch; nothing of it was committed"
         )
-    return BatchOutcome(batch.partition, len(batch.events), new, batch.next_time)
+    # the next event's time as stored: events committed since the batch read may have
+    # brought one
+    return BatchOutcome(batch.partition, len(batch.events), new, moved[0])
 
 
 def stop_partition(

@@ -1,12 +1,21 @@
 """The worker: competing consumers of subscriptions (DESIGN.md, Consume flow).
 
-Each of `concurrency` slots loops: find partitions with work, oldest next event first;
-take the first one whose advisory lock it gets (on a lock connection of the slot's own);
-handle one batch; go on with the oldest of the partitions it found, switching locks, and
-look again after a notification or a poll interval; wait when there is nothing to do. A
-listener thread turns notifications into wake-ups and reconnects when its connection
-drops. Locks only keep workers from wasting effort on one partition: correctness comes
-from the position row lock and compare-and-set in every batch (invariants 3 and 5).
+Each of `concurrency` slots loops: look for partitions with work, oldest next event
+first; take the first one whose advisory lock it gets (on a lock connection of the slot's
+own, which also runs the look); handle one batch; go on with the oldest of the partitions
+it found, switching locks, and look again when something new may have come; wait when
+there is nothing to do. One poller per worker process tells the slots when to look: it
+listens for notifications, which say which partition grew, and once per poll interval
+compares the heads it knows with the database's and asks whether any partition has work
+(its only statement when the worker is idle, and the heartbeat too). Locks only keep
+workers from wasting effort on one partition: correctness comes from the position row
+lock and compare-and-set in every batch (invariants 3 and 5).
+
+The look costs what the work costs, not what the (subscription, partition) pairs do: a
+position row whose partition has events after it carries the next event's time
+(`next_time`, kept by every statement that moves a position, and indexed), except when
+the events came after the row's last write; those appends are the partitions the poller
+learned about, the suspects, which the next look checks and marks.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import sqlalchemy.exc
@@ -33,9 +42,9 @@ from subengine import _metrics, _operations
 from subengine._declarations import Subscription
 from subengine._engine import Engine
 from subengine._errors import DatabaseUnavailable, Fenced, PositionsMissing, SubscriptionNotFound
-from subengine._locks import lock_key, lock_partition, ping, unlock_partition
+from subengine._locks import lock_key, lock_partition, unlock_partition
 from subengine._settings import Settings
-from subengine._sql import SQL, Db
+from subengine._sql import SQL, Db, Query, first_row
 from subengine._streams import listen
 from subengine._subscriptions import (
     BatchFailed,
@@ -44,18 +53,112 @@ from subengine._subscriptions import (
     ensure_subscription,
     error_text,
     handle_batch,
-    partitions_with_work,
+    look_for_work,
     record_failure,
 )
 
 log = logging.getLogger("subengine.worker")
 
+T = TypeVar("T")
+
 # Candidates fetched per look for work: enough that busy partitions locked by other
 # workers do not hide the free ones.
 _CANDIDATES_PER_SLOT = 4
 _RECONNECT_DELAY_SECONDS = 1.0
-# How often the listener, between notifications, checks whether the worker is stopping.
+# How often the poller, between notifications, checks whether the worker is stopping.
 _LISTEN_CHECK_SECONDS = 0.25
+
+
+class _Board:
+    """What the poller knows of where work may have come: the head of every partition of
+    the streams the worker reads, and the suspects, the (subscription, partition) pairs
+    whose partition grew since a look last checked them (or whole subscriptions, after a
+    (re)connection, when anything may have happened). Shared by the poller, which adds
+    suspects, and the slots, whose looks take them."""
+
+    def __init__(self, subscriptions: Sequence[Subscription]) -> None:
+        self._lock = threading.Lock()
+        self._names: dict[str, list[str]] = {}
+        for subscription in subscriptions:
+            self._names.setdefault(subscription.stream, []).append(subscription.name)
+        self._heads: dict[tuple[str, int], int] = {}
+        self._totals: dict[str, int] = {}
+        self._pairs: set[tuple[str, int]] = set()
+        self._whole: set[str] = set()
+        # suspects whose rows a batch held when a look came: for the look after a batch
+        # ends or after the next poll, not the very next one (which would only spin)
+        self._deferred: set[tuple[str, int]] = set()
+
+    @property
+    def streams(self) -> list[str]:
+        return sorted(self._names)
+
+    def grew(self, stream: str, partition: int, head: int) -> bool:
+        """A partition's head is at least `head` (a notification): whether that is news,
+        in which case its pairs are suspects."""
+        with self._lock:
+            return self._grew(stream, partition, head)
+
+    def _grew(self, stream: str, partition: int, head: int) -> bool:
+        names = self._names.get(stream)
+        known = self._heads.get((stream, partition), 0)
+        if names is None or head <= known:
+            return False
+        self._heads[stream, partition] = head
+        self._totals[stream] = self._totals.get(stream, 0) + head - known
+        self._pairs.update((name, partition) for name in names)
+        return True
+
+    def heads_read(self, heads: list[tuple[str, int, int]], everything: bool) -> bool:
+        """Every head of some streams, read from the database: the partitions that grew
+        become suspects (all pairs when `everything`: nothing is known); whether any did."""
+        with self._lock:
+            grown = [self._grew(stream, partition, head) for stream, partition, head in heads]
+            if everything:
+                for names in self._names.values():
+                    self._whole.update(names)
+            return any(grown) or everything
+
+    def differs(self, totals: dict[str, int]) -> list[str]:
+        """The streams whose sum of heads in the database is not the one known: some
+        of their partitions grew without a notification (yet)."""
+        with self._lock:
+            return [s for s in self._names if totals.get(s, 0) != self._totals.get(s, 0)]
+
+    def take(self) -> tuple[list[tuple[str, int]], list[str]]:
+        """The suspects, for a look, which is now responsible for them."""
+        with self._lock:
+            pairs, whole = sorted(self._pairs), sorted(self._whole)
+            self._pairs.clear()
+            self._whole.clear()
+            return pairs, whole
+
+    def put_back(self, pairs: Sequence[tuple[str, int]], whole: Sequence[str] = ()) -> None:
+        """Suspects a failed look took, for the next one."""
+        if pairs or whole:
+            with self._lock:
+                self._pairs.update(pairs)
+                self._whole.update(whole)
+
+    def defer(self, pairs: Sequence[tuple[str, int]]) -> None:
+        """Suspects a batch held when a look came."""
+        if pairs:
+            with self._lock:
+                self._deferred.update(pairs)
+
+    def retry_deferred(self) -> bool:
+        """Make the deferred suspects suspects again (a batch ended, or a poll came);
+        whether there were any."""
+        with self._lock:
+            if not self._deferred:
+                return False
+            self._pairs.update(self._deferred)
+            self._deferred.clear()
+            return True
+
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._pairs or self._whole)
 
 
 class _Wakeup:
@@ -75,8 +178,9 @@ class _Wakeup:
             self._count += 1
             self._condition.notify_all()
 
-    def wait(self, seen: int, timeout: float) -> bool:
-        """Wait for a notification after `seen`; False when the timeout came first."""
+    def wait(self, seen: int, timeout: float | None) -> bool:
+        """Wait for a notification after `seen` (at most `timeout` seconds, None: no
+        limit); False when the timeout came first."""
         with self._condition:
             if self._count == seen:
                 self._condition.wait(timeout)
@@ -113,21 +217,27 @@ class _Held:
         self.has_work = False
         self._lock_key: int | None = None
 
-    def try_lock(self, key: tuple[str, int], lock_key: int) -> bool:
-        """Take the lock of `key` (keyed `lock_key`) and hold it instead of the one held."""
+    def run(self, query: Callable[[], Query[T]]) -> T:
+        """Run a statement on the lock connection. A connection the server ended took
+        the held lock with it (another worker may hold it now): it is forgotten, and the
+        statement is made again and runs once more on a new connection."""
         for attempt in (1, 2):
             if self._conn is None or self._conn.closed:
                 self.close()
                 self._conn = self._connect()
+                # the looks' marks are hints that a look after a crash makes again
+                self._sql.run(self._conn, Query("asynchronous_commit", {}, first_row))
             try:
-                taken = self._sql.run(self._conn, lock_partition(lock_key, self._lock_key))
-                break
+                return self._sql.run(self._conn, query())
             except psycopg.OperationalError:
-                # the connection ended, and the held lock with it: once more on a new one
                 self.close()
                 if attempt == 2:
                     raise
-        if not taken:
+        raise AssertionError("unreachable")
+
+    def try_lock(self, key: tuple[str, int], lock_key: int) -> bool:
+        """Take the lock of `key` (keyed `lock_key`) and hold it instead of the one held."""
+        if not self.run(lambda: lock_partition(lock_key, self._lock_key)):
             return False
         self.key, self._lock_key, self.has_work = key, lock_key, True
         return True
@@ -143,17 +253,6 @@ class _Held:
         except psycopg.Error as error:  # the connection is gone, and the lock with it
             log.info("a partition lock's connection was gone (%s); so is the lock", error)
             self.close()
-
-    def alive(self) -> bool:
-        """Whether the lock's connection still answers: a connection the server ended
-        took the lock with it, and another worker may hold it now."""
-        try:
-            if self._conn is not None:
-                self._sql.run(self._conn, ping())
-                return True
-        except psycopg.Error:
-            self.close()
-        return False
 
     def close(self) -> None:
         """Forget the lock and close the connection (which ends its locks)."""
@@ -233,6 +332,8 @@ class Worker:
         self.listen = listen
         self.id = uuid.uuid4()
         self.wakeup = _Wakeup()
+        self._board = _Board(subscriptions)
+        self._look_limit = concurrency * _CANDIDATES_PER_SLOT
         self.metrics = _metrics.WorkerMetrics(list(self.subscriptions))
         self.metrics_port = metrics_port
         self.metrics_address = metrics_address
@@ -242,8 +343,9 @@ class Worker:
         self._backoff = _Backoff(self.settings)
         # subscriptions deleted while the worker runs: it leaves them alone
         self._left: set[str] = set()
-        # set by a slot that gave up on the database; run() raises it
+        # set by a slot or the poller that gave up on the database; run() raises it
         self.fatal: Exception | None = None
+        self._stopping = False
 
     # the run
 
@@ -282,12 +384,10 @@ class Worker:
             ),
         )
         threads = [
-            threading.Thread(target=self._heartbeat, args=(stop,), daemon=True),
+            threading.Thread(target=self._poll, args=(stop,), daemon=True, name="poller"),
             threading.Thread(target=self._wake_on_stop, args=(stop,), daemon=True),
             threading.Thread(target=self._progress, args=(stop,), daemon=True),
         ]
-        if self.listen:
-            threads.append(threading.Thread(target=self._listen, args=(stop,), daemon=True))
         slots = [
             threading.Thread(target=self._slot, args=(stop,), name=f"slot-{n}")
             for n in range(self.concurrency)
@@ -367,33 +467,38 @@ class Worker:
     def _work(self, db: Db, held: _Held, stop: threading.Event) -> None:
         """Look for work and handle the partition whose next event is oldest, one batch at
         a time (invariant 7). After each batch the slot goes on with the oldest of the
-        partitions the look found, its own included; it looks again after a notification,
-        after a poll interval, or when those run out. It waits when nothing can be taken.
+        partitions the look found, its own included; it looks again when the poller woke
+        it or has suspects, after a poll interval, or when the partitions found run out.
+        It waits for the poller when nothing can be taken, and after draining a partition
+        when nothing new can have come (still holding that partition's lock: the next
+        event there needs no lock statement).
         """
         while not stop.is_set():
             seen = self.wakeup.count()
-            queue = self._candidates(db)
+            queue = self._look(held)
             # a full look may have left out partitions with work: look again when the
             # ones it found are used up
-            cut_off = len(queue) == self.concurrency * _CANDIDATES_PER_SLOT
+            cut_off = len(queue) == self._look_limit
             looked_at = time.monotonic()
-            if held.key is not None and not held.alive():
-                held.release()
             chosen = self._choose(queue, held)
             self.metrics.looked_for_work(chosen is not None)
             if chosen is None:
-                wait = min(self.settings.poll_interval, self._backoff.next_retry_in())
-                notified = self.wakeup.wait(seen, wait)
-                self.metrics.woke(by_notification=notified)
+                self._wait(seen)
                 continue
             while chosen is not None and not stop.is_set():
                 name, partition = chosen
-                next_time = self._take_turn(db, self.subscriptions[name], partition, stop)
+                next_time, drained = self._take_turn(db, self.subscriptions[name], partition, stop)
                 held.has_work = next_time is not None
+                if next_time is None:
+                    if not drained:
+                        held.release()  # halted: nothing for this slot to keep
+                    elif not queue:
+                        self._wait(seen)
+                    break  # look again
                 if (
-                    next_time is None
-                    or (cut_off and not queue)
+                    (cut_off and not queue)
                     or self.wakeup.count() != seen
+                    or self._board.pending()
                     or time.monotonic() - looked_at >= self.settings.poll_interval
                 ):
                     break  # look again
@@ -402,12 +507,26 @@ class Worker:
                     bisect.insort(queue, _Candidate(chosen, next_time), key=_Candidate.order)
                     chosen = self._choose(queue, held)
 
-    def _candidates(self, db: Db) -> list[_Candidate]:
-        """The partitions with work, oldest next event first (at most a few per slot)."""
-        names = [name for name in self.subscriptions if name not in self._left]
-        rows = db.run(partitions_with_work(names, self.concurrency * _CANDIDATES_PER_SLOT))
-        db.conn.commit()
-        return [_Candidate((name, partition), next_time) for name, partition, next_time in rows]
+    def _wait(self, seen: int) -> None:
+        """Wait until the poller (or a slot) has news after `seen`, unless the board
+        has suspects already, or a partition's backoff ends first."""
+        if self._board.pending():
+            return
+        timeout = self._backoff.next_retry_in()
+        self.wakeup.wait(seen, None if math.isinf(timeout) else timeout)
+
+    def _look(self, held: _Held) -> list[_Candidate]:
+        """The partitions with work, oldest next event first (at most a few per slot),
+        after marking the board's suspects; the ones a batch held go back to the board."""
+        serving = [name for name in self.subscriptions if name not in self._left]
+        pairs, whole = self._board.take()
+        try:
+            look = held.run(lambda: look_for_work(serving, pairs, whole, self._look_limit))
+        except BaseException:
+            self._board.put_back(pairs, whole)
+            raise
+        self._board.defer(look.deferred)
+        return [_Candidate(key, next_time) for key, next_time in look.work]
 
     def _choose(self, queue: list[_Candidate], held: _Held) -> tuple[str, int] | None:
         """Take candidates off the front of `queue` until one is the held partition or can
@@ -415,7 +534,7 @@ class Worker:
         hold leave the queue: their holders serve them). Else the held partition if it
         still has work and the look was cut short (older ones are all held by others);
         else None, with nothing held."""
-        cut_off = len(queue) == self.concurrency * _CANDIDATES_PER_SLOT
+        cut_off = len(queue) == self._look_limit
         while queue:
             candidate = queue.pop(0)
             if self._backoff.waiting(candidate.key):
@@ -440,9 +559,10 @@ class Worker:
         subscription: Subscription,
         partition: int,
         stop: threading.Event,
-    ) -> datetime | None:
-        """Handle one batch of a partition; the time of its next event, or None when it
-        has no more work for now.
+    ) -> tuple[datetime | None, bool]:
+        """Handle one batch of a partition: the time of its next event, or None when it
+        has no more work for now; and whether the partition was drained (rather than
+        halted, fenced or failed).
 
         When a batch of several events fails, its events are handled again at once, one
         per batch, within this turn: those before the failing one commit, and the failing
@@ -460,21 +580,22 @@ class Worker:
                 if db.conn.broken or db.conn.closed:
                     raise _ConnectionLost(f"the worker's connection broke: {error}") from error
                 self._database_trouble(subscription, partition, error)
-                return None
+                return None, False
             self._backoff.succeeded(key)
             if outcome is None:
-                return None
+                return None, False
             if isinstance(outcome, BatchFailed):
                 split = outcome
                 continue
             if outcome.handled > 0:
                 self._batch_committed(subscription, outcome, time.monotonic() - started)
+                self._board.retry_deferred()  # this batch may have held one of them
             # one at a time only through the failed batch's events: a reset that moved
             # the position elsewhere meanwhile ends it
             if split is not None and split.position < outcome.position < split.last_position:
                 continue
-            return outcome.next_time
-        return None
+            return outcome.next_time, outcome.next_time is None
+        return None, False
 
     def _batch(
         self,
@@ -630,26 +751,44 @@ class Worker:
 
     # around the slots
 
-    def _listen(self, stop: threading.Event) -> None:
-        """Turn notifications into wake-ups. Whatever goes wrong (a lost connection, a
-        payload that breaks the parser, a bug) is logged and counted, and the listener
-        connects again: push only saves time, so it must never stop for good."""
+    def _poll(self, stop: threading.Event) -> None:
+        """The worker's poller, on a connection of its own: it turns notifications into
+        suspects and wake-ups, and polls once per poll interval (which is also the
+        heartbeat when one is due). On every (re)connection it reads the heads and makes
+        every partition a suspect: anything may have come meanwhile. Whatever goes wrong
+        is logged and counted, and it connects again: push only saves time, so it must
+        never stop for good; a database unreachable for the outage timeout ends the
+        worker (its slots, idle, would not notice)."""
+        outage_since: float | None = None
         while not stop.is_set():
             try:
                 with self.engine.connect(
                     application_name=self.application_name, autocommit=True
                 ) as conn:
-                    self.engine.sql.run(conn, listen())
-                    self.wakeup.notify()  # whatever came while we were not listening
-                    while not stop.is_set():
-                        for notification in conn.notifies(timeout=_LISTEN_CHECK_SECONDS):
-                            if self._wanted(notification.payload):
-                                self.metrics.notification_received()
-                                self.wakeup.notify()
+                    # every partition is a suspect for the first look, which comes after
+                    # the LISTEN: nothing appended before or after it goes unseen
+                    heads = self.engine.sql.run(conn, _stream_heads(self._board.streams))
+                    self._board.heads_read(heads, everything=True)
+                    if self.listen:
+                        self.engine.sql.run(conn, listen())
+                    outage_since = None
+                    self.wakeup.notify()
+                    self._polling(conn, stop)
             except Exception as error:
+                if isinstance(error, psycopg.OperationalError):
+                    now = time.monotonic()
+                    outage_since = now if outage_since is None else outage_since
+                    if now - outage_since >= self.settings.outage_timeout:
+                        self.fatal = DatabaseUnavailable(
+                            f"the database was unreachable for "
+                            f"{self.settings.outage_timeout:g} s (SUBENGINE_OUTAGE_TIMEOUT): "
+                            f"{str(error).strip()}"
+                        )
+                        stop.set()
+                        return
                 self.metrics.listener_failed()
                 log.warning(
-                    "the listening connection failed (%s); reconnecting in %g s",
+                    "the poller's connection failed (%s); reconnecting in %g s",
                     error_text(error),
                     _RECONNECT_DELAY_SECONDS,
                     exc_info=not isinstance(error, psycopg.OperationalError),
@@ -657,25 +796,71 @@ class Worker:
                 )
                 stop.wait(_RECONNECT_DELAY_SECONDS)
 
+    def _polling(self, conn: psycopg.Connection[Any], stop: threading.Event) -> None:
+        settings = self.settings
+        next_poll = time.monotonic() + settings.poll_interval
+        next_beat = time.monotonic() + settings.heartbeat_interval
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= min(next_poll, next_beat):
+                beat = now >= next_beat
+                self._poll_once(conn, beat)
+                next_poll = now + settings.poll_interval
+                if beat:
+                    next_beat = now + settings.heartbeat_interval
+                continue
+            wait = min(min(next_poll, next_beat) - now, _LISTEN_CHECK_SECONDS)
+            if not self.listen:
+                stop.wait(wait)
+                continue
+            for notification in conn.notifies(timeout=wait):
+                grown = self._grown(notification.payload)
+                if grown is not None and self._board.grew(*grown):
+                    self.metrics.notification_received()
+                    self.metrics.woke(by_notification=True)
+                    self.wakeup.notify()
+
+    def _poll_once(self, conn: psycopg.Connection[Any], beat: bool) -> None:
+        """One poll: the heads' sums and whether any partition has work (and the
+        heartbeat with `beat`); the slots are woken if something may be waiting."""
+        registration = self._registration()
+        totals, has_work = self.engine.sql.run(
+            conn,
+            Query(
+                "poll_for_work",
+                {
+                    **registration,
+                    "serving": [n for n in self.subscriptions if n not in self._left],
+                    "streams": self._board.streams,
+                    # never register again once the worker is stopping
+                    "beat": beat and not self._stopping,
+                },
+                lambda result: (result.rows[0][0], bool(result.rows[0][1])),
+            ),
+        )
+        self.metrics.woke(by_notification=False)
+        differs = self._board.differs({stream: int(total) for stream, total in totals.items()})
+        grown = differs and self._board.heads_read(
+            self.engine.sql.run(conn, _stream_heads(differs)), everything=False
+        )
+        if self._board.retry_deferred() or has_work or grown or self._board.pending():
+            self.wakeup.notify()
+
     def _wake_on_stop(self, stop: threading.Event) -> None:
         stop.wait()
+        self._stopping = True
         self.wakeup.notify()  # idle slots wait on the wake-up, not on `stop`
 
-    def _wanted(self, payload: str) -> bool:
+    @staticmethod
+    def _grown(payload: str) -> tuple[str, int, int] | None:
+        """The (stream, partition, head) a notification names; None (after a warning)
+        for a payload that does not parse: then only the polls see that append."""
         try:
-            return json.loads(payload).get("stream") in self.streams
-        except (ValueError, AttributeError):
-            return True
-
-    def _heartbeat(self, stop: threading.Event) -> None:
-        while not stop.wait(self.settings.heartbeat_interval):
-            try:
-                with self.engine.connection() as conn:
-                    if stop.is_set():  # never register again once the worker is stopping
-                        return
-                    self.engine.sql.run(conn, _operations.heartbeat(self._registration()))
-            except Exception as error:  # the heartbeat is for inspection only: never fatal
-                log.warning("heartbeat failed: %s", error, extra=self._fields())
+            notice = json.loads(payload)
+            return str(notice["stream"]), int(notice["partition"]), int(notice["head"])
+        except (ValueError, TypeError, KeyError, RecursionError) as error:
+            log.warning("a notification that does not parse (%s): %r", error, payload[:200])
+            return None
 
     def _progress(self, stop: threading.Event) -> None:
         """Read the lag at start and then every progress_interval, for the lag gauges and
@@ -702,3 +887,12 @@ class Worker:
     def _fields(self, **fields: Any) -> dict[str, Any]:
         """Structured log fields (`extra=`): the worker's id and the given ones."""
         return {"worker_id": str(self.id), **fields}
+
+
+def _stream_heads(streams: Sequence[str]) -> Query[list[tuple[str, int, int]]]:
+    """The head of every partition of some streams."""
+    return Query(
+        "stream_heads",
+        {"streams": list(streams)},
+        lambda result: [(str(s), int(p), int(h)) for s, p, h in result.rows],
+    )

@@ -79,28 +79,32 @@ SELECT name, stream, start, generation, paused FROM {schema}.subscriptions WHERE
 -- name: write_positions
 -- Set the partitions' positions of a subscription, as of generation %(generation)s: 0
 -- (from the beginning), the head (from the end: the next event appended), the last
--- position recorded before a time, or the given one. Used on creation (a partition a
--- position map does not name starts at 0) and by reset, which also clears the failure
--- state and, with %(only_named)s, moves only the partitions a position map names.
-INSERT INTO {schema}.subscription_positions AS sp (subscription, partition, position, generation)
-SELECT %(name)s, p.partition,
-       CASE %(kind)s
-         WHEN 'beginning' THEN 0
-         WHEN 'end' THEN p.head
-         WHEN 'time' THEN (
-             SELECT coalesce(max(e.position), 0) FROM {schema}.events e
-              WHERE e.stream = p.stream AND e.partition = p.partition
-                AND e.recorded_at < %(time)s::timestamptz)
-         ELSE coalesce((%(positions)s::jsonb ->> p.partition::text)::bigint, 0)
-       END,
-       %(generation)s
-  FROM {schema}.partitions p
- WHERE p.stream = %(stream)s
-   AND (%(kind)s <> 'positions' OR NOT %(only_named)s
-        OR %(positions)s::jsonb ? p.partition::text)
+-- position recorded before a time, or the given one; and with each its next event's time.
+-- Used on creation (a partition a position map does not name starts at 0) and by reset,
+-- which also clears the failure state and, with %(only_named)s, moves only the partitions
+-- a position map names.
+INSERT INTO {schema}.subscription_positions AS sp
+       (subscription, partition, position, generation, next_time)
+SELECT %(name)s, w.partition, w.position, %(generation)s,
+       {schema}.next_event_time(w.stream, w.partition, w.position)
+  FROM (SELECT p.stream, p.partition,
+               CASE %(kind)s
+                 WHEN 'beginning' THEN 0
+                 WHEN 'end' THEN p.head
+                 WHEN 'time' THEN (
+                     SELECT coalesce(max(e.position), 0) FROM {schema}.events e
+                      WHERE e.stream = p.stream AND e.partition = p.partition
+                        AND e.recorded_at < %(time)s::timestamptz)
+                 ELSE coalesce((%(positions)s::jsonb ->> p.partition::text)::bigint, 0)
+               END AS position
+          FROM {schema}.partitions p
+         WHERE p.stream = %(stream)s
+           AND (%(kind)s <> 'positions' OR NOT %(only_named)s
+                OR %(positions)s::jsonb ? p.partition::text)) AS w
 ON CONFLICT (subscription, partition) DO UPDATE
-   SET position = excluded.position, generation = excluded.generation, next_time = NULL,
-       attempts = 0, last_error = NULL, stopped = false, retry_at = NULL, updated_at = now()
+   SET position = excluded.position, generation = excluded.generation,
+       next_time = excluded.next_time, attempts = 0, last_error = NULL, stopped = false,
+       retry_at = NULL, updated_at = now()
 RETURNING sp.partition, sp.position
 
 -- name: lock_subscription
@@ -154,12 +158,16 @@ SELECT sp.position, sp.generation, sp.stopped OR s.paused, sp.attempts, p.head
 
 -- name: commit_position
 -- Compare-and-set the position (DESIGN.md invariant 3): matches no row when another
--- worker moved it or a reset bumped the generation.
+-- worker moved it or a reset bumped the generation. The batch read the next event's time
+-- if there was one; if not, events committed since may have brought one.
 UPDATE {schema}.subscription_positions
-   SET position = %(new)s, next_time = %(next_time)s, attempts = 0, last_error = NULL,
-       retry_at = NULL, updated_at = now()
+   SET position = %(new)s,
+       next_time = coalesce(%(next_time)s::timestamptz,
+                            {schema}.next_event_time(%(stream)s, %(partition)s, %(new)s)),
+       attempts = 0, last_error = NULL, retry_at = NULL, updated_at = now()
  WHERE subscription = %(name)s AND partition = %(partition)s
    AND position = %(old)s AND generation = %(generation)s
+RETURNING next_time
 
 -- name: subscription_positions
 -- Every partition's position of a subscription.
@@ -168,25 +176,100 @@ SELECT partition, position, generation, next_time, attempts, last_error, stopped
  WHERE subscription = %(name)s
  ORDER BY partition
 
--- name: partitions_with_work
--- Partitions of these subscriptions with events after their position, not stopped,
--- paused or waiting for a retry, oldest next event first (DESIGN.md invariant 7). The
--- next event's time is kept with the position; an idle partition that received events
--- since costs one primary-key lookup.
-SELECT sp.subscription, sp.partition,
-       coalesce(sp.next_time, (
-           SELECT e.occurred_at FROM {schema}.events e
-            WHERE e.stream = s.stream AND e.partition = sp.partition
-              AND e.position = sp.position + 1)) AS next_time
-  FROM {schema}.subscription_positions sp
-  JOIN {schema}.subscriptions s ON s.name = sp.subscription
-  JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
- WHERE sp.subscription = ANY (%(names)s)
-   AND NOT s.paused AND NOT sp.stopped
-   AND p.head > sp.position
-   AND (sp.retry_at IS NULL OR sp.retry_at <= now())
- ORDER BY 3 NULLS LAST, 1, 2
- LIMIT %(limit)s
+-- name: look_for_work
+-- A worker's look for work among its subscriptions (DESIGN.md invariant 7), in one
+-- statement on a slot's lock connection:
+-- 1. The suspects: partitions that grew since the worker last looked (every partition of
+--    the subscriptions in %(whole)s, and the pairs in %(names)s × %(partitions)s). Those
+--    whose position row has no next_time while the head is past the position get it now;
+--    rows a batch holds are left to the next look (returned as 'deferred'): the batch may
+--    commit before seeing the appends that made them suspects.
+-- 2. The partitions with work, oldest next event first: per subscription, the first rows
+--    of the index of rows with work, so the cost follows the work and not the number of
+--    partitions, and the plan needs no statistics.
+WITH suspect AS MATERIALIZED (
+    SELECT sp.subscription, sp.partition
+      FROM unnest(%(names)s::text[], %(partitions)s::integer[]) AS x(name, partition)
+      JOIN {schema}.subscription_positions sp
+        ON sp.subscription = x.name AND sp.partition = x.partition
+      JOIN {schema}.subscriptions s ON s.name = sp.subscription
+      JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
+     WHERE sp.next_time IS NULL AND p.head > sp.position
+    UNION
+    SELECT sp.subscription, sp.partition
+      FROM unnest(%(whole)s::text[]) AS x(name)
+      JOIN {schema}.subscriptions s ON s.name = x.name
+      JOIN {schema}.subscription_positions sp ON sp.subscription = s.name
+      JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
+     WHERE sp.next_time IS NULL AND p.head > sp.position
+), marked AS (
+    UPDATE {schema}.subscription_positions sp
+       SET next_time = {schema}.next_event_time(s.stream, sp.partition, sp.position)
+      FROM {schema}.subscriptions s
+     WHERE s.name = sp.subscription
+       AND (sp.subscription, sp.partition) IN (
+            SELECT l.subscription, l.partition
+              FROM {schema}.subscription_positions l
+              JOIN suspect x ON x.subscription = l.subscription AND x.partition = l.partition
+             WHERE l.next_time IS NULL
+               FOR UPDATE OF l SKIP LOCKED)
+    RETURNING sp.subscription, sp.partition, sp.next_time, sp.stopped OR s.paused AS halted,
+              sp.retry_at
+), work AS (
+    SELECT m.subscription, m.partition, m.next_time
+      FROM marked m
+     WHERE m.next_time IS NOT NULL AND NOT m.halted
+       AND (m.retry_at IS NULL OR m.retry_at <= now())
+    UNION ALL
+    SELECT w.subscription, w.partition, w.next_time
+      FROM unnest(%(serving)s::text[]) AS n(name)
+      JOIN {schema}.subscriptions s ON s.name = n.name AND NOT s.paused
+     CROSS JOIN LATERAL (
+            SELECT sp.subscription, sp.partition, sp.next_time
+              FROM {schema}.subscription_positions sp
+             WHERE sp.subscription = n.name AND sp.next_time IS NOT NULL AND NOT sp.stopped
+               AND (sp.retry_at IS NULL OR sp.retry_at <= now())
+             ORDER BY sp.next_time
+             LIMIT %(limit)s) AS w
+)
+(SELECT subscription, partition, next_time, false AS deferred
+   FROM work
+  ORDER BY next_time, subscription, partition
+  LIMIT %(limit)s)
+UNION ALL
+SELECT x.subscription, x.partition, NULL, true
+  FROM suspect x
+ WHERE NOT EXISTS (SELECT FROM marked m
+                    WHERE m.subscription = x.subscription AND m.partition = x.partition)
+
+-- name: poll_for_work
+-- A worker's poll, once per poll interval whoever of its slots is idle: the sum of the
+-- heads of each stream it reads (a notification lost or not yet seen shows as a sum that
+-- differs from the heads the worker knows: heads only grow) and whether any of its
+-- subscriptions has work it could take (a reset, a retry that is due, a partition another
+-- worker left). With %(beat)s it is also the worker's heartbeat.
+WITH beat AS (
+    INSERT INTO {schema}.workers (id, host, pid, subscriptions, serves_metrics)
+    SELECT %(id)s, %(host)s, %(pid)s, %(serving)s, %(serves_metrics)s
+     WHERE %(beat)s
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()
+)
+SELECT (SELECT coalesce(jsonb_object_agg(t.stream, t.total), '{{}}')
+          FROM (SELECT p.stream, sum(p.head) AS total
+                  FROM {schema}.partitions p
+                 WHERE p.stream = ANY (%(streams)s::text[])
+                 GROUP BY p.stream) AS t),
+       EXISTS (SELECT FROM unnest(%(serving)s::text[]) AS n(name)
+                 JOIN {schema}.subscriptions s ON s.name = n.name AND NOT s.paused
+                WHERE EXISTS (
+                      SELECT FROM {schema}.subscription_positions sp
+                       WHERE sp.subscription = n.name AND sp.next_time IS NOT NULL
+                         AND NOT sp.stopped
+                         AND (sp.retry_at IS NULL OR sp.retry_at <= now())))
+
+-- name: stream_heads
+-- The head of every partition of some streams.
+SELECT stream, partition, head FROM {schema}.partitions WHERE stream = ANY (%(streams)s::text[])
 
 -- name: lock_partition
 -- A worker slot takes the advisory lock of a (subscription, partition) on its lock
@@ -196,14 +279,14 @@ SELECT sp.subscription, sp.partition,
 WITH try AS MATERIALIZED (SELECT pg_try_advisory_lock(%(key)s) AS got)
 SELECT got, CASE WHEN got THEN pg_advisory_unlock(%(held)s) END FROM try
 
+-- name: asynchronous_commit
+-- A worker slot's lock connection commits without waiting for the disk: its only writes
+-- are a look's next_time marks, which a look after a server crash makes again.
+SELECT set_config('synchronous_commit', 'off', false)
+
 -- name: unlock_partition
 -- A worker slot gives a partition's lock back.
 SELECT pg_advisory_unlock(%(key)s)
-
--- name: ping
--- Whether a connection still answers (a slot's lock connection: its locks went with it
--- if not).
-SELECT 1
 
 -- name: subscription_lag
 -- Position and head of every partition of some subscriptions, whether it is halted
@@ -245,8 +328,11 @@ RETURNING attempts
 -- Move past a dead-lettered event (same transaction as its dead_letters row); its error
 -- now lives there, so the position row's failure state is cleared. Fenced.
 UPDATE {schema}.subscription_positions
-   SET position = position + 1, next_time = NULL, attempts = 0, last_error = NULL,
-       retry_at = NULL, updated_at = now()
+   SET position = position + 1,
+       next_time = {schema}.next_event_time(
+           (SELECT s.stream FROM {schema}.subscriptions s WHERE s.name = %(name)s),
+           partition, position + 1),
+       attempts = 0, last_error = NULL, retry_at = NULL, updated_at = now()
  WHERE subscription = %(name)s AND partition = %(partition)s
    AND position = %(position)s AND generation = %(generation)s
 
@@ -281,13 +367,6 @@ RETURNING position
 -- A worker, for inspection.
 INSERT INTO {schema}.workers (id, host, pid, subscriptions, serves_metrics)
 VALUES (%(id)s, %(host)s, %(pid)s, %(names)s, %(serves_metrics)s)
-
--- name: heartbeat
--- A worker is alive; its row comes back if a prune removed it while its connections
--- were being re-established.
-INSERT INTO {schema}.workers (id, host, pid, subscriptions, serves_metrics)
-VALUES (%(id)s, %(host)s, %(pid)s, %(names)s, %(serves_metrics)s)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()
 
 -- name: prune_workers
 -- Remove the registrations of workers that are gone: none of their connections is open
@@ -423,10 +502,12 @@ SELECT s.stream, sp.partition, sp.position
 -- Move a subscription forward to the end of a committed Spark micro-batch, so that lag and
 -- retention see Spark's progress. Never moves a position back; the generation is kept.
 UPDATE {schema}.subscription_positions sp
-   SET position = x.position, next_time = NULL, attempts = 0, last_error = NULL,
-       retry_at = NULL, updated_at = now()
-  FROM unnest(%(partitions)s::integer[], %(positions)s::bigint[]) AS x(partition, position)
+   SET position = x.position, next_time = {schema}.next_event_time(s.stream, sp.partition, x.position),
+       attempts = 0, last_error = NULL, retry_at = NULL, updated_at = now()
+  FROM unnest(%(partitions)s::integer[], %(positions)s::bigint[]) AS x(partition, position),
+       {schema}.subscriptions s
  WHERE sp.subscription = %(name)s AND sp.partition = x.partition AND sp.position < x.position
+   AND s.name = sp.subscription
 
 -- name: spark_stage
 -- A Spark write task's rows, staged under its attempt until the write commits.

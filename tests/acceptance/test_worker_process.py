@@ -200,9 +200,9 @@ def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
     sql: psycopg.Connection[Any],
     workers: Workers,
 ) -> None:
-    # Every connection the worker opens must give up after SUBENGINE_CONNECT_TIMEOUT: its
-    # partition locks take a connection of their own only when a partition has work, and
-    # that connection is opened after the host went silent.
+    # Every connection the worker opens must give up after SUBENGINE_CONNECT_TIMEOUT: once
+    # the host has gone silent, the server ends the worker's connections, so that the
+    # poller and the slots must all open new ones.
     engine_of.create_stream("orders", partitions=2)
     with Proxy(app_env["SUBENGINE_DSN"]) as proxy:
         worker = workers.start(
@@ -215,6 +215,10 @@ def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
             what="the worker to register",
         )
         proxy.silent = True
+        sql.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name LIKE 'subengine worker %'"
+        )
         engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
         assert worker.wait(timeout=90) == 1
     assert "the database was unreachable for 3 s" in workers.log(worker)

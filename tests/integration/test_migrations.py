@@ -128,8 +128,16 @@ def test_a_dead_letter_from_before_0004_does_not_block_its_replay(blank_dsn: str
     with subengine.Engine(settings=settings) as engine, psycopg.connect(blank_dsn) as conn:
         engine.create_stream("single", partitions=1)
         stored = engine.append("single", [subengine.NewEvent("k", "T", {}) for _ in range(3)])
-        engine.ensure_subscription(sub)
-        # as 0003's worker left it: the poison dead-lettered, then a reset to the beginning
+        # as 0003's worker left it (its statements, as this code's need a later schema):
+        # the poison dead-lettered, then a reset to the beginning
+        conn.execute(
+            "INSERT INTO subengine.subscriptions (name, stream, start)"
+            " VALUES ('billing', 'single', '{\"kind\": \"beginning\"}')"
+        )
+        conn.execute(
+            "INSERT INTO subengine.subscription_positions (subscription, partition, position,"
+            " generation) VALUES ('billing', 0, 0, 1)"
+        )
         conn.execute(
             "INSERT INTO subengine.dead_letters"
             " (subscription, partition, position, event_id, error, attempts)"
