@@ -489,18 +489,21 @@ class Worker:
                 name, partition = chosen
                 next_time, drained = self._take_turn(db, self.subscriptions[name], partition, stop)
                 held.has_work = next_time is not None
-                if next_time is None:
-                    if not drained:
-                        held.release()  # halted: nothing for this slot to keep
-                    elif not queue:
-                        self._wait(seen)
-                    break  # look again
+                if next_time is None and not drained:
+                    held.release()  # halted: nothing for this slot to keep
                 if (
                     (cut_off and not queue)
                     or self.wakeup.count() != seen
                     or self._board.pending()
                     or time.monotonic() - looked_at >= self.settings.poll_interval
                 ):
+                    break  # look again
+                if next_time is None:
+                    if queue:  # on to the next partition the look found
+                        chosen = self._choose(queue, held)
+                        continue
+                    if drained:
+                        self._wait(seen)
                     break  # look again
                 if queue and queue[0].next_time is not None and queue[0].next_time < next_time:
                     # an older event waits elsewhere: go there, and come back in its turn
