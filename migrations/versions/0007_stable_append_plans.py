@@ -14,15 +14,15 @@ One rule now, that no plan of the function reads a whole table or stream, in two
   statistics still had stored ids looked for by filtering the whole stream out of the
   recorded_at index.
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-11-23
 """
 
 from alembic import op
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
