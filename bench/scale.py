@@ -143,7 +143,12 @@ def one_look(worker: Worker, db: Db) -> int:
 
     The only place this script reaches into the worker: adapt it when the look changes.
     """
-    return len(worker._candidates(db))
+    from subengine._subscriptions import look_for_work
+
+    look = look_for_work(list(worker.subscriptions), [], [], worker._look_limit)
+    found = db.run(look)
+    db.conn.commit()
+    return len(found.work)
 
 
 @dataclass(frozen=True, slots=True)
