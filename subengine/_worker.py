@@ -440,15 +440,8 @@ class Worker:
                         outage_since = None
                         self._work(Db(conn, self.engine.sql), held, stop)
                 except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
-                    now = time.monotonic()
-                    outage_since = now if outage_since is None else outage_since
-                    if now - outage_since >= self.settings.outage_timeout:
-                        self.fatal = DatabaseUnavailable(
-                            f"the database was unreachable for "
-                            f"{self.settings.outage_timeout:g} s (SUBENGINE_OUTAGE_TIMEOUT): "
-                            f"{str(error).strip()}"
-                        )
-                        stop.set()
+                    outage_since = outage_since or time.monotonic()
+                    if self._gave_up(outage_since, error, stop):
                         return
                     log.warning(
                         "database connection lost: %s; reconnecting", error, extra=self._fields()
@@ -779,15 +772,8 @@ class Worker:
                     self._polling(conn, stop)
             except Exception as error:
                 if isinstance(error, psycopg.OperationalError):
-                    now = time.monotonic()
-                    outage_since = now if outage_since is None else outage_since
-                    if now - outage_since >= self.settings.outage_timeout:
-                        self.fatal = DatabaseUnavailable(
-                            f"the database was unreachable for "
-                            f"{self.settings.outage_timeout:g} s (SUBENGINE_OUTAGE_TIMEOUT): "
-                            f"{str(error).strip()}"
-                        )
-                        stop.set()
+                    outage_since = outage_since or time.monotonic()
+                    if self._gave_up(outage_since, error, stop):
                         return
                 self.metrics.listener_failed()
                 log.warning(
@@ -848,6 +834,18 @@ class Worker:
         )
         if self._board.retry_deferred() or has_work or grown or self._board.pending():
             self.wakeup.notify()
+
+    def _gave_up(self, outage_since: float, error: Exception, stop: threading.Event) -> bool:
+        """Whether the database has been unreachable since `outage_since` for the outage
+        timeout: then the worker stops, and run() raises the error."""
+        if time.monotonic() - outage_since < self.settings.outage_timeout:
+            return False
+        self.fatal = DatabaseUnavailable(
+            f"the database was unreachable for {self.settings.outage_timeout:g} s "
+            f"(SUBENGINE_OUTAGE_TIMEOUT): {str(error).strip()}"
+        )
+        stop.set()
+        return True
 
     def _wake_on_stop(self, stop: threading.Event) -> None:
         stop.wait()
