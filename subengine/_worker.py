@@ -82,7 +82,6 @@ class _Board:
         for subscription in subscriptions:
             self._names.setdefault(subscription.stream, []).append(subscription.name)
         self._heads: dict[tuple[str, int], int] = {}
-        self._totals: dict[str, int] = {}
         self._pairs: set[tuple[str, int]] = set()
         self._whole: set[str] = set()
         # suspects whose rows a batch held when a look came: for the look after a batch
@@ -105,7 +104,6 @@ class _Board:
         if names is None or head <= known:
             return False
         self._heads[stream, partition] = head
-        self._totals[stream] = self._totals.get(stream, 0) + head - known
         self._pairs.update((name, partition) for name in names)
         return True
 
@@ -123,7 +121,10 @@ class _Board:
         """The streams whose sum of heads in the database is not the one known: some
         of their partitions grew without a notification (yet)."""
         with self._lock:
-            return [s for s in self._names if totals.get(s, 0) != self._totals.get(s, 0)]
+            known = dict.fromkeys(self._names, 0)
+            for (stream, _), head in self._heads.items():
+                known[stream] += head
+            return [s for s in self._names if totals.get(s, 0) != known[s]]
 
     def take(self) -> tuple[list[tuple[str, int]], list[str]]:
         """The suspects, for a look, which is now responsible for them."""
@@ -189,14 +190,11 @@ class _Wakeup:
 
 @dataclass(frozen=True, slots=True)
 class _Candidate:
-    """A (subscription, partition) with work, and the time of its next event."""
+    """A (subscription, partition) with work, and the time of its next event (a look
+    finds only rows that know it)."""
 
     key: tuple[str, int]
-    next_time: datetime | None
-
-    def order(self) -> tuple[bool, datetime | None]:
-        """Oldest first, unknown times last (as the look orders them)."""
-        return (self.next_time is None, self.next_time)
+    next_time: datetime
 
 
 class _Held:
@@ -498,9 +496,9 @@ class Worker:
                     if drained:
                         self._wait(seen)
                     break  # look again
-                if queue and queue[0].next_time is not None and queue[0].next_time < next_time:
+                if queue and queue[0].next_time < next_time:
                     # an older event waits elsewhere: go there, and come back in its turn
-                    bisect.insort(queue, _Candidate(chosen, next_time), key=_Candidate.order)
+                    bisect.insort(queue, _Candidate(chosen, next_time), key=lambda c: c.next_time)
                     chosen = self._choose(queue, held)
 
     def _wait(self, seen: int) -> None:
