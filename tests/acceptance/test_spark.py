@@ -658,7 +658,6 @@ class ShiftingReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         half = partition.value
         with psycopg.connect(os.environ[DSN_ENV], autocommit=True) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS upstream_reads (stream text, half int)")
             computation = conn.execute(  # type: ignore[index]
                 "SELECT count(*) FROM upstream_reads WHERE stream = %s AND half = %s",
                 (self.stream, half),
@@ -704,16 +703,11 @@ class LosingShuffleWriter(DataSourceArrowWriter):
         partition = TaskContext.get().partitionId()  # type: ignore[union-attr]
         with psycopg.connect(os.environ[DSN_ENV], autocommit=True) as conn:
             conn.execute(
-                "CREATE TABLE IF NOT EXISTS write_attempts"
-                " (stream text, partition int, first_computation bool, rows text[])"
-            )
-            conn.execute(
                 "INSERT INTO write_attempts VALUES (%s, %s, %s, %s)",
                 (self.stream, partition, 0 in computations, sorted(received)),
             )
             if 0 not in computations:
                 return message
-            conn.execute("CREATE TABLE IF NOT EXISTS lost_shuffles (stream text PRIMARY KEY)")
             claimed = conn.execute(
                 "INSERT INTO lost_shuffles VALUES (%s) ON CONFLICT DO NOTHING RETURNING 1",
                 (self.stream,),
@@ -743,6 +737,14 @@ def test_a_write_stage_rerun_after_a_round_robin_repartition_stores_each_row_onc
 ) -> None:
     stream = new_stream(partitions=3)
     rows = 200
+    # The tasks' bookkeeping tables exist before any task runs: two tasks running
+    # CREATE TABLE IF NOT EXISTS at once can both try to create it, and one fails.
+    sql.execute("CREATE TABLE IF NOT EXISTS upstream_reads (stream text, half int)")
+    sql.execute(
+        "CREATE TABLE IF NOT EXISTS write_attempts"
+        " (stream text, partition int, first_computation bool, rows text[])"
+    )
+    sql.execute("CREATE TABLE IF NOT EXISTS lost_shuffles (stream text PRIMARY KEY)")
     frame = (
         spark.read.format("shifting_rows")
         .option("stream", stream)

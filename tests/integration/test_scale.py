@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 from helpers import Running, count, key_in, record, wait_for
+from psycopg import sql as pgsql
 
 import subengine
 from subengine import NewEvent
@@ -95,6 +96,17 @@ def test_the_look_takes_its_intended_plan_in_a_database_without_statistics(dsn: 
     # rows by their keys (an index or bitmap scan): never a scan of every position,
     # partition or event.
     names = [f"s{n:03d}" for n in range(SUBSCRIPTIONS)]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # autovacuum would analyse the tables while this loads them on a busy machine
+        tables = conn.execute(
+            "SELECT relname FROM pg_stat_user_tables WHERE schemaname = 'subengine'"
+        ).fetchall()
+        for (table,) in tables:
+            conn.execute(
+                pgsql.SQL("ALTER TABLE {} SET (autovacuum_enabled = off)").format(
+                    pgsql.Identifier("subengine", table)
+                )
+            )
     settings = subengine.Settings(dsn=dsn)
     with subengine.Engine(settings=settings) as engine:
         engine.create_stream("wide", partitions=PARTITIONS)
