@@ -8,7 +8,8 @@ policies and handlers) and the types of its parts.
 
 Handlers are dispatched by event type; a catch-all handler takes the other types, and
 events of a type with no handler are skipped (their position still advances). A batch
-handler instead receives every event of a batch (one partition's, in position order).
+handler instead receives, per partition of a batch, that partition's events in position
+order.
 Vocabulary: it knows nothing of connections' owners, the engine or the worker.
 """
 

@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from itertools import groupby
 from typing import Any, Literal
 
 import psycopg
@@ -29,7 +30,6 @@ from subengine._errors import (
 )
 from subengine._events import Event
 from subengine._names import validate_stream_name
-from subengine._read import read_after
 from subengine._settings import Settings
 from subengine._sql import Db, Query, Result, Row, first_row, nothing, rowcount
 from subengine._streams import get_stream, partition_states
@@ -240,13 +240,22 @@ def look_for_work(
 class BatchFailed(Exception):
     """The events of a batch failed: a handler raised, or the transaction of a
     transactional batch failed to commit because of what the handlers wrote (a deferred
-    constraint they broke, say). Nothing of the batch committed. `events` is how many it
-    held, `last_position` the last of them, `error` what was raised, and `position` and
-    `generation` where the subscription stood when the batch read it (failures are
-    recorded only if it still stands there)."""
+    constraint they broke, say). Nothing of the batch committed. `partition` is the
+    partition whose handlers raised (the chosen one when the commit failed), `events` how
+    many events of it the batch held, `last_position` the last of them, `error` what was
+    raised, and `position` and `generation` where the subscription stood in it when the
+    batch read it (failures are recorded only if it still stands there). `shared`: the
+    batch carried other partitions too."""
 
     def __init__(
-        self, error: Exception, events: int, last_position: int, position: int, generation: int
+        self,
+        error: Exception,
+        events: int,
+        last_position: int,
+        position: int,
+        generation: int,
+        partition: int = 0,
+        shared: bool = False,
     ) -> None:
         super().__init__(str(error))
         self.error = error
@@ -254,6 +263,8 @@ class BatchFailed(Exception):
         self.last_position = last_position
         self.position = position
         self.generation = generation
+        self.partition = partition
+        self.shared = shared
 
 
 def process_batch(db: Db, subscription: Subscription, partition: int) -> BatchOutcome | None:
@@ -268,9 +279,10 @@ def process_batch(db: Db, subscription: Subscription, partition: int) -> BatchOu
     stored (the partition is then stopped before them).
     """
     try:
-        return handle_batch(db, subscription, partition)
+        outcomes = handle_batch(db, subscription, partition)
     except BatchFailed as failed:
         raise failed.error from None
+    return None if outcomes is None else outcomes[0]
 
 
 def handle_batch(
@@ -278,64 +290,71 @@ def handle_batch(
     subscription: Subscription,
     partition: int,
     size: int | None = None,
-) -> BatchOutcome | None:
+    companions: int = 0,
+) -> list[BatchOutcome] | None:
     """`process_batch` for the worker: at most `size` events (default: the subscription's
-    batch size), and a failure of the batch's events arrives as `BatchFailed`.
+    batch size), from the partition and, for a transactional subscription, from up to
+    `companions` more of its partitions with work (see the `lock_batch` query); the
+    outcome of each partition the batch moved, the chosen one first. A failure of the
+    batch's events arrives as `BatchFailed`.
 
     Only the handlers' own exceptions, and a commit that fails because of their writes,
     are the events' failures. Any other error (reading the batch, moving the position,
     the connection) propagates as it is: it says nothing about the events.
     """
+    size = size or subscription.batch_size
     if subscription.ack == "transactional":
-        return _transactional_batch(db, subscription, partition, size)
+        return _transactional_batch(db, subscription, partition, size, companions)
     with db.transaction():
-        batch = _next_batch(db, subscription, partition, size)
+        batch = _next_batch(db, subscription, partition, size, 0)
     if batch is None:
         return None
     if batch.missing is not None:
         raise batch.missing
     _run_handlers(subscription, batch, None)
     with db.transaction():
-        return _commit_position(db, subscription, batch)
+        return _commit_positions(db, subscription, batch)
 
 
 def _transactional_batch(
     db: Db,
     subscription: Subscription,
     partition: int,
-    size: int | None,
-) -> BatchOutcome | None:
+    size: int,
+    companions: int,
+) -> list[BatchOutcome] | None:
     batch: _Batch | None = None
     handled = False
-    outcome: BatchOutcome | None = None
+    outcomes: list[BatchOutcome] | None = None
     try:
         with db.transaction():
-            batch = _next_batch(db, subscription, partition, size)
+            batch = _next_batch(db, subscription, partition, size, companions)
             if batch is not None and batch.missing is None:
                 _run_handlers(subscription, batch, db.conn)
                 handled = True
-                outcome = _commit_position(db, subscription, batch)
+                outcomes = _commit_positions(db, subscription, batch)
     except psycopg.Error as error:
         # Once the handlers have run, an error that is not the database's own trouble
         # comes from what they did: a write that breaks a deferred constraint at COMMIT,
         # or an error they caught, which left the transaction aborted.
         if batch is not None and handled and not database_trouble(error):
-            raise _failed(error, batch) from error
+            raise _failed(error, batch, batch.parts[0]) from error
         raise
     if batch is not None and batch.missing is not None:
         raise batch.missing  # the partition's stop committed
-    return outcome
+    return outcomes
 
 
 def _run_handlers(
     subscription: Subscription, batch: _Batch, conn: psycopg.Connection[Any] | None
 ) -> None:
-    try:
-        subscription.handle(batch.events, conn)
-    except Exception as error:
-        if database_trouble(error):
-            raise  # a database error is never the events' failure (invariant 8)
-        raise _failed(error, batch) from error
+    for part in batch.parts:  # each partition's events in one call: its order is kept
+        try:
+            subscription.handle(part.events, conn)
+        except Exception as error:
+            if database_trouble(error):
+                raise  # a database error is never the events' failure (invariant 8)
+            raise _failed(error, batch, part) from error
 
 
 def database_trouble(error: BaseException) -> bool:
@@ -349,18 +368,31 @@ def database_trouble(error: BaseException) -> bool:
     return isinstance(error, psycopg.OperationalError | psycopg.InterfaceError)
 
 
-def _failed(error: Exception, batch: _Batch) -> BatchFailed:
-    last = batch.events[-1].position if batch.events else batch.old
-    return BatchFailed(error, len(batch.events), last, batch.old, batch.generation)
+def _failed(error: Exception, batch: _Batch, part: _Part) -> BatchFailed:
+    last = part.events[-1].position if part.events else part.old
+    return BatchFailed(
+        error, len(part.events), last, part.old, part.generation, part.partition,
+        len(batch.parts) > 1,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
-class _Batch:
+class _Part:
+    """A batch's events of one partition, and where the subscription stood there."""
+
     partition: int
     old: int
     generation: int
     events: list[Event]
     next_time: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """A batch: its partitions' parts, the chosen partition's first (perhaps without
+    events), or the events no longer stored after the chosen partition's position."""
+
+    parts: list[_Part]
     missing: PositionsMissing | None = None
 
 
@@ -368,66 +400,89 @@ def _next_batch(
     db: Db,
     subscription: Subscription,
     partition: int,
-    size: int | None,
+    size: int,
+    companions: int,
 ) -> _Batch | None:
-    """Lock the position row and read the events after it; None if the partition is
-    stopped or the subscription paused.
+    """Lock the position rows and read the events after them (`lock_batch`); None if the
+    partition is stopped or the subscription paused.
 
-    Positions are dense and commit in order (invariant 1), so the first event after the
-    position is position + 1, and the head's events are all committed: a batch that finds
-    otherwise finds events no longer stored. It then stops the partition before them (in
-    this transaction) and returns a batch of no events that names them (`missing`); it
-    never skips them.
+    Positions are dense and commit in order (invariant 1), so the events after the
+    position are position + 1, + 2, ... up to the head, all committed: a hole shows
+    events no longer stored. A batch takes a partition's events up to the first hole;
+    a chosen partition whose next position is missing is stopped before it (in this
+    transaction) and the batch names the missing positions (`missing`): they are never
+    skipped. A companion whose next position is missing is left out: its own batch
+    stops it.
     """
-    params = {"name": subscription.name, "partition": partition, "stream": subscription.stream}
-    locked = db.run(Query("lock_position", params, first_row))
-    if locked is None:
+    params = {
+        "name": subscription.name,
+        "partition": partition,
+        "stream": subscription.stream,
+        "size": size,
+        "companions": companions,
+    }
+    rows = db.run(Query("lock_batch", params, lambda result: result.rows))
+    if not rows:
         raise SubscriptionNotFound(
             f"subscription {subscription.name!r} is not stored for stream "
             f"{subscription.stream!r} (deleted?), or has no partition {partition}"
         )
-    old, generation, stopped, attempts, head = locked
-    if stopped:
-        return None
-    # after a failure, the failing event is retried on its own
-    size = 1 if attempts > 0 else size or subscription.batch_size
-    events = db.run(read_after(subscription.stream, partition, old, size + 1))
-    first_found = events[0].position if events else head + 1
-    if first_found > old + 1 and head > old:
-        missing = PositionsMissing(
-            subscription.name, subscription.stream, partition, old + 1, first_found - 1
-        )
-        db.run(stop_partition(subscription.name, partition, old, generation, missing))
-        return _Batch(partition, old, generation, [], None, missing)
-    next_time = events[size].occurred_at if len(events) > size else None
-    return _Batch(partition, old, generation, events[:size], next_time)
+    parts: list[_Part] = []
+    for (part_partition, old, generation, halted, _, head, take), group in groupby(
+        rows, key=lambda row: tuple(row[:7])
+    ):
+        events = [Event(*row[7:]) for row in group if row[7] is not None]
+        if not parts and halted:
+            return None
+        # the events that follow the position without a hole: the batch's share
+        dense = 0
+        while dense < min(take, len(events)) and events[dense].position == old + 1 + dense:
+            dense += 1
+        if dense == 0 and take > 0:  # the next position is no longer stored
+            if parts:
+                continue  # a companion: its own batch stops it
+            last = events[0].position - 1 if events else head
+            missing = PositionsMissing(
+                subscription.name, subscription.stream, partition, old + 1, last
+            )
+            db.run(stop_partition(subscription.name, partition, old, generation, missing))
+            return _Batch([], missing)
+        # the next stored event's time (after a hole too: its batch must come to stop)
+        next_time = events[dense].occurred_at if len(events) > dense else None
+        parts.append(_Part(part_partition, old, generation, events[:dense], next_time))
+    return _Batch(parts)
 
 
-def _commit_position(db: Db, subscription: Subscription, batch: _Batch) -> BatchOutcome:
-    new = batch.events[-1].position if batch.events else batch.old
-    moved = db.run(
+def _commit_positions(db: Db, subscription: Subscription, batch: _Batch) -> list[BatchOutcome]:
+    news = [part.events[-1].position if part.events else part.old for part in batch.parts]
+    moved: dict[int, datetime | None] = db.run(
         Query(
-            "commit_position",
+            "commit_positions",
             {
                 "name": subscription.name,
-                "partition": batch.partition,
-                "old": batch.old,
-                "generation": batch.generation,
-                "new": new,
-                "next_time": batch.next_time,
                 "stream": subscription.stream,
+                "partitions": [part.partition for part in batch.parts],
+                "old": [part.old for part in batch.parts],
+                "new": news,
+                "generations": [part.generation for part in batch.parts],
+                "next_times": [part.next_time for part in batch.parts],
             },
-            first_row,
+            lambda result: dict(result.rows),
         )
     )
-    if moved is None:
+    if len(moved) != len(batch.parts):
+        fenced = sorted({part.partition for part in batch.parts} - set(moved))
         raise Fenced(
-            f"the position of {subscription.name!r} in partition {batch.partition} moved "
-            "during the batch; nothing of it was committed"
+            f"the position of {subscription.name!r} in partition"
+            f"{'s' if len(fenced) > 1 else ''} {', '.join(map(str, fenced))} moved during "
+            "the batch; nothing of it was committed"
         )
-    # the next event's time as stored: events committed since the batch read may have
+    # each next event's time as stored: events committed since the batch read may have
     # brought one
-    return BatchOutcome(batch.partition, len(batch.events), new, moved[0])
+    return [
+        BatchOutcome(part.partition, len(part.events), new, moved[part.partition])
+        for part, new in zip(batch.parts, news, strict=True)
+    ]
 
 
 def stop_partition(

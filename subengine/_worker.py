@@ -64,6 +64,10 @@ T = TypeVar("T")
 # Candidates fetched per look for work: enough that busy partitions locked by other
 # workers do not hide the free ones.
 _CANDIDATES_PER_SLOT = 4
+# Partitions of the same subscription a transactional batch may carry besides the chosen
+# one (up to the batch size in events): with many partitions of few events each, a
+# transaction per partition would cost more than the events.
+_COMPANIONS = 8
 _RECONNECT_DELAY_SECONDS = 1.0
 # How often the poller, between notifications, checks whether the worker is stopping.
 _LISTEN_CHECK_SECONDS = 0.25
@@ -478,7 +482,11 @@ class Worker:
                 continue
             while chosen is not None and not stop.is_set():
                 name, partition = chosen
-                next_time, drained = self._take_turn(db, self.subscriptions[name], partition, stop)
+                next_time, drained, moved = self._take_turn(
+                    db, self.subscriptions[name], partition, stop
+                )
+                if moved:  # a batch carried them: the look's times for them are old
+                    queue[:] = [c for c in queue if c.key not in moved]
                 held.has_work = next_time is not None
                 if next_time is None and not drained:
                     held.release()  # halted: nothing for this slot to keep
@@ -553,43 +561,60 @@ class Worker:
         subscription: Subscription,
         partition: int,
         stop: threading.Event,
-    ) -> tuple[datetime | None, bool]:
-        """Handle one batch of a partition: the time of its next event, or None when it
-        has no more work for now; and whether the partition was drained (rather than
-        halted, fenced or failed).
+        companions: bool = True,
+    ) -> tuple[datetime | None, bool, set[tuple[str, int]]]:
+        """Handle one batch of a partition (which may carry other partitions of the
+        subscription, see `lock_batch`): the time of the partition's next event, or None
+        when it has no more work for now; whether the partition was drained (rather than
+        halted, fenced or failed); and the other partitions the batch moved.
 
         When a batch of several events fails, its events are handled again at once, one
         per batch, within this turn: those before the failing one commit, and the failing
-        one meets the retry delay and the error policy alone. Any other error is kept to
-        this partition: it is logged and the partition is tried again after a backoff,
-        without counting an attempt; only a lost connection leaves the turn.
+        one meets the retry delay and the error policy alone. A batch of several
+        partitions that fails is handled again partition by partition, each one alone.
+        Any other error is kept to this partition: it is logged and the partition is
+        tried again after a backoff, without counting an attempt; only a lost connection
+        leaves the turn.
         """
         key = (subscription.name, partition)
         split: BatchFailed | None = None  # a failed batch of several events, handled singly
         while not stop.is_set():
             started = time.monotonic()
+            alone = split is not None or not companions
             try:
-                outcome = self._batch(db, subscription, partition, 1 if split else None)
+                outcomes = self._batch(
+                    db, subscription, partition, 1 if split else None,
+                    0 if alone else _COMPANIONS,
+                )  # fmt: skip
             except Exception as error:
                 if db.conn.broken or db.conn.closed:
                     raise _ConnectionLost(f"the worker's connection broke: {error}") from error
                 self._database_trouble(subscription, partition, error)
-                return None, False
+                return None, False, set()
             self._backoff.succeeded(key)
-            if outcome is None:
-                return None, False
-            if isinstance(outcome, BatchFailed):
-                split = outcome
+            if outcomes is None:
+                return None, False, set()
+            if isinstance(outcomes, BatchFailed):
+                if outcomes.shared:
+                    companions = False
+                    if outcomes.partition != partition:
+                        # pin the failure on the companion's event now, not at every
+                        # batch that would take it along
+                        self._take_turn(db, subscription, outcomes.partition, stop, False)
+                else:
+                    split = outcomes
                 continue
-            if outcome.handled > 0:
-                self._batch_committed(subscription, outcome, time.monotonic() - started)
+            outcome = outcomes[0]
+            if any(o.handled for o in outcomes):
+                self._batch_committed(subscription, outcomes, time.monotonic() - started)
                 self._board.retry_deferred()  # this batch may have held one of them
             # one at a time only through the failed batch's events: a reset that moved
             # the position elsewhere meanwhile ends it
             if split is not None and split.position < outcome.position < split.last_position:
                 continue
-            return outcome.next_time, outcome.next_time is None
-        return None, False
+            moved = {(subscription.name, o.partition) for o in outcomes[1:]}
+            return outcome.next_time, outcome.next_time is None, moved
+        return None, False, set()
 
     def _batch(
         self,
@@ -597,11 +622,14 @@ class Worker:
         subscription: Subscription,
         partition: int,
         size: int | None,
-    ) -> BatchOutcome | BatchFailed | None:
-        """One batch: its outcome; a failed batch of several events (to split); None when
-        the partition has nothing to do now (stopped, failed, fenced or missing events)."""
+        companions: int,
+    ) -> list[BatchOutcome] | BatchFailed | None:
+        """One batch: the outcome of each partition it moved, the chosen one first; a
+        failed batch of several events or partitions (to handle again in parts); None
+        when the partition has nothing to do now (stopped, failed, fenced or missing
+        events)."""
         try:
-            return handle_batch(db, subscription, partition, size)
+            return handle_batch(db, subscription, partition, size, companions)
         except Fenced as fenced:
             log.info("%s", fenced, extra=self._fields(subscription=subscription.name))
             return None
@@ -632,8 +660,8 @@ class Worker:
         except BatchFailed as failed:
             if db.conn.broken or db.conn.closed:  # the handlers met the connection's end
                 raise
-            if failed.events > 1:
-                self._batch_split(subscription, partition, failed)
+            if failed.shared or failed.events > 1:
+                self._batch_split(subscription, failed)
                 return failed
             failure = record_failure(db, subscription, partition, failed, self.settings)
             self._batch_failed(subscription, partition, failure, failed.error)
@@ -661,30 +689,35 @@ class Worker:
             ),
         )
 
-    def _batch_split(self, subscription: Subscription, partition: int, failed: BatchFailed) -> None:
+    def _batch_split(self, subscription: Subscription, failed: BatchFailed) -> None:
         self.metrics.batch_failed(subscription.name, False)
         log.warning(
-            "subscription %s partition %s: a batch of %s events failed (%s: %s); handling "
-            "them one at a time to find the failing one",
+            "subscription %s partition %s: a batch of %s failed (%s: %s); handling %s",
             subscription.name,
-            partition,
-            failed.events,
+            failed.partition,
+            "several partitions" if failed.shared else f"{failed.events} events",
             type(failed.error).__name__,
             failed.error,
+            "its partitions one at a time" if failed.shared
+            else "them one at a time to find the failing one",
             extra=self._fields(
                 subscription=subscription.name,
-                partition=partition,
+                partition=failed.partition,
                 events=failed.events,
                 to_position=failed.last_position,
                 error=f"{type(failed.error).__name__}: {failed.error}",
             ),
-        )
+        )  # fmt: skip
 
     def _batch_committed(
-        self, subscription: Subscription, outcome: BatchOutcome, seconds: float
+        self, subscription: Subscription, outcomes: Sequence[BatchOutcome], seconds: float
     ) -> None:
-        self.metrics.batch_committed(subscription.name, outcome.handled, seconds)
-        if log.isEnabledFor(logging.DEBUG):
+        self.metrics.batch_committed(
+            subscription.name, sum(outcome.handled for outcome in outcomes), seconds
+        )
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        for outcome in outcomes:
             # positions are dense: the batch held the `handled` positions up to the new one
             first = outcome.position - outcome.handled + 1
             log.debug(
