@@ -227,8 +227,7 @@ class _Held:
             if self._conn is None or self._conn.closed:
                 self.close()
                 self._conn = self._connect()
-                # the looks' marks are hints that a look after a crash makes again
-                self._sql.run(self._conn, Query("asynchronous_commit", {}, first_row))
+                self._sql.run(self._conn, Query("lock_connection_settings", {}, first_row))
             try:
                 return self._sql.run(self._conn, query())
             except psycopg.OperationalError:

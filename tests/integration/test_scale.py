@@ -5,6 +5,7 @@ batch held looked at again. Nothing here is timed: bench/scale.py measures the s
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -76,6 +77,30 @@ def look_plan(conn: psycopg.Connection[Any], sql: SQL, **params: Any) -> str:
     return json.dumps(row[0])
 
 
+def generic_plan(conn: psycopg.Connection[Any], sql: SQL, **params: Any) -> str:
+    """EXPLAIN of the look for work as a prepared statement's generic plan (the one a
+    worker's lock connection keeps, see lock_connection_settings), as JSON text."""
+    query = look_for_work(**params)
+    order: list[str] = []
+
+    def placeholder(match: re.Match[bytes]) -> bytes:
+        name = match.group(1).decode()
+        if name not in order:
+            order.append(name)
+        return f"${order.index(name) + 1}".encode()
+
+    text = re.sub(rb"%\((\w+)\)s", placeholder, sql.text(query.name))
+    values = pgsql.SQL(", ").join(pgsql.Literal(query.params[name]) for name in order)
+    with conn.transaction(force_rollback=True):
+        conn.execute(b"PREPARE look AS " + text)
+        conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        explain = pgsql.SQL("EXPLAIN (FORMAT JSON) EXECUTE look ({})").format(values)
+        row = conn.execute(explain).fetchone()
+        conn.execute("DEALLOCATE look")
+    assert row is not None
+    return json.dumps(row[0])
+
+
 def scans(plan: str) -> set[tuple[str, str, str | None]]:
     """Every scan node of a JSON plan: (node type, relation, index)."""
     found: set[tuple[str, str, str | None]] = set()
@@ -120,12 +145,18 @@ def test_the_look_takes_its_intended_plan_in_a_database_without_statistics(dsn: 
             ).fetchone()
             assert analysed == (0,), "the test needs a database without statistics"
             suspects = [(name, n * 100) for n, name in enumerate(names[:5])]
-            plan = look_plan(conn, engine.sql, serving=names, suspects=suspects, whole=[], limit=8)
-    found = scans(plan)
-    assert ("Index Scan", "subscription_positions", "subscription_positions_work") in found
-    # the subscriptions table has a row per subscription: scanning it is as cheap as a key
-    scanned = {relation for node, relation, _ in found if node == "Seq Scan"}
-    assert scanned <= {"subscriptions"}, found
+            params = {"serving": names, "suspects": suspects, "whole": [], "limit": 8}
+            # the plan for these values, and the one plan a worker's lock connection keeps
+            plans = [
+                look_plan(conn, engine.sql, **params),
+                generic_plan(conn, engine.sql, **params),
+            ]
+    for plan in plans:
+        found = scans(plan)
+        assert ("Index Scan", "subscription_positions", "subscription_positions_work") in found
+        # the subscriptions table has a row per subscription: scanning it costs as a key
+        scanned = {relation for node, relation, _ in found if node == "Seq Scan"}
+        assert scanned <= {"subscriptions"}, found
 
 
 def test_a_suspect_whose_row_a_batch_holds_is_looked_at_again(
