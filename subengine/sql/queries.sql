@@ -145,86 +145,24 @@ RETURNING stream, generation
 
 -- name: lock_batch
 -- A batch's positions and events, in one statement at the start of its transaction
--- (DESIGN.md, Consume flow): the chosen partition's position row, locked until the
--- transaction ends (waiting for a batch that holds it), and, for a transactional
--- subscription whose chosen partition has fewer events than the batch takes, up to
--- %(companions)s more partitions of the same subscription with work, oldest next event
--- first, whose rows no batch holds (SKIP LOCKED: never two batches of one partition at
--- once). Each row carries the partition's head (events up to it are
--- committed, so a partition that shows fewer is missing some) and as many events after
--- the position as the batch takes from it, plus one (the next event's time): the chosen
--- partition first, then the companions in order, until %(size)s events in all (a single
--- event while the chosen partition retries a failure; then no companions). The events'
--- snapshot may be older than a row lock that waited, never newer than the head read
--- with it: positions are dense, so no event up to that head is invisible. A paused
--- subscription counts as stopped. Nothing when the subscription is not stored for this
--- stream (deleted, perhaps declared anew on another).
-WITH chosen AS MATERIALIZED (
-    SELECT sp.partition, sp.position, sp.generation, sp.stopped OR s.paused AS halted,
-           sp.attempts, p.head
-      FROM {schema}.subscription_positions sp
-      JOIN {schema}.subscriptions s ON s.name = sp.subscription
-      JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
-     WHERE sp.subscription = %(name)s AND sp.partition = %(partition)s
-       AND s.stream = %(stream)s
-       FOR UPDATE OF sp
-), companion AS MATERIALIZED (
-    SELECT sp.partition, sp.position, sp.generation, sp.next_time
-      FROM {schema}.subscription_positions sp
-     WHERE sp.subscription = %(name)s AND sp.next_time IS NOT NULL AND NOT sp.stopped
-       AND sp.partition <> %(partition)s AND sp.attempts = 0
-       AND (sp.retry_at IS NULL OR sp.retry_at <= now())
-       AND EXISTS (SELECT FROM chosen c
-                    WHERE c.attempts = 0 AND NOT c.halted AND c.head - c.position < %(size)s)
-     ORDER BY sp.next_time
-     LIMIT %(companions)s
-       FOR UPDATE OF sp SKIP LOCKED
-), member AS (
-    SELECT c.*, 0::bigint AS rank FROM chosen c
-    UNION ALL
-    SELECT c.partition, c.position, c.generation, false, 0, p.head,
-           row_number() OVER (ORDER BY c.next_time, c.partition)
-      FROM companion c
-      JOIN {schema}.partitions p ON p.stream = %(stream)s AND p.partition = c.partition
-), share AS (
-    -- what each partition takes: its events, as far as the ones before it left room
-    SELECT m.*,
-           greatest(0, least(m.head - m.position,
-                             CASE WHEN m.attempts > 0 THEN 1 ELSE %(size)s END
-                             - coalesce(sum(least(m.head - m.position, %(size)s))
-                                            OVER (ORDER BY m.rank ROWS BETWEEN UNBOUNDED
-                                                  PRECEDING AND 1 PRECEDING), 0)))::bigint AS take
-      FROM member m
-)
-SELECT x.partition, x.position, x.generation, x.halted, x.attempts, x.head, x.take,
-       e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type, e.data,
-       e.metadata, e.occurred_at, e.recorded_at
-  FROM share x
-  LEFT JOIN LATERAL (
-        SELECT * FROM {schema}.events e
-         WHERE e.stream = %(stream)s AND e.partition = x.partition
-           AND e.position > x.position AND NOT x.halted
-         ORDER BY e.position
-         LIMIT x.take + 1) e ON true
- WHERE x.rank = 0 OR x.take > 0
- ORDER BY x.rank, e.position
+-- (DESIGN.md, Consume flow; the function lock_batch, migration 0008, says how): the
+-- chosen partition's position row, locked until the transaction ends, and, for a
+-- transactional subscription whose chosen partition has fewer events than the batch
+-- takes, up to %(companions)s more partitions of the same subscription with work, oldest
+-- next event first, whose rows no batch holds. Each row carries the partition's head
+-- (events up to it are committed, so a partition that shows fewer is missing some) and
+-- the events the batch takes from it plus one. The events' snapshot may be older than a
+-- row lock that waited, never newer than the head read with it: positions are dense, so
+-- no event up to that head is invisible.
+SELECT * FROM {schema}.lock_batch(%(name)s, %(partition)s, %(stream)s, %(size)s, %(companions)s)
 
 -- name: commit_positions
--- Compare-and-set the positions of a batch's partitions (DESIGN.md invariant 3): a row
--- another worker moved, or whose generation a reset bumped, matches nothing, and the
--- caller rolls the whole batch back. The batch read each next event's time if there was
--- one; if not, events committed since may have brought one.
-UPDATE {schema}.subscription_positions sp
-   SET position = x.new,
-       next_time = coalesce(x.next_time,
-                            {schema}.next_event_time(%(stream)s, x.partition, x.new)),
-       attempts = 0, last_error = NULL, retry_at = NULL, updated_at = now()
-  FROM unnest(%(partitions)s::integer[], %(old)s::bigint[], %(new)s::bigint[],
-              %(generations)s::bigint[], %(next_times)s::timestamptz[])
-       AS x(partition, old, new, generation, next_time)
- WHERE sp.subscription = %(name)s AND sp.partition = x.partition
-   AND sp.position = x.old AND sp.generation = x.generation
-RETURNING sp.partition, sp.next_time
+-- Compare-and-set the positions of a batch's partitions (DESIGN.md invariant 3; the
+-- function commit_positions, migration 0008): a row another worker moved, or whose
+-- generation a reset bumped, matches nothing, and the caller rolls the whole batch back.
+SELECT * FROM {schema}.commit_positions(
+    %(name)s, %(stream)s, %(partitions)s::integer[], %(old)s::bigint[], %(new)s::bigint[],
+    %(generations)s::bigint[], %(next_times)s::timestamptz[])
 
 -- name: subscription_positions
 -- Every partition's position of a subscription.
