@@ -73,33 +73,61 @@ SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
 AS $function$
 #variable_conflict use_column
+DECLARE
+    chosen_position    bigint;
+    chosen_generation  bigint;
+    chosen_halted      boolean;
+    chosen_attempts    integer;
+    chosen_head        bigint;
+    chosen_take        bigint;
 BEGIN
+    SELECT sp.position, sp.generation, sp.stopped OR s.paused, sp.attempts, p.head
+      INTO chosen_position, chosen_generation, chosen_halted, chosen_attempts, chosen_head
+      FROM subscription_positions sp
+      JOIN subscriptions s ON s.name = sp.subscription
+      JOIN partitions p ON p.stream = s.stream AND p.partition = sp.partition
+     WHERE sp.subscription = subscription_name AND sp.partition = chosen_partition
+       AND s.stream = stream_name
+       FOR UPDATE OF sp;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    chosen_take := greatest(0, least(chosen_head - chosen_position,
+                                     CASE WHEN chosen_attempts > 0 THEN 1 ELSE batch_size END));
+
+    IF chosen_halted OR chosen_attempts > 0 OR chosen_take >= batch_size
+       OR companion_limit = 0 THEN
+        -- the chosen partition alone
+        RETURN QUERY
+        SELECT chosen_partition, chosen_position, chosen_generation, chosen_halted,
+               chosen_attempts, chosen_head, chosen_take,
+               e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type, e.data,
+               e.metadata, e.occurred_at, e.recorded_at
+          FROM (VALUES (1)) AS one (n)
+          LEFT JOIN LATERAL (
+                SELECT * FROM events e
+                 WHERE e.stream = stream_name AND e.partition = chosen_partition
+                   AND e.position > chosen_position AND NOT chosen_halted
+                 ORDER BY e.position
+                 LIMIT chosen_take + 1) e ON true
+         ORDER BY e.position;
+        RETURN;
+    END IF;
+
     RETURN QUERY
-    WITH chosen AS MATERIALIZED (
-        SELECT sp.partition, sp.position, sp.generation, sp.stopped OR s.paused AS halted,
-               sp.attempts, p.head
-          FROM subscription_positions sp
-          JOIN subscriptions s ON s.name = sp.subscription
-          JOIN partitions p ON p.stream = s.stream AND p.partition = sp.partition
-         WHERE sp.subscription = subscription_name AND sp.partition = chosen_partition
-           AND s.stream = stream_name
-           FOR UPDATE OF sp
-    ), companion AS MATERIALIZED (
+    WITH companion AS MATERIALIZED (
         SELECT sp.partition, sp.position, sp.generation, sp.next_time
           FROM subscription_positions sp
          WHERE sp.subscription = subscription_name AND sp.next_time IS NOT NULL
            AND NOT sp.stopped AND sp.partition <> chosen_partition AND sp.attempts = 0
            AND (sp.retry_at IS NULL OR sp.retry_at <= now())
-           AND EXISTS (SELECT FROM chosen c
-                        WHERE c.attempts = 0 AND NOT c.halted
-                          AND c.head - c.position < batch_size)
          ORDER BY sp.next_time
          LIMIT companion_limit
            FOR UPDATE OF sp SKIP LOCKED
     ), member AS (
-        SELECT c.partition, c.position, c.generation, c.halted, c.attempts, c.head,
-               0::bigint AS rank
-          FROM chosen c
+        SELECT chosen_partition AS partition, chosen_position AS position,
+               chosen_generation AS generation, false AS halted, 0 AS attempts,
+               chosen_head AS head, 0::bigint AS rank
         UNION ALL
         SELECT c.partition, c.position, c.generation, false, 0, p.head,
                row_number() OVER (ORDER BY c.next_time, c.partition)
@@ -109,11 +137,12 @@ BEGIN
         -- what each partition takes: its events, as far as the ones before it left room
         SELECT m.*,
                greatest(0, least(m.head - m.position,
-                                 CASE WHEN m.attempts > 0 THEN 1 ELSE batch_size END
-                                 - coalesce(sum(least(m.head - m.position, batch_size))
-                                                OVER (ORDER BY m.rank ROWS BETWEEN
-                                                      UNBOUNDED PRECEDING AND 1 PRECEDING),
-                                            0)))::bigint AS take
+                                 batch_size - coalesce(sum(least(m.head - m.position,
+                                                                 batch_size))
+                                                           OVER (ORDER BY m.rank ROWS BETWEEN
+                                                                 UNBOUNDED PRECEDING
+                                                                 AND 1 PRECEDING),
+                                                       0)))::bigint AS take
           FROM member m
     )
     SELECT x.partition, x.position, x.generation, x.halted, x.attempts, x.head, x.take,
@@ -123,7 +152,7 @@ BEGIN
       LEFT JOIN LATERAL (
             SELECT * FROM events e
              WHERE e.stream = stream_name AND e.partition = x.partition
-               AND e.position > x.position AND NOT x.halted
+               AND e.position > x.position
              ORDER BY e.position
              LIMIT x.take + 1) e ON true
      WHERE x.rank = 0 OR x.take > 0
@@ -147,6 +176,19 @@ SET enable_seqscan = off
 AS $function$
 #variable_conflict use_column
 BEGIN
+    IF cardinality(partition_numbers) = 1 THEN  -- most batches: one partition
+        RETURN QUERY
+        UPDATE subscription_positions sp
+           SET position = new_positions[1],
+               next_time = coalesce(next_times[1],
+                                    next_event_time(stream_name, partition_numbers[1],
+                                                    new_positions[1])),
+               attempts = 0, last_error = NULL, retry_at = NULL, updated_at = now()
+         WHERE sp.subscription = subscription_name AND sp.partition = partition_numbers[1]
+           AND sp.position = old_positions[1] AND sp.generation = generations[1]
+        RETURNING sp.partition, sp.next_time;
+        RETURN;
+    END IF;
     RETURN QUERY
     UPDATE subscription_positions sp
        SET position = x.new,
