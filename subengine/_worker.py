@@ -138,6 +138,16 @@ class _Board:
             self._whole.clear()
             return pairs, whole
 
+    def take_few(self, limit: int) -> list[tuple[str, int]]:
+        """The suspects, for a slot that takes them without a look, when they are only
+        pairs and at most `limit` of them (a notification's); else none, for a look."""
+        with self._lock:
+            if self._whole or not self._pairs or len(self._pairs) > limit:
+                return []
+            pairs = sorted(self._pairs)
+            self._pairs.clear()
+            return pairs
+
     def put_back(self, pairs: Sequence[tuple[str, int]], whole: Sequence[str] = ()) -> None:
         """Suspects a failed look took, for the next one."""
         if pairs or whole:
@@ -477,7 +487,7 @@ class Worker:
             chosen = self._choose(queue, held)
             self.metrics.looked_for_work(chosen is not None)
             if chosen is None:
-                self._wait(seen)
+                self._idle(db, held, stop, seen)
                 continue
             while chosen is not None and not stop.is_set():
                 name, partition = chosen
@@ -501,12 +511,40 @@ class Worker:
                         chosen = self._choose(queue, held)
                         continue
                     if drained:
-                        self._wait(seen)
+                        self._idle(db, held, stop, seen)
                     break  # look again
                 if queue and queue[0].next_time < next_time:
                     # an older event waits elsewhere: go there, and come back in its turn
                     bisect.insort(queue, _Candidate(chosen, next_time), key=lambda c: c.next_time)
                     chosen = self._choose(queue, held)
+
+    def _idle(self, db: Db, held: _Held, stop: threading.Event, seen: int) -> None:
+        """Nothing to do: wait for news after `seen`, then take what a notification
+        brought, if that is all there is."""
+        self._wait(seen)
+        self._take_notified(db, held, stop)
+
+    def _take_notified(self, db: Db, held: _Held, stop: threading.Event) -> None:
+        """After a wait with nothing to do: when what woke the slot is a few partitions
+        that grew (a notification), handle them before looking, one batch each. The slot
+        knew of no other work, and the events that woke it are the newest there are, so
+        taking them first passes no older event (invariant 7); it saves a look before
+        the handler runs. The partitions it cannot take (another slot or worker holds
+        them, or they wait out an error) go back for the look, which comes next."""
+        pairs = self._board.take_few(self._look_limit)
+        for n, key in enumerate(pairs):
+            if stop.is_set():
+                self._board.put_back(pairs[n:])
+                return
+            if self._backoff.waiting(key) or (
+                key != held.key and not held.try_lock(key, lock_key(self.schema, *key))
+            ):
+                self._board.put_back([key])
+                continue
+            next_time, drained, _ = self._take_turn(db, self.subscriptions[key[0]], key[1], stop)
+            held.has_work = next_time is not None
+            if next_time is None and not drained:
+                held.release()  # halted: nothing for this slot to keep
 
     def _wait(self, seen: int) -> None:
         """Wait until the poller (or a slot) has news after `seen`, unless the board

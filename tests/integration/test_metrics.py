@@ -154,10 +154,13 @@ def test_notifications_wake_ups_and_looks_for_work_are_counted(
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(record)
     port = free_port()
+    # a backlog, which a look finds, then appends, which notifications bring
+    metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
     with Running(app, metered_engine, metrics_port=port):
         wait_for(lambda: scrape(port), what="the endpoint")
-        metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
         wait_for(lambda: count(sql) == 5)
+        metered_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(5)])
+        wait_for(lambda: count(sql) == 10)
         wait_for(
             lambda: value(scrape(port), "subengine_wakeups_total", cause="timer") >= 1,  # type: ignore[operator]
             what="a poll timer to expire",
@@ -167,6 +170,27 @@ def test_notifications_wake_ups_and_looks_for_work_are_counted(
     assert value(samples, "subengine_looks_for_work_total", found_work="true") >= 1  # type: ignore[operator]
     assert value(samples, "subengine_looks_for_work_total", found_work="false") >= 1  # type: ignore[operator]
     assert value(samples, "subengine_wakeups_total", cause="notification") >= 1  # type: ignore[operator]
+
+
+def test_an_idle_worker_handles_a_notified_append_before_it_looks(
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    # The slot, idle, is woken by the notification of an append and handles that
+    # partition at once: no look finds the work first.
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(record)
+    port = free_port()
+    with Running(app, metered_engine, metrics_port=port):
+        wait_for(
+            lambda: value(scrape(port), "subengine_looks_for_work_total", found_work="false"),
+            what="a first look, which finds nothing",
+        )
+        for n in range(3):
+            metered_engine.append("orders", [NewEvent(f"k{n}", "T", {})])
+            wait_for(lambda n=n: count(sql) == n + 1)  # type: ignore[misc]
+        samples = scrape(port)
+    assert value(samples, "subengine_notifications_received_total") >= 1  # type: ignore[operator]
+    assert value(samples, "subengine_looks_for_work_total", found_work="true") in (None, 0)
 
 
 def test_two_workers_in_one_process_keep_their_own_counts(
