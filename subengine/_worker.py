@@ -237,7 +237,7 @@ class _Held:
             if self._conn is None or self._conn.closed:
                 self.close()
                 self._conn = self._connect()
-                self._sql.run(self._conn, Query("lock_connection_settings", {}, first_row))
+                self._sql.run(self._conn, Query("worker_connection_settings", {}, first_row))
             try:
                 return self._sql.run(self._conn, query())
             except psycopg.OperationalError:
@@ -829,6 +829,7 @@ class Worker:
                 with self.engine.connect(
                     application_name=self.application_name, autocommit=True
                 ) as conn:
+                    self.engine.sql.run(conn, Query("worker_connection_settings", {}, first_row))
                     # every partition is a suspect for the first look, which comes after
                     # the LISTEN: nothing appended before or after it goes unseen
                     heads = self.engine.sql.run(conn, _stream_heads(self._board.streams))

@@ -79,7 +79,7 @@ def look_plan(conn: psycopg.Connection[Any], sql: SQL, **params: Any) -> str:
 
 def generic_plan(conn: psycopg.Connection[Any], sql: SQL, **params: Any) -> str:
     """EXPLAIN of the look for work as a prepared statement's generic plan (the one a
-    worker's lock connection keeps, see lock_connection_settings), as JSON text."""
+    worker's lock connection keeps, see worker_connection_settings), as JSON text."""
     query = look_for_work(**params)
     order: list[str] = []
 
