@@ -536,6 +536,8 @@ class Worker:
             if stop.is_set():
                 self._board.put_back(pairs[n:])
                 return
+            if key[0] in self._left:  # deleted while the worker runs: left alone
+                continue
             if self._backoff.waiting(key) or (
                 key != held.key and not held.try_lock(key, lock_key(self.schema, *key))
             ):
