@@ -11,7 +11,7 @@ import pytest
 from helpers import Running, count, key_in, poisoned_app, wait_for
 
 import subengine
-from subengine import NewEvent
+from subengine import NewEvent, Subscription
 from subengine._subscriptions import handle_batch
 
 
@@ -25,11 +25,15 @@ def events_in(engine: subengine.Engine, per_partition: dict[int, int]) -> None:
     engine.append("orders", batch)
 
 
-def calls_app(calls: list[tuple[int, list[int], int]], **options: Any) -> subengine.App:
-    """billing of 'orders' with a batch handler that records, per call, the partition,
-    the positions and the transaction id."""
+Calls = list[tuple[int, list[int], int]]
+
+
+def billing(engine: subengine.Engine, batch_size: int) -> tuple[Subscription, Calls]:
+    """billing of 'orders', stored, with a batch handler that records, per call, the
+    partition, the positions and the transaction id (in the list returned with it)."""
+    calls: Calls = []
     app = subengine.App()
-    sub = app.subscription("billing", stream="orders", **options)
+    sub = app.subscription("billing", stream="orders", batch_size=batch_size)
 
     @sub.batch_handler()
     def handle(events: Any, conn: Any) -> None:
@@ -37,16 +41,15 @@ def calls_app(calls: list[tuple[int, list[int], int]], **options: Any) -> subeng
         calls.append((events[0].partition, [e.position for e in events], txid))
         assert len({e.partition for e in events}) == 1
 
-    return app
+    engine.ensure_subscription(sub)
+    return sub, calls
 
 
 def test_a_batch_takes_the_oldest_partitions_of_its_subscription_up_to_its_size(
     fast_engine: subengine.Engine,
 ) -> None:
     events_in(fast_engine, {0: 3, 1: 3, 2: 3, 3: 3})
-    calls: list[tuple[int, list[int], int]] = []
-    sub = calls_app(calls, batch_size=8).subscriptions["billing"]
-    fast_engine.ensure_subscription(sub)
+    sub, calls = billing(fast_engine, batch_size=8)
     with fast_engine.db() as db:
         outcomes = handle_batch(db, sub, 2, companions=8)
     assert outcomes is not None
@@ -66,22 +69,19 @@ def test_a_batch_takes_the_oldest_partitions_of_its_subscription_up_to_its_size(
 
 def test_a_partition_with_a_full_batch_takes_no_other(fast_engine: subengine.Engine) -> None:
     events_in(fast_engine, {0: 5, 1: 5})
-    calls: list[tuple[int, list[int], int]] = []
-    sub = calls_app(calls, batch_size=4).subscriptions["billing"]
-    fast_engine.ensure_subscription(sub)
+    sub, calls = billing(fast_engine, batch_size=4)
     with fast_engine.db() as db:
         outcomes = handle_batch(db, sub, 1, companions=8)
     assert outcomes is not None
     assert [(o.partition, o.handled) for o in outcomes] == [(1, 4)]
+    assert [(partition, positions) for partition, positions, _ in calls] == [(1, [1, 2, 3, 4])]
 
 
 def test_a_batch_never_takes_a_partition_another_batch_holds(
     fast_engine: subengine.Engine,
 ) -> None:
     events_in(fast_engine, {0: 1, 1: 1, 2: 1, 3: 1})
-    calls: list[tuple[int, list[int], int]] = []
-    sub = calls_app(calls, batch_size=10).subscriptions["billing"]
-    fast_engine.ensure_subscription(sub)
+    sub, calls = billing(fast_engine, batch_size=10)
     with psycopg.connect(fast_engine.dsn) as holder:
         holder.execute(
             "SELECT 1 FROM subengine.subscription_positions"
@@ -91,6 +91,7 @@ def test_a_batch_never_takes_a_partition_another_batch_holds(
             outcomes = handle_batch(db, sub, 0, companions=8)
     assert outcomes is not None
     assert sorted(o.partition for o in outcomes) == [0, 2, 3]
+    assert sorted(partition for partition, _, _ in calls) == [0, 2, 3]
 
 
 def test_a_batch_stops_at_a_hole_and_the_next_batch_stops_the_partition_there(
@@ -101,9 +102,7 @@ def test_a_batch_stops_at_a_hole_and_the_next_batch_stops_the_partition_there(
     # naming the missing position. (The batch used to handle 1 and 3 and say nothing.)
     events_in(fast_engine, {1: 3})
     sql.execute("DELETE FROM subengine.events WHERE partition = 1 AND position = 2")
-    calls: list[tuple[int, list[int], int]] = []
-    sub = calls_app(calls, batch_size=10).subscriptions["billing"]
-    fast_engine.ensure_subscription(sub)
+    sub, calls = billing(fast_engine, batch_size=10)
     assert fast_engine.process_batch(sub, 1) == subengine.BatchOutcome(1, 1, 1, calls_time(sql))
     with pytest.raises(subengine.PositionsMissing) as missing:
         fast_engine.process_batch(sub, 1)
@@ -129,13 +128,12 @@ def test_a_partition_whose_next_position_is_missing_is_left_to_its_own_batch(
 ) -> None:
     events_in(fast_engine, {0: 2, 1: 3, 2: 2})
     sql.execute("DELETE FROM subengine.events WHERE partition = 1 AND position = 1")
-    calls: list[tuple[int, list[int], int]] = []
-    sub = calls_app(calls, batch_size=10).subscriptions["billing"]
-    fast_engine.ensure_subscription(sub)
+    sub, calls = billing(fast_engine, batch_size=10)
     with fast_engine.db() as db:
         outcomes = handle_batch(db, sub, 0, companions=8)
     assert outcomes is not None
     assert sorted(o.partition for o in outcomes) == [0, 2]
+    assert sorted(partition for partition, _, _ in calls) == [0, 2]
     # its own batch stops it before the missing position, naming it
     with fast_engine.db() as db, pytest.raises(subengine.PositionsMissing) as missing:
         handle_batch(db, sub, 1, companions=8)
