@@ -403,8 +403,10 @@ def _next_batch(
     size: int,
     companions: int,
 ) -> _Batch | None:
-    """Lock the position rows and read the events after them (`lock_batch`); None if the
-    partition is stopped or the subscription paused.
+    """Lock the chosen partition's position row and read the events after it
+    (`lock_batch`), then, when it leaves room in the batch and `companions` allows, the
+    rows and events of other partitions of the subscription (`lock_companions`); None if
+    the partition is stopped or the subscription paused.
 
     Positions are dense and commit in order (invariant 1), so the events after the
     position are position + 1, + 2, ... up to the head, all committed: a hole shows
@@ -419,7 +421,6 @@ def _next_batch(
         "partition": partition,
         "stream": subscription.stream,
         "size": size,
-        "companions": companions,
     }
     rows = db.run(Query("lock_batch", params, lambda result: result.rows))
     if not rows:
@@ -427,36 +428,71 @@ def _next_batch(
             f"subscription {subscription.name!r} is not stored for stream "
             f"{subscription.stream!r} (deleted?), or has no partition {partition}"
         )
-    parts: list[_Part] = []
-    for (part_partition, old, generation, halted, _, head, take), group in groupby(
+    _, old, generation, halted, attempts, head, _ = rows[0][:7]
+    if halted:
+        return None
+    [(chosen, found)] = _parts(rows)
+    if chosen is None:  # the next position is no longer stored
+        last = found - 1 if found is not None else head
+        missing = PositionsMissing(subscription.name, subscription.stream, partition, old + 1, last)
+        db.run(stop_partition(subscription.name, partition, old, generation, missing))
+        return _Batch([], missing)
+    parts = [chosen]
+    room = size - len(chosen.events)
+    if companions and room > 0 and attempts == 0 and chosen.next_time is None:
+        rows = db.run(
+            Query(
+                "lock_companions",
+                {**params, "room": room, "companions": companions},
+                lambda result: result.rows,
+            )
+        )
+        parts.extend(part for part, _ in _parts(rows) if part is not None)
+    return _Batch(parts)
+
+
+def _parts(rows: Sequence[Row]) -> list[tuple[_Part | None, int | None]]:
+    """The parts of a batch from the rows of lock_batch or lock_companions (a
+    partition's rows after the other): each partition's events up to the first hole in
+    their positions and its next stored event's time; None for a partition whose next
+    position is missing (then with the first position found after it, if any)."""
+    parts: list[tuple[_Part | None, int | None]] = []
+    for (part_partition, old, generation, _, _, _, take), group in groupby(
         rows, key=lambda row: tuple(row[:7])
     ):
         events = [Event(*row[7:]) for row in group if row[7] is not None]
-        if not parts and halted:
-            return None
-        # the events that follow the position without a hole: the batch's share
         dense = 0
         while dense < min(take, len(events)) and events[dense].position == old + 1 + dense:
             dense += 1
-        if dense == 0 and take > 0:  # the next position is no longer stored
-            if parts:
-                continue  # a companion: its own batch stops it
-            last = events[0].position - 1 if events else head
-            missing = PositionsMissing(
-                subscription.name, subscription.stream, partition, old + 1, last
-            )
-            db.run(stop_partition(subscription.name, partition, old, generation, missing))
-            return _Batch([], missing)
+        if dense == 0 and take > 0:
+            parts.append((None, events[0].position if events else None))
+            continue
         # the next stored event's time (after a hole too: its batch must come to stop)
         next_time = events[dense].occurred_at if len(events) > dense else None
-        parts.append(_Part(part_partition, old, generation, events[:dense], next_time))
-    return _Batch(parts)
+        parts.append((_Part(part_partition, old, generation, events[:dense], next_time), None))
+    return parts
 
 
 def _commit_positions(db: Db, subscription: Subscription, batch: _Batch) -> list[BatchOutcome]:
     news = [part.events[-1].position if part.events else part.old for part in batch.parts]
-    moved: dict[int, datetime | None] = db.run(
-        Query(
+    query: Query[dict[int, datetime | None]]
+    if len(batch.parts) == 1:
+        [part] = batch.parts
+        query = Query(
+            "commit_position",
+            {
+                "name": subscription.name,
+                "stream": subscription.stream,
+                "partition": part.partition,
+                "old": part.old,
+                "new": news[0],
+                "generation": part.generation,
+                "next_time": part.next_time,
+            },
+            lambda result: dict(result.rows),
+        )
+    else:
+        query = Query(
             "commit_positions",
             {
                 "name": subscription.name,
@@ -469,7 +505,7 @@ def _commit_positions(db: Db, subscription: Subscription, batch: _Batch) -> list
             },
             lambda result: dict(result.rows),
         )
-    )
+    moved: dict[int, datetime | None] = db.run(query)
     if len(moved) != len(batch.parts):
         fenced = sorted({part.partition for part in batch.parts} - set(moved))
         raise Fenced(

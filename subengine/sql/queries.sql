@@ -144,22 +144,65 @@ UPDATE {schema}.subscriptions SET generation = generation + 1
 RETURNING stream, generation
 
 -- name: lock_batch
--- A batch's positions and events, in one statement at the start of its transaction
--- (DESIGN.md, Consume flow; the function lock_batch, migration 0008, says how): the
--- chosen partition's position row, locked until the transaction ends, and, for a
--- transactional subscription whose chosen partition has fewer events than the batch
--- takes, up to %(companions)s more partitions of the same subscription with work, oldest
--- next event first, whose rows no batch holds. Each row carries the partition's head
--- (events up to it are committed, so a partition that shows fewer is missing some) and
--- the events the batch takes from it plus one. The events' snapshot may be older than a
--- row lock that waited, never newer than the head read with it: positions are dense, so
--- no event up to that head is invisible.
-SELECT * FROM {schema}.lock_batch(%(name)s, %(partition)s, %(stream)s, %(size)s, %(companions)s)
+-- A batch's chosen partition, in one statement at the start of its transaction (DESIGN.md,
+-- Consume flow): its position row, locked until the transaction ends (waiting for a
+-- batch that holds it), its head (events up to it are committed, so a partition that
+-- shows fewer is missing some), the number of events the batch takes from it (its share:
+-- at most %(size)s, one while it retries a failure) and those events plus one (the next
+-- event's time). A paused subscription counts as stopped: no events. The events'
+-- snapshot may be older than a row lock that waited, never newer than the head read
+-- with it: positions are dense, so no event up to that head is invisible. Nothing when
+-- the subscription is not stored for this stream (deleted, perhaps declared anew).
+WITH chosen AS MATERIALIZED (
+    SELECT sp.partition, sp.position, sp.generation, sp.stopped OR s.paused AS halted,
+           sp.attempts, p.head,
+           greatest(0, least(p.head - sp.position,
+                             CASE WHEN sp.attempts > 0 THEN 1 ELSE %(size)s END))::bigint
+               AS take
+      FROM {schema}.subscription_positions sp
+      JOIN {schema}.subscriptions s ON s.name = sp.subscription
+      JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
+     WHERE sp.subscription = %(name)s AND sp.partition = %(partition)s
+       AND s.stream = %(stream)s
+       FOR UPDATE OF sp
+)
+SELECT c.partition, c.position, c.generation, c.halted, c.attempts, c.head, c.take,
+       e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type, e.data,
+       e.metadata, e.occurred_at, e.recorded_at
+  FROM chosen c
+  LEFT JOIN LATERAL (
+        SELECT * FROM {schema}.events e
+         WHERE e.stream = %(stream)s AND e.partition = c.partition
+           AND e.position > c.position AND NOT c.halted
+         ORDER BY e.position
+         LIMIT c.take + 1) e ON true
+ ORDER BY e.position
+
+-- name: lock_companions
+-- The other partitions a transactional batch carries when its chosen partition left
+-- room: the function lock_companions (migration 0008) says how. The same columns as
+-- lock_batch, a partition after the other.
+SELECT * FROM {schema}.lock_companions(
+    %(name)s, %(stream)s, %(partition)s, %(room)s, %(companions)s)
+
+-- name: commit_position
+-- Compare-and-set the position of a batch of one partition (DESIGN.md invariant 3):
+-- matches no row when another worker moved it or a reset bumped the generation. The
+-- batch read the next event's time if there was one; if not, events committed since may
+-- have brought one.
+UPDATE {schema}.subscription_positions
+   SET position = %(new)s,
+       next_time = coalesce(%(next_time)s::timestamptz,
+                            {schema}.next_event_time(%(stream)s, %(partition)s, %(new)s)),
+       attempts = 0, last_error = NULL, retry_at = NULL, updated_at = now()
+ WHERE subscription = %(name)s AND partition = %(partition)s
+   AND position = %(old)s AND generation = %(generation)s
+RETURNING partition, next_time
 
 -- name: commit_positions
--- Compare-and-set the positions of a batch's partitions (DESIGN.md invariant 3; the
--- function commit_positions, migration 0008): a row another worker moved, or whose
--- generation a reset bumped, matches nothing, and the caller rolls the whole batch back.
+-- The same for a batch of several partitions, in one statement (the function
+-- commit_positions, migration 0008): a row another worker moved, or whose generation a
+-- reset bumped, matches nothing, and the caller rolls the whole batch back.
 SELECT * FROM {schema}.commit_positions(
     %(name)s, %(stream)s, %(partitions)s::integer[], %(old)s::bigint[], %(new)s::bigint[],
     %(generations)s::bigint[], %(next_times)s::timestamptz[])
