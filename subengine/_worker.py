@@ -139,13 +139,14 @@ class _Board:
             return pairs, whole
 
     def take_few(self, limit: int) -> list[tuple[str, int]]:
-        """The suspects, for a slot that takes them without a look, when they are only
-        pairs and at most `limit` of them (a notification's); else none, for a look."""
+        """Up to `limit` suspects, for a slot that takes them without a look, when the
+        suspects are only pairs (a notification's, not a reconnection's); the others
+        stay for the other slots and the looks."""
         with self._lock:
-            if self._whole or not self._pairs or len(self._pairs) > limit:
+            if self._whole or not self._pairs:
                 return []
-            pairs = sorted(self._pairs)
-            self._pairs.clear()
+            pairs = sorted(self._pairs)[:limit]
+            self._pairs.difference_update(pairs)
             return pairs
 
     def put_back(self, pairs: Sequence[tuple[str, int]], whole: Sequence[str] = ()) -> None:
@@ -529,24 +530,30 @@ class Worker:
         that grew (a notification), handle them before looking, one batch each. The slot
         knew of no other work, and the events that woke it are the newest there are, so
         taking them first passes no older event (invariant 7); it saves a look before
-        the handler runs. The partitions it cannot take (another slot or worker holds
-        them, or they wait out an error) go back for the look, which comes next."""
-        pairs = self._board.take_few(self._look_limit)
+        the handler runs. Every partition it does not drain (it cannot lock it, it waits
+        out an error or a retry, it is stopped or paused, or the slot stops) goes back
+        to the board for the look, which comes next and marks its row: a row the fast
+        path leaves must not stay unmarked, or no look would find its events."""
+        pairs = self._board.take_few(_CANDIDATES_PER_SLOT)
         for n, key in enumerate(pairs):
-            if stop.is_set():
+            drained = False
+            try:
+                if stop.is_set() or key[0] in self._left or self._backoff.waiting(key):
+                    continue
+                if key != held.key and not held.try_lock(key, lock_key(self.schema, *key)):
+                    continue
+                next_time, drained, _ = self._take_turn(
+                    db, self.subscriptions[key[0]], key[1], stop
+                )
+                held.has_work = next_time is not None
+                if next_time is None and not drained:
+                    held.release()  # halted: nothing for this slot to keep
+            except BaseException:
                 self._board.put_back(pairs[n:])
-                return
-            if key[0] in self._left:  # deleted while the worker runs: left alone
-                continue
-            if self._backoff.waiting(key) or (
-                key != held.key and not held.try_lock(key, lock_key(self.schema, *key))
-            ):
-                self._board.put_back([key])
-                continue
-            next_time, drained, _ = self._take_turn(db, self.subscriptions[key[0]], key[1], stop)
-            held.has_work = next_time is not None
-            if next_time is None and not drained:
-                held.release()  # halted: nothing for this slot to keep
+                raise
+            finally:
+                if not drained:
+                    self._board.put_back([key])
 
     def _wait(self, seen: int) -> None:
         """Wait until the poller (or a slot) has news after `seen`, unless the board
@@ -628,6 +635,9 @@ class Worker:
             except Exception as error:
                 if db.conn.broken or db.conn.closed:
                     raise _ConnectionLost(f"the worker's connection broke: {error}") from error
+                if not alone:  # perhaps another partition's trouble: try this one alone
+                    companions = False
+                    continue
                 self._database_trouble(subscription, partition, error)
                 return None, False, set()
             self._backoff.succeeded(key)

@@ -81,8 +81,11 @@ BEGIN
          WHERE sp.subscription = subscription_name AND sp.next_time IS NOT NULL
            AND NOT sp.stopped AND sp.partition <> chosen_partition AND sp.attempts = 0
            AND (sp.retry_at IS NULL OR sp.retry_at <= now())
+           AND NOT EXISTS (SELECT FROM subscriptions s
+                            WHERE s.name = subscription_name AND s.paused)
          ORDER BY sp.next_time
-         LIMIT companion_limit
+         -- each has an event at least: no more rows than the room can use
+         LIMIT least(companion_limit, room)
            FOR UPDATE OF sp SKIP LOCKED
     ), member AS (
         SELECT c.partition, c.position, c.generation, p.head,
@@ -92,8 +95,11 @@ BEGIN
     ), share AS (
         -- what each partition takes: its events, as far as the ones before it left room
         SELECT m.*,
+               -- head - position is below 0 for a row that a batch moved past this
+               -- statement's head and committed since: it has nothing
                greatest(0, least(m.head - m.position,
-                                 room - coalesce(sum(least(m.head - m.position, room))
+                                 room - coalesce(sum(greatest(0, least(m.head - m.position,
+                                                                       room)))
                                                      OVER (ORDER BY m.rank ROWS BETWEEN
                                                            UNBOUNDED PRECEDING
                                                            AND 1 PRECEDING),

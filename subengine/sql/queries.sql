@@ -149,12 +149,15 @@ RETURNING stream, generation
 -- batch that holds it), its head (events up to it are committed, so a partition that
 -- shows fewer is missing some), the number of events the batch takes from it (its share:
 -- at most %(size)s, one while it retries a failure) and those events plus one (the next
--- event's time). A paused subscription counts as stopped: no events. The events'
+-- event's time). A paused subscription, or a partition whose retry is not due yet, counts
+-- as halted: no events (a batch is the only way to run them, so the wait is kept here,
+-- whoever asks). The events'
 -- snapshot may be older than a row lock that waited, never newer than the head read
 -- with it: positions are dense, so no event up to that head is invisible. Nothing when
 -- the subscription is not stored for this stream (deleted, perhaps declared anew).
 WITH chosen AS MATERIALIZED (
-    SELECT sp.partition, sp.position, sp.generation, sp.stopped OR s.paused AS halted,
+    SELECT sp.partition, sp.position, sp.generation,
+           sp.stopped OR s.paused OR coalesce(sp.retry_at > now(), false) AS halted,
            sp.attempts, p.head,
            greatest(0, least(p.head - sp.position,
                              CASE WHEN sp.attempts > 0 THEN 1 ELSE %(size)s END))::bigint

@@ -4,11 +4,12 @@ commit together, and that a failure or a gap in one partition stays in that part
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import Running, count, key_in, poisoned_app, wait_for
+from helpers import Running, count, key_in, poisoned_app, record, wait_for
 
 import subengine
 from subengine import NewEvent, Subscription
@@ -165,3 +166,54 @@ def test_an_event_that_fails_in_a_batch_of_several_partitions_fails_alone(
     heads = fast_engine.heads("orders")
     stored = {p.partition: p.position for p in fast_engine.subscription_positions("billing")}
     assert stored == heads
+
+
+# an idle worker woken by a notification takes the notified partitions without a look
+
+
+def test_events_appended_while_paused_are_handled_after_resuming(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    # The notification of an append to a paused subscription wakes the idle worker,
+    # which finds the partition halted. The row must still be marked for the looks:
+    # after the resume nothing new is appended, and only the look can find the events.
+    app = subengine.App()
+    app.subscription("billing", stream="orders").handler()(record)
+    with Running(app, fast_engine):
+        wait_for(lambda: count(sql, "subengine.workers") == 1)
+        fast_engine.pause_subscription("billing")
+        fast_engine.append("orders", [NewEvent(key_in(1), "T", {})])
+        time.sleep(1)  # the notification, the woken slot, several polls
+        assert count(sql) == 0
+        fast_engine.resume_subscription("billing")
+        wait_for(lambda: count(sql) == 1, timeout=20)
+
+
+def test_a_notified_partition_waits_for_its_retry(dsn: str, sql: psycopg.Connection[Any]) -> None:
+    # A failed event is retried an hour later; appends to its partition in the meantime
+    # must not run it again at once (which would count attempts and dead-letter it).
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    settings = subengine.Settings(
+        dsn=dsn, poll_interval=0.2, retry_delay=3600, retry_delay_max=3600
+    )
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=4)
+        key = key_in(2)
+        poison = engine.append("orders", [NewEvent(key, "T", {})])[0]
+        app = poisoned_app("orders", poison, max_attempts=3, on_error="dead_letter")
+        with Running(app, engine):
+            wait_for(lambda: attempts(sql) == 1)
+            for _ in range(5):
+                engine.append("orders", [NewEvent(key, "T", {})])
+                time.sleep(0.2)
+            time.sleep(1)
+        assert attempts(sql) == 1
+        assert count(sql, "subengine.dead_letters") == 0
+
+
+def attempts(sql: psycopg.Connection[Any]) -> int:
+    row = sql.execute(
+        "SELECT attempts FROM subengine.subscription_positions"
+        " WHERE subscription = 'billing' AND partition = 2"
+    ).fetchone()
+    return int(row[0]) if row else 0
