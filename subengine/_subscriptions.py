@@ -254,8 +254,8 @@ class BatchFailed(Exception):
         last_position: int,
         position: int,
         generation: int,
-        partition: int = 0,
-        shared: bool = False,
+        partition: int,
+        shared: bool,
     ) -> None:
         super().__init__(str(error))
         self.error = error
@@ -273,7 +273,8 @@ def process_batch(db: Db, subscription: Subscription, partition: int) -> BatchOu
     Transactional subscriptions run the handlers inside the transaction that moves the
     position: exactly once. At-least-once subscriptions run them between two
     transactions, without a connection; a crash before the second repeats the batch.
-    Returns None when the partition is stopped. A handler's exception rolls the batch
+    Returns None when the partition is stopped, its subscription paused, or its failed
+    event waits for the retry delay (`retry_at`). A handler's exception rolls the batch
     back and propagates; `Fenced` means the position moved under us (nothing of this
     batch was committed); `PositionsMissing` means events after the position are no longer
     stored (the partition is then stopped before them).
