@@ -217,3 +217,30 @@ def attempts(sql: psycopg.Connection[Any]) -> int:
         " WHERE subscription = 'billing' AND partition = 2"
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+def test_a_database_error_in_another_partition_of_a_batch_is_not_charged_to_the_chosen_one(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Partition 1's handler always meets a statement timeout (the database's trouble, not
+    # its events'). A batch of partition 0 that carried partition 1 fails with it; the
+    # worker must then try partition 0 alone, not back it off (a backed-off partition 0
+    # would take partition 1 along again on every try, and never commit).
+    events_in(fast_engine, {0: 1, 1: 1})
+    app = subengine.App()
+
+    @app.subscription("billing", stream="orders", batch_size=10).handler()
+    def handle(event: subengine.Event, conn: Any) -> None:
+        if event.partition == 1:
+            conn.execute("SET LOCAL statement_timeout = '1ms'")
+            conn.execute("SELECT pg_sleep(0.05)")
+        record(event, conn)
+
+    with Running(app, fast_engine):
+        wait_for(lambda: count(sql) == 1)
+        wait_for(
+            lambda: any("partition 1: database error" in r.getMessage() for r in caplog.records),
+            what="partition 1's own database error",
+        )
+    assert sql.execute("SELECT partition FROM effects").fetchall() == [(0,)]
+    assert not any("partition 0: database error" in r.getMessage() for r in caplog.records)
