@@ -13,6 +13,12 @@ from helpers import ROOT
 
 from subengine import _migrate
 
+# One xdist worker builds the wheel for both tests: setuptools builds in the source
+# tree's build/ folder, and two builds at once collide there ("File exists:
+# build/bdist.linux-x86_64/wheel/subengine-0.1.0.dist-info", reproduced with two
+# concurrent `pip wheel` of the tree); it failed the suite once on two workers.
+pytestmark = pytest.mark.xdist_group("packaging")
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
