@@ -395,9 +395,18 @@ def test_a_worker_that_loses_a_connection_mid_batch_never_duplicates(
         " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
         if terminated == "lock"
         else "SELECT pid FROM pg_stat_activity WHERE query LIKE '%pg_sleep%'"
-        " AND pid <> pg_backend_pid() AND datname = current_database()"
+        " AND state = 'active' AND pid <> pg_backend_pid() AND datname = current_database()"
     )
-    [(pid,)] = sql.execute(target).fetchall()
+    # The handler notes its batch before it sends its first pg_sleep, so the batch's
+    # backend may not be sleeping yet when the mark shows: wait until it is.
+    found: list[tuple[int]] = []
+
+    def target_found() -> bool:
+        found[:] = sql.execute(target).fetchall()
+        return bool(found)
+
+    wait_for(target_found, what=f"the {terminated} connection")
+    [(pid,)] = found
     sql.execute("SELECT pg_terminate_backend(%s)", (pid,))
     second = workers.start(WORKER_APP_BATCH="5", WORKER_APP_SLEEP="0.2")
     wait_for(lambda: positions(sql) == {0: 30}, what="both workers to finish")
