@@ -16,7 +16,7 @@ from subengine._append import append
 from subengine._append_async import append_async
 from subengine._async_engine import AsyncEngine
 from subengine._cursor import Cursor
-from subengine._declarations import Subscription
+from subengine._declarations import Retention, Subscription
 from subengine._engine import Engine
 from subengine._errors import (
     ConfigurationError,
@@ -36,7 +36,15 @@ from subengine._errors import (
     SubscriptionNotFound,
     WrongExpectedVersion,
 )
-from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, partition_for
+from subengine._events import (
+    Appended,
+    Event,
+    NewEvent,
+    PartitionState,
+    Stream,
+    Tombstone,
+    partition_for,
+)
 from subengine._logging import configure_logging
 from subengine._names import validate_schema_name
 from subengine._orm import sqlalchemy_session
@@ -49,6 +57,7 @@ from subengine._records import (
     WorkerStatus,
 )
 from subengine._reset import reset_subscription
+from subengine._retention import RetentionRun
 from subengine._settings import Settings
 from subengine._subscriptions import BatchOutcome, SubscriptionPosition
 from subengine._tail import AsyncTail, Tail
@@ -75,6 +84,8 @@ __all__ = [
     "PartitionState",
     "PartitionStatus",
     "PositionsMissing",
+    "Retention",
+    "RetentionRun",
     "SchemaNotReady",
     "Settings",
     "StoredSubscription",
@@ -88,6 +99,7 @@ __all__ = [
     "SubscriptionPosition",
     "SubscriptionSummary",
     "Tail",
+    "Tombstone",
     "WorkerRegistration",
     "WorkerStatus",
     "WrongExpectedVersion",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from subengine._declarations import Ack, OnError, Start, Subscription
 from subengine._errors import InvalidInput
@@ -79,10 +79,13 @@ class App:
         ack: Ack = "transactional",
         on_error: OnError = "stop",
         max_attempts: int = 5,
+        on_gap: Literal["stop", "skip"] = "stop",
     ) -> Subscription:
         """Declare a subscription; register its handlers on the returned object."""
         if name in self.subscriptions:
             raise InvalidInput(f"the app declares subscription {name!r} twice")
-        subscription = Subscription(name, stream, start, batch_size, ack, on_error, max_attempts)
+        subscription = Subscription(
+            name, stream, start, batch_size, ack, on_error, max_attempts, on_gap=on_gap
+        )
         self.subscriptions[name] = subscription
         return subscription

@@ -28,6 +28,7 @@ from subengine._connection import (
     connection_lost_error,
 )
 from subengine._cursor import Cursor
+from subengine._declarations import Retention
 from subengine._engine import configured
 from subengine._errors import DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
@@ -162,9 +163,12 @@ class AsyncEngine:
 
     # streams
 
-    async def create_stream(self, name: str, partitions: int) -> Stream:
-        """Create a stream with a fixed number of partitions."""
-        query = _streams.create_stream(name, partitions)
+    async def create_stream(
+        self, name: str, partitions: int, *, retention: Retention | None = None
+    ) -> Stream:
+        """Create a stream with a fixed number of partitions and, optionally, a retention
+        policy (without one, every event is kept)."""
+        query = _streams.create_stream(name, partitions, retention)
         async with self.connection() as conn:
             created = await self.sql.run_async(conn, query)
             if created is None:

@@ -18,15 +18,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import psycopg
 
 from subengine._errors import InvalidInput
-from subengine._events import Event
+from subengine._events import Event, Tombstone
 from subengine._names import (
     BIGINT_MAX,
     INTEGER_MAX,
@@ -36,6 +37,126 @@ from subengine._names import (
     validate_whole_number,
 )
 
+_DURATION = re.compile(r"([0-9]{1,9})([smhdw])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+MAX_EVENTS_LIMIT = 10**15
+
+
+def parse_duration(text: object, what: str = "a duration") -> timedelta:
+    """'45s', '30m', '12h', '7d' or '2w' as a timedelta; InvalidInput for anything else."""
+    match = _DURATION.fullmatch(text.strip()) if isinstance(text, str) else None
+    if match is None or int(match.group(1)) == 0:
+        raise InvalidInput(
+            f"{what} must be a whole number above 0 and a unit (s, m, h, d or w), such as "
+            f"7d or 12h, not {shown_value(text)}"
+        )
+    return timedelta(seconds=int(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+
+
+def describe_duration(duration: timedelta) -> str:
+    """A duration in the largest unit that writes it whole ('7d', '90m')."""
+    seconds = int(duration.total_seconds())
+    for unit in ("d", "h", "m"):
+        if seconds % _UNIT_SECONDS[unit] == 0:
+            return f"{seconds // _UNIT_SECONDS[unit]}{unit}"
+    return f"{seconds}s"
+
+
+def _age(value: object, what: str) -> timedelta | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return parse_duration(value, what)
+    if not isinstance(value, timedelta) or value.total_seconds() < 1:
+        raise InvalidInput(f"{what} must be a timedelta of a second or more, or like '7d'")
+    return value
+
+
+@dataclass(frozen=True)
+class Retention:
+    """A stream's retention policy (DESIGN.md, "Retention and gaps").
+
+    An event is removed when it is older than `max_age` (by the time it was recorded)
+    or when its partition holds more than `max_events` newer events: either limit
+    removes it. With `keep_unprocessed`, an event a subscription of the stream has not
+    handled yet is kept despite them, until it passes a hard limit (`hard_max_age`,
+    `hard_max_events`, at least one required): a slow consumer loses nothing, a dead one
+    cannot fill the disk. Ages are timedeltas or strings like '7d'.
+    """
+
+    max_age: timedelta | str | None = None
+    max_events: int | None = None
+    keep_unprocessed: bool = False
+    hard_max_age: timedelta | str | None = None
+    hard_max_events: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_age", "hard_max_age"):
+            object.__setattr__(self, name, _age(getattr(self, name), name))
+        for name in ("max_events", "hard_max_events"):
+            if getattr(self, name) is not None:
+                validate_whole_number(getattr(self, name), name, 1, MAX_EVENTS_LIMIT)
+        if not isinstance(self.keep_unprocessed, bool):
+            raise InvalidInput("keep_unprocessed must be True or False")
+        if self.max_age is None and self.max_events is None:
+            raise InvalidInput("a retention policy needs max_age, max_events or both")
+        hard = self.hard_max_age is not None or self.hard_max_events is not None
+        if self.keep_unprocessed and not hard:
+            raise InvalidInput(
+                "keep_unprocessed needs a hard limit (hard_max_age, hard_max_events or "
+                "both), so that a subscription that stopped cannot fill the disk"
+            )
+        if hard and not self.keep_unprocessed:
+            raise InvalidInput(
+                "hard_max_age and hard_max_events bound keep_unprocessed; without it, "
+                "max_age and max_events are the limits"
+            )
+        for soft, limit in (("max_age", "hard_max_age"), ("max_events", "hard_max_events")):
+            if None not in (getattr(self, soft), getattr(self, limit)) and (
+                getattr(self, limit) < getattr(self, soft)
+            ):
+                raise InvalidInput(f"{limit} must not be below {soft}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored form: ages in whole seconds, unset limits left out."""
+        stored: dict[str, Any] = {}
+        for name in ("max_age", "max_events", "hard_max_age", "hard_max_events"):
+            value = getattr(self, name)
+            if isinstance(value, timedelta):
+                value = int(value.total_seconds())
+            if value is not None:
+                stored[name] = value
+        if self.keep_unprocessed:
+            stored["keep_unprocessed"] = True
+        return stored
+
+    @classmethod
+    def from_json(cls, stored: Mapping[str, Any]) -> Retention:
+        """The policy `to_json` stored."""
+        ages = {
+            name: timedelta(seconds=stored[name])
+            for name in ("max_age", "hard_max_age")
+            if name in stored
+        }
+        return cls(
+            max_events=stored.get("max_events"),
+            hard_max_events=stored.get("hard_max_events"),
+            keep_unprocessed=bool(stored.get("keep_unprocessed", False)),
+            **ages,
+        )
+
+    def __str__(self) -> str:
+        parts = []
+        for name in ("max_age", "max_events", "hard_max_age", "hard_max_events"):
+            value = getattr(self, name)
+            if value is not None:
+                shown = describe_duration(value) if isinstance(value, timedelta) else value
+                parts.append(f"{name.replace('_', '-')} {shown}")
+        if self.keep_unprocessed:
+            parts.append("keep-unprocessed")
+        return ", ".join(parts)
+
+
 # The connection is the worker's, inside the batch's transaction; None for at-least-once
 # subscriptions, whose handlers run outside it.
 EventHandler = Callable[[Event, psycopg.Connection[Any] | None], object]
@@ -43,9 +164,12 @@ BatchHandler = Callable[[Sequence[Event], psycopg.Connection[Any] | None], objec
 Start = Literal["beginning", "end"] | datetime | Mapping[int, int]
 Ack = Literal["transactional", "at_least_once"]
 OnError = Literal["stop", "dead_letter"]
+OnGap = Literal["stop", "skip", "handler"]
+GapHandler = Callable[[Tombstone, psycopg.Connection[Any] | None], object]
 
 ACK_MODES = ("transactional", "at_least_once")
 ERROR_POLICIES = ("stop", "dead_letter")
+GAP_POLICIES = ("stop", "skip", "handler")
 MAX_BATCH_SIZE = 10_000
 
 
@@ -95,6 +219,8 @@ class Subscription:
     handlers: dict[str, EventHandler] = field(default_factory=dict)
     catch_all: EventHandler | None = None
     batch: BatchHandler | None = None
+    on_gap: OnGap = "stop"
+    gap: GapHandler | None = None
 
     def __post_init__(self) -> None:
         validate_stream_name(self.name)
@@ -110,6 +236,13 @@ class Subscription:
             raise InvalidInput(
                 f"on_error must be one of {', '.join(ERROR_POLICIES)}, "
                 f"not {shown_value(self.on_error)}"
+            )
+        if self.on_gap not in ("stop", "skip") and not (
+            self.on_gap == "handler" and self.gap is not None
+        ):
+            raise InvalidInput(
+                f"on_gap must be 'stop' or 'skip' (or register a gap handler with "
+                f"@subscription.gap_handler()), not {shown_value(self.on_gap)}"
             )
 
     def handler(
@@ -155,6 +288,29 @@ class Subscription:
                     "must be its only one"
                 )
             self.batch = function
+            return function
+
+        return register
+
+    def gap_handler(self) -> Callable[[GapHandler], GapHandler]:
+        """Register `handler(tombstone, conn)`, called when retention removed events this
+        subscription had not handled (policy `on_gap='handler'`). It runs inside the
+        transaction that moves the position past the gap and records it in the gaps
+        table, so what it writes (a projection marking itself incomplete, say) happens
+        exactly once; if it raises, nothing moves and the gap is tried again like a
+        failed event."""
+
+        def register(function: GapHandler) -> GapHandler:
+            _check_runnable(function, "(tombstone, conn)", f"subscription {self.name!r}")
+            if self.gap is not None:
+                raise InvalidInput(f"subscription {self.name!r} has a gap handler already")
+            if self.on_gap == "skip":
+                raise InvalidInput(
+                    f"subscription {self.name!r} skips gaps (on_gap='skip'): a gap handler "
+                    "would never run; leave on_gap at its default"
+                )
+            self.gap = function
+            self.on_gap = "handler"
             return function
 
         return register

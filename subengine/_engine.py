@@ -6,7 +6,7 @@ Thread-safe; close it (or use it as a context manager) to release its connection
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -14,7 +14,15 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from subengine import _embedded, _migrate, _operations, _read, _streams, _subscriptions
+from subengine import (
+    _embedded,
+    _migrate,
+    _operations,
+    _read,
+    _retention,
+    _streams,
+    _subscriptions,
+)
 from subengine._append import (
     ExpectedVersion,
     append_prepared,
@@ -33,7 +41,7 @@ from subengine._connection import (
     one_line,
 )
 from subengine._cursor import Cursor
-from subengine._declarations import Start, Subscription
+from subengine._declarations import Retention, Start, Subscription
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
 from subengine._records import (
@@ -44,6 +52,7 @@ from subengine._records import (
     WorkerRegistration,
     WorkerStatus,
 )
+from subengine._retention import PartitionCut, RetentionRun
 from subengine._settings import Settings
 from subengine._sql import SQL, Db
 from subengine._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
@@ -219,9 +228,12 @@ class Engine:
 
     # streams
 
-    def create_stream(self, name: str, partitions: int) -> Stream:
-        """Create a stream with a fixed number of partitions."""
-        query = _streams.create_stream(name, partitions)
+    def create_stream(
+        self, name: str, partitions: int, *, retention: Retention | None = None
+    ) -> Stream:
+        """Create a stream with a fixed number of partitions and, optionally, a retention
+        policy (without one, every event is kept)."""
+        query = _streams.create_stream(name, partitions, retention)
         with self.connection() as conn:
             created = self.sql.run(conn, query)
             if created is None:
@@ -233,6 +245,35 @@ class Engine:
         """Every stream, by name."""
         with self.connection() as conn:
             return self.sql.run(conn, _streams.list_streams())
+
+    def set_retention(self, name: str, retention: Retention | None) -> Stream:
+        """Change a stream's retention policy (None: keep every event from now on); the
+        next pruning run applies it."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _retention.set_retention(name, retention))
+
+    def run_retention(
+        self,
+        stream: str | None = None,
+        *,
+        dry_run: bool = False,
+        batch: int = _retention.DEFAULT_PRUNE_BATCH,
+        plan: Callable[[Sequence[PartitionCut]], None] | None = None,
+        progress: _retention.Progress | None = None,
+    ) -> RetentionRun:
+        """Prune what the streams' retention policies no longer keep (every stream with
+        one, or `stream`), `batch` events per transaction; with `dry_run`, only report
+        what would go. If another pruner runs now, returns at once with `locked` set."""
+        with self.connect(autocommit=True) as conn:
+            return _retention.run_retention(
+                Db(conn, self.sql),
+                self.schema,
+                stream,
+                batch=batch,
+                dry_run=dry_run,
+                plan=plan,
+                progress=progress,
+            )
 
     def stream(self, name: str) -> Stream:
         """One stream; raises StreamNotFound when it does not exist."""

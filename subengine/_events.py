@@ -96,8 +96,44 @@ class PartitionState:
 
 @dataclass(frozen=True, slots=True)
 class Stream:
-    """A stream's name and fixed partition count."""
+    """A stream's name and fixed partition count; its epoch (the identity of this
+    creation: a stream deleted and created again under the name has another) and its
+    retention policy as stored (None: keep every event; see `Retention.from_json`)."""
 
     name: str
     partitions: int
     created_at: datetime
+    epoch: int = 0
+    retention: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """A gap: positions `gap_from` to `gap_to` of a partition are no longer stored
+    (retention removed them), so a reader that asked for them gets this instead, before
+    any later event (DESIGN.md, "Retention and gaps"). `floor` is the partition's lowest
+    stored position when the gap was seen. A reader's cursor moves to `gap_to` with it.
+    """
+
+    stream: str
+    partition: int
+    gap_from: int
+    gap_to: int
+    floor: int
+    reason: str = "retention"
+
+    @property
+    def position(self) -> int:
+        """The last position the gap covers: where a reader stands after it."""
+        return self.gap_to
+
+    def __str__(self) -> str:
+        span = (
+            f"position {self.gap_from}"
+            if self.gap_from == self.gap_to
+            else f"positions {self.gap_from} to {self.gap_to}"
+        )
+        return (
+            f"gap: {self.reason} removed {span} of partition {self.partition} of stream "
+            f"{self.stream!r}"
+        )

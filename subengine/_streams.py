@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+from subengine._declarations import Retention
 from subengine._errors import StreamNotFound
 from subengine._events import PartitionState, Stream
 from subengine._names import validate_partition_count, validate_stream_name
+from subengine._retention import retention_json
 from subengine._sql import Query, Result, nothing
 
 
-def create_stream(stream: str, partitions: int) -> Query[Stream | None]:
-    """Create a stream with a fixed number of partitions; None when the name is taken."""
+def create_stream(
+    stream: str, partitions: int, retention: Retention | None = None
+) -> Query[Stream | None]:
+    """Create a stream with a fixed number of partitions and a retention policy (None:
+    keep every event); None when the name is taken."""
     validate_stream_name(stream)
     validate_partition_count(partitions)
+    params = {"stream": stream, "partitions": partitions, "retention": retention_json(retention)}
 
     def read(result: Result) -> Stream | None:
         return Stream(*result.rows[0]) if result.rows else None
 
-    return Query("create_stream", {"stream": stream, "partitions": partitions}, read)
+    return Query("create_stream", params, read)
 
 
 def get_stream(stream: str) -> Query[Stream]:

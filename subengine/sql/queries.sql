@@ -11,24 +11,118 @@ SELECT ordinal, partition, position, id, key_version, duplicate
         %(expected_keys)b::text[], %(expected_versions)b::bigint[])
 
 -- name: create_stream
--- Create a stream and its partitions; returns nothing when the name is taken.
+-- Create a stream and its partitions, with a retention policy or none; returns nothing
+-- when the name is taken.
 WITH created AS (
-    INSERT INTO {schema}.streams (name, partitions) VALUES (%(stream)s, %(partitions)s)
+    INSERT INTO {schema}.streams (name, partitions, retention)
+    VALUES (%(stream)s, %(partitions)s, %(retention)s)
     ON CONFLICT (name) DO NOTHING
-    RETURNING name, partitions, created_at
+    RETURNING name, partitions, created_at, epoch, retention
 ), heads AS (
     INSERT INTO {schema}.partitions (stream, partition)
     SELECT created.name, p FROM created, generate_series(0, created.partitions - 1) AS p
 )
-SELECT name, partitions, created_at FROM created
+SELECT name, partitions, created_at, epoch, retention FROM created
 
 -- name: get_stream
 -- One stream by name.
-SELECT name, partitions, created_at FROM {schema}.streams WHERE name = %(stream)s
+SELECT name, partitions, created_at, epoch, retention FROM {schema}.streams
+ WHERE name = %(stream)s
 
 -- name: list_streams
 -- Every stream, by name.
-SELECT name, partitions, created_at FROM {schema}.streams ORDER BY name
+SELECT name, partitions, created_at, epoch, retention FROM {schema}.streams ORDER BY name
+
+-- name: set_retention
+-- Change a stream's retention policy (NULL: keep every event from now on).
+UPDATE {schema}.streams SET retention = %(retention)s WHERE name = %(stream)s
+RETURNING name, partitions, created_at, epoch, retention
+
+-- name: retention_lock
+-- The pruner's lock: one pruner at a time per database and schema (DESIGN.md,
+-- "Retention and gaps"). A session lock of the two-key form, which no partition lock
+-- (one bigint key) can take.
+SELECT pg_try_advisory_lock(hashtext('subengine retention'), hashtext(%(schema)s))
+
+-- name: retention_unlock
+SELECT pg_advisory_unlock(hashtext('subengine retention'), hashtext(%(schema)s))
+
+-- name: retention_plan
+-- Where retention wants each partition's floor now (`cut`: positions below it go), for
+-- the streams with a policy, or one stream. An event goes when it is older than max_age
+-- or when more than max_events newer events follow it in its partition; with
+-- keep_unprocessed, an event a subscription of the stream has not handled stays unless
+-- it passes hard_max_age or hard_max_events. recorded_at never decreases along a
+-- partition, so every limit keeps a suffix of the partition: the cut is a position.
+-- Never above the head: nothing not yet committed is touched.
+WITH policies AS (
+    SELECT s.name AS stream,
+           (s.retention ->> 'max_events')::bigint AS max_events,
+           now() - make_interval(secs => (s.retention ->> 'max_age')::double precision)
+               AS cutoff,
+           coalesce((s.retention ->> 'keep_unprocessed')::boolean, false) AS keep,
+           (s.retention ->> 'hard_max_events')::bigint AS hard_max_events,
+           now() - make_interval(secs => (s.retention ->> 'hard_max_age')::double precision)
+               AS hard_cutoff
+      FROM {schema}.streams s
+     WHERE s.retention IS NOT NULL
+       AND (%(stream)s::text IS NULL OR s.name = %(stream)s)
+), limits AS (
+    SELECT p.stream, p.partition, p.floor, p.head, pol.keep,
+           greatest(p.head - pol.max_events + 1,
+                    {schema}.retention_age_cut(p.stream, p.partition, p.head, p.head_time,
+                                               pol.cutoff)) AS soft,
+           greatest(p.head - pol.hard_max_events + 1,
+                    {schema}.retention_age_cut(p.stream, p.partition, p.head, p.head_time,
+                                               pol.hard_cutoff)) AS hard,
+           (SELECT min(sp.position) + 1
+              FROM {schema}.subscription_positions sp
+              JOIN {schema}.subscriptions sub ON sub.name = sp.subscription
+             WHERE pol.keep AND sub.stream = p.stream AND sp.partition = p.partition)
+               AS unprocessed
+      FROM policies pol
+      JOIN {schema}.partitions p ON p.stream = pol.stream
+)
+SELECT stream, partition, floor, head,
+       greatest(floor, least(head + 1,
+                             CASE WHEN keep THEN greatest(least(soft, unprocessed), hard)
+                                  ELSE soft END)) AS cut
+  FROM limits
+ ORDER BY stream, partition
+
+-- name: prune_range
+-- Remove positions %(from)s up to (not including) %(to)s of a partition and raise its
+-- floor to %(to)s, in one statement: a reader's snapshot sees the events or the new
+-- floor, never neither. The partition row is locked only by the final UPDATE, after the
+-- deletes, so an append to the partition waits at most for that. `floor_time` becomes
+-- the time of the last event removed. Returns how many rows went and the floor.
+WITH gone AS (
+    DELETE FROM {schema}.events
+     WHERE stream = %(stream)s AND partition = %(partition)s
+       AND position >= %(from)s AND position < %(to)s
+    RETURNING position, recorded_at
+), summary AS (
+    SELECT count(*) AS removed, max(recorded_at) AS last_time FROM gone
+)
+UPDATE {schema}.partitions p
+   SET floor = greatest(p.floor, %(to)s),
+       floor_time = coalesce(
+           CASE WHEN p.floor < %(to)s THEN summary.last_time END, p.floor_time)
+  FROM summary
+ WHERE p.stream = %(stream)s AND p.partition = %(partition)s
+RETURNING summary.removed, p.floor
+
+-- name: partition_floor
+-- A partition's floor, read after its events were found missing (it may have risen).
+SELECT floor FROM {schema}.partitions WHERE stream = %(stream)s AND partition = %(partition)s
+
+-- name: record_gap
+-- A gap a subscription passes (policy skip, a gap handler, or an operator accepting it),
+-- recorded in the transaction that moves its position past it.
+INSERT INTO {schema}.gaps
+       (subscription, stream, partition, generation, gap_from, gap_to, floor, reason, action)
+VALUES (%(name)s, %(stream)s, %(partition)s, %(generation)s, %(gap_from)s, %(gap_to)s,
+        %(floor)s, %(reason)s, %(action)s)
 
 -- name: read_after
 -- Up to `limit` events of one partition after a position, in position order, with the

@@ -88,13 +88,27 @@ def migrate_as_before(dsn: str, revision: str) -> None:
     engine.dispose()
 
 
+def create_stream_as_before(dsn: str, name: str, partitions: int) -> None:
+    """A stream as every revision stores it (this code's create_stream needs the
+    newest schema)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO subengine.streams (name, partitions) VALUES (%s, %s)", (name, partitions)
+        )
+        conn.execute(
+            "INSERT INTO subengine.partitions (stream, partition)"
+            " SELECT %s, generate_series(0, %s - 1)",
+            (name, partitions),
+        )
+
+
 @pytest.mark.parametrize("revision", ["0002", "head"])
 def test_an_older_installation_moves_to_subengines_version_table(
     blank_dsn: str, revision: str
 ) -> None:
     migrate_as_before(blank_dsn, revision)
+    create_stream_as_before(blank_dsn, "orders", 2)
     with subengine.Engine(blank_dsn) as engine:
-        engine.create_stream("orders", partitions=2)
         engine.append("orders", [subengine.NewEvent("k", "T", {})])
         engine.migrate()
         assert engine.schema_revision() == _migrate.head_revision()
@@ -125,8 +139,8 @@ def test_a_dead_letter_from_before_0004_does_not_block_its_replay(blank_dsn: str
             raise ValueError("poison")
 
     settings = subengine.Settings(dsn=blank_dsn, poll_interval=0.2, retry_delay=0.05)
+    create_stream_as_before(blank_dsn, "single", 1)
     with subengine.Engine(settings=settings) as engine, psycopg.connect(blank_dsn) as conn:
-        engine.create_stream("single", partitions=1)
         stored = engine.append("single", [subengine.NewEvent("k", "T", {}) for _ in range(3)])
         # as 0003's worker left it (its statements, as this code's need a later schema):
         # the poison dead-lettered, then a reset to the beginning

@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
             "_append_async",
             "_listener",
             "_tail",
+            "_retention",
         ],
         2,
     ),
