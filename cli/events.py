@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Iterator, Sequence
@@ -157,12 +158,22 @@ def read(
     limit = limit or engine.settings.read_limit
     # one event more than is shown tells whether more follow
     wanted = limit + 1 if limit < LARGEST_LIMIT else limit
+    items: list[subengine.Event | subengine.Tombstone]
     if since is not None:
-        events = engine.read_since(stream_name, since, wanted)
+        items = engine.read_since(stream_name, since, wanted)
     elif partition is not None:
-        events = engine.read(stream_name, partition, after, wanted)
+        items = engine.read(stream_name, partition, after, wanted)
     else:
-        events = list(_read_all_partitions(engine, stream_name, after, wanted))
+        items = list(_read_all_partitions(engine, stream_name, after, wanted))
+    # a gap comes before every later event of its partition: its line before them all
+    gaps = [item for item in items if isinstance(item, subengine.Tombstone)]
+    events = [item for item in items if isinstance(item, subengine.Event)]
+    for gap in gaps:
+        click.echo(
+            _render.json_line({"tombstone": dataclasses.asdict(gap)}, ())
+            if as_json
+            else f"# {gap} (floor {gap.floor}): the events after it follow"
+        )
     _render.print_records(
         events[:limit], EVENT_COLUMNS, as_json=as_json, hidden=HIDDEN_EVENT_FIELDS
     )
@@ -186,11 +197,11 @@ def _how_to_read_on(
 
 def _read_all_partitions(
     engine: subengine.Engine, stream_name: str, after: int, limit: int
-) -> Iterator[subengine.Event]:
+) -> Iterator[subengine.Event | subengine.Tombstone]:
     remaining = limit
     for state in engine.partitions(stream_name):
         if remaining <= 0:
             return
         batch = engine.read(stream_name, state.partition, after, remaining)
-        remaining -= len(batch)
+        remaining -= sum(isinstance(item, subengine.Event) for item in batch)
         yield from batch

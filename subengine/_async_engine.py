@@ -31,7 +31,7 @@ from subengine._cursor import Cursor
 from subengine._declarations import Retention
 from subengine._engine import configured
 from subengine._errors import DatabaseUnavailable, StreamExists
-from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
+from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
 from subengine._listener import AsyncListener
 from subengine._settings import Settings
 from subengine._sql import SQL
@@ -204,8 +204,9 @@ class AsyncEngine:
 
     async def read(
         self, stream: str, partition: int, after: int = 0, limit: int | None = None
-    ) -> list[Event]:
-        """Events of one partition after position `after`, in position order."""
+    ) -> list[Event | Tombstone]:
+        """Events of one partition after position `after`, in position order; first a
+        `Tombstone` when retention removed positions after `after`."""
         query = _read.read_after(
             stream, partition, after, self.settings.read_limit if limit is None else limit
         )
@@ -214,7 +215,7 @@ class AsyncEngine:
 
     async def read_since(
         self, stream: str, since: datetime, limit: int | None = None
-    ) -> list[Event]:
+    ) -> list[Event | Tombstone]:
         """Events of every partition recorded at or after `since`, oldest first."""
         query = _read.read_since(
             stream, since, self.settings.read_limit if limit is None else limit

@@ -43,7 +43,7 @@ from subengine._connection import (
 from subengine._cursor import Cursor
 from subengine._declarations import Retention, Start, Subscription
 from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
-from subengine._events import Appended, Event, NewEvent, PartitionState, Stream
+from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
 from subengine._records import (
     DeadLetter,
     PartitionStatus,
@@ -296,15 +296,18 @@ class Engine:
 
     def read(
         self, stream: str, partition: int, after: int = 0, limit: int | None = None
-    ) -> list[Event]:
-        """Events of one partition after position `after`, in position order."""
+    ) -> list[Event | Tombstone]:
+        """Events of one partition after position `after`, in position order; first a
+        `Tombstone` when retention removed positions after `after`."""
         query = _read.read_after(
             stream, partition, after, self.settings.read_limit if limit is None else limit
         )
         with self.connection() as conn:
             return self.sql.run(conn, query)
 
-    def read_since(self, stream: str, since: datetime, limit: int | None = None) -> list[Event]:
+    def read_since(
+        self, stream: str, since: datetime, limit: int | None = None
+    ) -> list[Event | Tombstone]:
         """Events of every partition recorded at or after `since`, oldest first.
 
         For finding a starting point by time; to catch up, keep positions and use `read`.
@@ -348,6 +351,13 @@ class Engine:
         batches then commit nothing, and they leave it alone)."""
         with self.db() as db:
             return _subscriptions.delete_subscription(db, name, force=force)
+
+    def skip_gap(self, name: str, partition: int) -> Tombstone:
+        """Accept the gap retention left before subscription `name`'s position in
+        `partition` (state `gap`): record it in the gaps table, move the position past
+        it and restart the partition. The gap it passed; InvalidInput if there is none."""
+        with self.db() as db:
+            return _subscriptions.skip_gap(db, name, partition)
 
     def subscription_positions(self, name: str) -> list[SubscriptionPosition]:
         """Every partition's position of a stored subscription."""

@@ -5,6 +5,11 @@ Messages name the problem and, where there is one, the command or call that fixe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from subengine._events import Tombstone
+
 
 class SubengineError(Exception):
     """Base class of every error subengine raises on purpose."""
@@ -136,6 +141,26 @@ class PositionsMissing(SubengineError, LookupError):
         self.partition = partition
         self.first = first
         self.last = last
+
+
+class RetentionGap(PositionsMissing):
+    """Retention removed events a subscription had not handled (`gap`, a Tombstone),
+    and its gap policy is `stop`: the partition stopped before them, in state `gap`."""
+
+    def __init__(self, subscription: str, gap: Tombstone) -> None:
+        super().__init__(subscription, gap.stream, gap.partition, gap.gap_from, gap.gap_to)
+        span = (
+            f"position {gap.gap_from}"
+            if gap.gap_from == gap.gap_to
+            else f"positions {gap.gap_from} to {gap.gap_to}"
+        )
+        self.args = (
+            f"retention removed {span} of partition {gap.partition} of stream "
+            f"{gap.stream!r} before subscription {subscription!r} handled them; the "
+            f"partition stopped before the gap (on_gap='stop'). To go on without them: "
+            f"subengine subscription skip-gap {subscription} --partition {gap.partition}",
+        )
+        self.gap = gap
 
 
 class MigrationError(SubengineError):

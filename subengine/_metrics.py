@@ -135,6 +135,19 @@ class WorkerMetrics:
             per_subscription,
             registry=self.registry,
         )
+        self._gaps = Counter(
+            "subengine_gaps",
+            "Gaps passed: positions retention removed before the subscription handled them, "
+            "by what happened (skipped: policy skip; handled: a gap handler ran).",
+            [*per_subscription, "action"],
+            registry=self.registry,
+        )
+        self._gap_events = Counter(
+            "subengine_gap_events",
+            "Events in the gaps passed: removed by retention before the subscription handled them.",
+            per_subscription,
+            registry=self.registry,
+        )
         self._listener_failures = Counter(
             "subengine_listener_failures",
             "Times the listening connection failed and was opened again.",
@@ -167,8 +180,11 @@ class WorkerMetrics:
                 self._failures,
                 self._dead_letters,
                 self._database_errors,
+                self._gap_events,
             ):
                 metric.labels(name)
+            for action in ("skipped", "handled"):
+                self._gaps.labels(name, action)
         for cause in ("notification", "timer"):
             self._wakeups.labels(cause)
         for found in ("true", "false"):
@@ -190,6 +206,10 @@ class WorkerMetrics:
         self._failures.labels(subscription).inc()
         if dead_lettered:
             self._dead_letters.labels(subscription).inc()
+
+    def gap_passed(self, subscription: str, action: str, events: int) -> None:
+        self._gaps.labels(subscription, action).inc()
+        self._gap_events.labels(subscription).inc(events)
 
     def database_error(self, subscription: str) -> None:
         self._database_errors.labels(subscription).inc()

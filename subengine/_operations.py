@@ -9,6 +9,7 @@ from typing import Any
 
 from subengine._declarations import Subscription
 from subengine._errors import InvalidInput, SubscriptionNotFound
+from subengine._events import Event
 from subengine._names import BIGINT_MAX, INTEGER_MAX, validate_stream_name, validate_whole_number
 from subengine._read import read_after
 from subengine._records import (
@@ -132,7 +133,11 @@ def retry_dead_letter(
                     f"subscription {subscription.name!r} is stored on stream {stream!r}, "
                     f"but the app declares it on {subscription.stream!r}"
                 )
-            events = db.run(read_after(stream, partition, position - 1, 1))
+            events = [
+                item
+                for item in db.run(read_after(stream, partition, position - 1, 1))
+                if isinstance(item, Event)  # not the tombstone of its removal
+            ]
             if not events or events[0].position != position:
                 raise InvalidInput(
                     f"the event at position {position} of partition {partition} is no longer stored"

@@ -44,12 +44,14 @@ class SubscriptionSummary:
     stopped: int
     paused: int
     workers: int
+    gap: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class PartitionStatus:
     """Where a subscription stands in one partition, how far behind, in which state
-    (ok, idle, retrying, stopped, paused), and which worker holds it."""
+    (ok, idle, retrying, stopped, paused, or gap: below the floor, so retention removed
+    positions `gap_from` to `gap_to` before it handled them), and which worker holds it."""
 
     subscription: str
     stream: str
@@ -68,6 +70,9 @@ class PartitionStatus:
     worker_host: str | None
     worker_pid: int | None
     updated_at: datetime
+    floor: int = 1
+    gap_from: int | None = None
+    gap_to: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,16 +20,23 @@ from typing import Any, Literal
 import psycopg
 from psycopg.types.json import Jsonb
 
-from subengine._declarations import Start, Subscription, describe_start, start_to_json
+from subengine._declarations import (
+    Start,
+    Subscription,
+    _returned,
+    describe_start,
+    start_to_json,
+)
 from subengine._errors import (
     Fenced,
     InvalidInput,
     PositionsMissing,
+    RetentionGap,
     SubscriptionMismatch,
     SubscriptionNotFound,
 )
-from subengine._events import Event
-from subengine._names import validate_stream_name
+from subengine._events import Event, Tombstone
+from subengine._names import INTEGER_MAX, validate_stream_name, validate_whole_number
 from subengine._settings import Settings
 from subengine._sql import Db, Query, Result, Row, first_row, nothing, rowcount
 from subengine._streams import get_stream, partition_states
@@ -58,6 +65,7 @@ class BatchOutcome:
     handled: int
     position: int
     next_time: datetime | None
+    gap: Tombstone | None = None  # the gap the batch passed (policy skip or a handler)
 
 
 def ensure_subscription(db: Db, subscription: Subscription) -> None:
@@ -145,6 +153,33 @@ def delete_subscription(db: Db, name: str, *, force: bool = False) -> Deleted:
         letters = db.run(Query("delete_dead_letters", where, rowcount))
         db.run(Query("delete_subscription", where, nothing))
         return Deleted(name, str(row[1]), partitions, letters)
+
+
+def skip_gap(db: Db, name: str, partition: int) -> Tombstone:
+    """Accept the gap before a subscription's position in one partition (an operator's
+    `subscription skip-gap`): record it (action 'accepted'), move the position to the
+    floor's eve and restart the partition, in one transaction. A batch moving that
+    position meanwhile is waited for; one that read it before fails its compare-and-set.
+    InvalidInput when the partition has no gap."""
+    validate_stream_name(name)
+    validate_whole_number(partition, "partition", 0, INTEGER_MAX)
+    where = {"name": name, "partition": partition}
+    with db.transaction():
+        row = db.run(Query("lock_gap", where, first_row))
+        if row is None:
+            if db.run(Query("subscription_exists", {"name": name}, first_row)) is None:
+                raise SubscriptionNotFound(f"no subscription named {name!r}")
+            raise InvalidInput(f"subscription {name!r} has no partition {partition}")
+        position, generation, stream, floor = row
+        if position >= floor - 1:
+            raise InvalidInput(
+                f"partition {partition} of subscription {name!r} has no gap: its position "
+                f"{position} is at or past the floor's eve ({floor - 1}); nothing to skip"
+            )
+        gap = Tombstone(stream, partition, position + 1, floor - 1, floor)
+        db.run(_record_gap(name, generation, gap, "accepted"))
+        db.run(Query("accept_gap", {**where, "stream": stream, "position": floor - 1}, nothing))
+        return gap
 
 
 def _positions_written(result: Result) -> dict[int, int]:
@@ -308,6 +343,8 @@ def handle_batch(
         return _transactional_batch(db, subscription, partition, size, companions)
     with db.transaction():
         batch = _next_batch(db, subscription, partition, size, 0)
+        if batch is not None and batch.parts and batch.parts[0].gap is not None:
+            return _commit_positions(db, subscription, batch)  # with the gap's record
     if batch is None:
         return None
     if batch.missing is not None:
@@ -386,6 +423,7 @@ class _Part:
     generation: int
     events: list[Event]
     next_time: datetime | None
+    gap: Tombstone | None = None  # a gap the batch passes instead of events
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,10 +472,7 @@ def _next_batch(
         return None
     [(chosen, found)] = _parts(rows)
     if chosen is None:  # the next position is no longer stored
-        last = found - 1 if found is not None else head
-        missing = PositionsMissing(subscription.name, subscription.stream, partition, old + 1, last)
-        db.run(stop_partition(subscription.name, partition, old, generation, missing))
-        return _Batch([], missing)
+        return _missing(db, subscription, partition, old, generation, found, head)
     parts = [chosen]
     room = size - len(chosen.events)
     if companions and room > 0 and attempts == 0 and chosen.next_time is None:
@@ -450,6 +485,69 @@ def _next_batch(
         )
         parts.extend(part for part, _ in _parts(rows) if part is not None)
     return _Batch(parts)
+
+
+def _missing(
+    db: Db,
+    subscription: Subscription,
+    partition: int,
+    old: int,
+    generation: int,
+    found: int | None,
+    head: int,
+) -> _Batch:
+    """The batch of a partition whose next position is not stored. Below the floor,
+    retention removed it: a gap, which the subscription's policy passes (recorded, after
+    its gap handler if it has one) or stops before. At or above the floor, the events
+    are missing for another reason: the partition stops before them."""
+    floor = db.run(
+        Query(
+            "partition_floor",
+            {"stream": subscription.stream, "partition": partition},
+            lambda result: int(result.rows[0][0]),
+        )
+    )
+    if old + 1 >= floor:
+        last = found - 1 if found is not None else head
+        missing = PositionsMissing(subscription.name, subscription.stream, partition, old + 1, last)
+        db.run(stop_partition(subscription.name, partition, old, generation, missing))
+        return _Batch([], missing)
+    gap = Tombstone(subscription.stream, partition, old + 1, floor - 1, floor)
+    if subscription.on_gap == "stop":
+        stopped = RetentionGap(subscription.name, gap)
+        db.run(stop_partition(subscription.name, partition, old, generation, stopped))
+        return _Batch([], stopped)
+    if subscription.gap is not None:
+        try:
+            _returned(subscription.gap, subscription.gap(gap, db.conn))
+        except Exception as error:
+            if database_trouble(error):
+                raise
+            raise BatchFailed(error, 0, old, old, generation, partition, False) from error
+    db.run(
+        _record_gap(
+            subscription.name, generation, gap, "handled" if subscription.gap else "skipped"
+        )
+    )
+    return _Batch([_Part(partition, old, generation, [], None, gap)])
+
+
+def _record_gap(name: str, generation: int, gap: Tombstone, action: str) -> Query[None]:
+    return Query(
+        "record_gap",
+        {
+            "name": name,
+            "stream": gap.stream,
+            "partition": gap.partition,
+            "generation": generation,
+            "gap_from": gap.gap_from,
+            "gap_to": gap.gap_to,
+            "floor": gap.floor,
+            "reason": gap.reason,
+            "action": action,
+        },
+        nothing,
+    )
 
 
 def _parts(rows: Sequence[Row]) -> list[tuple[_Part | None, int | None]]:
@@ -475,7 +573,10 @@ def _parts(rows: Sequence[Row]) -> list[tuple[_Part | None, int | None]]:
 
 
 def _commit_positions(db: Db, subscription: Subscription, batch: _Batch) -> list[BatchOutcome]:
-    news = [part.events[-1].position if part.events else part.old for part in batch.parts]
+    news = [
+        part.events[-1].position if part.events else part.gap.gap_to if part.gap else part.old
+        for part in batch.parts
+    ]
     query: Query[dict[int, datetime | None]]
     if len(batch.parts) == 1:
         [part] = batch.parts
@@ -517,7 +618,7 @@ def _commit_positions(db: Db, subscription: Subscription, batch: _Batch) -> list
     # each next event's time as stored: events committed since the batch read may have
     # brought one
     return [
-        BatchOutcome(part.partition, len(part.events), new, moved[part.partition])
+        BatchOutcome(part.partition, len(part.events), new, moved[part.partition], part.gap)
         for part, new in zip(batch.parts, news, strict=True)
     ]
 

@@ -6,7 +6,9 @@ for its engine's listener to offer a new head (or for the poll interval, the saf
 and pulls again. Every (re)connection of the listener makes the tail read all heads again:
 the "one last pull" after the subscription started. Events come only from reads after the
 cursor, and any position at or below the cursor is dropped, so a position is never
-skipped (positions are dense and commit in order, invariant 1) and never repeated.
+skipped (positions are dense and commit in order, invariant 1) and never repeated. A
+read that starts below a partition's floor yields a `Tombstone` for exactly the removed
+positions before the events after them.
 
 `TailState` is that bookkeeping, without I/O; `Tail` (sync) and `AsyncTail` run it on an
 engine's connections.
@@ -27,13 +29,15 @@ import psycopg
 from subengine import _read, _streams
 from subengine._cursor import Cursor
 from subengine._errors import DatabaseUnavailable, InvalidInput
-from subengine._events import Event
+from subengine._events import Event, Tombstone
 from subengine._listener import AsyncListener, Listener, TaskInbox
 from subengine._names import validate_key, validate_stream_name, validate_type
 from subengine._settings import Settings
 from subengine._sql import SQL, Query
 
 After = Cursor | str | None
+# what a tail yields: an event, or the tombstone of a gap before the next ones
+Item = Event | Tombstone
 
 
 def _filter(
@@ -77,7 +81,7 @@ class TailState:
         self.partitions = len(self._positions) or None
         self._known: dict[int, int] = {}  # committed heads learnt, per partition
         self.look_at_heads = True  # read every head before trusting `_known`
-        self._unread: deque[Event] = deque()
+        self._unread: deque[Item] = deque()
         self._read_last = -1  # the partition read last
 
     @property
@@ -86,14 +90,17 @@ class TailState:
             self._cursor = Cursor(self.stream, tuple(self._positions))
         return self._cursor
 
-    def next_event(self) -> Event | None:
-        """The next event read and wanted; the cursor moves past those passed over."""
+    def next_event(self) -> Item | None:
+        """The next event read and wanted, or a gap (a tombstone, whatever the filters:
+        the gap may have held wanted events); the cursor moves past those passed over."""
         while self._unread:
             event = self._unread.popleft()
             if event.position <= self._positions[event.partition]:
                 continue  # seen already
             self._positions[event.partition] = event.position
             self._cursor = None
+            if isinstance(event, Tombstone):
+                return event
             if (self.keys is None or event.key in self.keys) and (
                 self.types is None or event.type in self.types
             ):
@@ -145,10 +152,10 @@ class TailState:
         far behind holds about one read's worth, however many partitions are behind."""
         return len(self._unread) >= self.read_limit
 
-    def read_query(self, partition: int) -> Query[list[Event]]:
+    def read_query(self, partition: int) -> Query[list[Item]]:
         return _read.read_after(self.stream, partition, self._positions[partition], self.read_limit)
 
-    def read(self, partition: int, events: list[Event]) -> None:
+    def read(self, partition: int, events: list[Item]) -> None:
         """What a read of `partition` after the cursor gave."""
         self._read_last = partition
         self._unread.extend(events)
@@ -269,16 +276,16 @@ class Tail:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __iter__(self) -> Iterator[Event]:
+    def __iter__(self) -> Iterator[Item]:
         return self
 
-    def __next__(self) -> Event:
+    def __next__(self) -> Item:
         event = self.next_event()
         if event is None:
             raise StopIteration
         return event
 
-    def next_event(self, timeout: float | None = None) -> Event | None:
+    def next_event(self, timeout: float | None = None) -> Item | None:
         """The next event; None when `timeout` seconds passed first, or the tail closed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         state = self._state
@@ -353,16 +360,16 @@ class AsyncTail:
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __aiter__(self) -> AsyncIterator[Event]:
+    def __aiter__(self) -> AsyncIterator[Item]:
         return self
 
-    async def __anext__(self) -> Event:
+    async def __anext__(self) -> Item:
         event = await self.next_event()
         if event is None:
             raise StopAsyncIteration
         return event
 
-    async def next_event(self, timeout: float | None = None) -> Event | None:
+    async def next_event(self, timeout: float | None = None) -> Item | None:
         """The next event; None when `timeout` seconds passed first, or the tail closed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         state = self._state

@@ -42,6 +42,7 @@ from subengine import _metrics, _operations
 from subengine._declarations import Subscription
 from subengine._engine import Engine
 from subengine._errors import DatabaseUnavailable, Fenced, PositionsMissing, SubscriptionNotFound
+from subengine._events import Tombstone
 from subengine._locks import lock_key, lock_partition, unlock_partition
 from subengine._settings import Settings
 from subengine._sql import SQL, Db, Query, first_row
@@ -654,6 +655,8 @@ class Worker:
                     split = outcomes
                 continue
             outcome = outcomes[0]
+            if outcome.gap is not None:
+                self._gap_passed(subscription, outcome.gap)
             if any(o.handled for o in outcomes):
                 self._batch_committed(subscription, outcomes, time.monotonic() - started)
                 self._board.retry_deferred()  # this batch may have held one of them
@@ -715,6 +718,22 @@ class Worker:
             failure = record_failure(db, subscription, partition, failed, self.settings)
             self._batch_failed(subscription, partition, failure, failed.error)
             return None
+
+    def _gap_passed(self, subscription: Subscription, gap: Tombstone) -> None:
+        action = "handled" if subscription.gap is not None else "skipped"
+        self.metrics.gap_passed(subscription.name, action, gap.gap_to - gap.gap_from + 1)
+        log.warning(
+            "subscription %s: %s; %s (recorded in the gaps table)",
+            subscription.name,
+            gap,
+            "its gap handler ran" if action == "handled" else "skipped (on_gap='skip')",
+            extra=self._fields(
+                subscription=subscription.name,
+                partition=gap.partition,
+                from_position=gap.gap_from,
+                to_position=gap.gap_to,
+            ),
+        )
 
     def _database_trouble(
         self, subscription: Subscription, partition: int, error: Exception

@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -354,3 +355,17 @@ class Proxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+def stored_events(items: Sequence[subengine.Event | subengine.Tombstone]) -> list[subengine.Event]:
+    """The events of a read of a stream that keeps every event: a tombstone there would
+    be a bug, so it fails the test."""
+    gaps = [item for item in items if isinstance(item, subengine.Tombstone)]
+    assert not gaps, f"unexpected gaps: {gaps}"
+    return [item for item in items if isinstance(item, subengine.Event)]
+
+
+def server_now(engine: subengine.Engine) -> datetime:
+    """The database server's clock now."""
+    with engine.connection() as conn:
+        return conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[no-any-return, index]

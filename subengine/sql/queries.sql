@@ -112,6 +112,25 @@ UPDATE {schema}.partitions p
  WHERE p.stream = %(stream)s AND p.partition = %(partition)s
 RETURNING summary.removed, p.floor
 
+-- name: lock_gap
+-- A subscription's position row in one partition, locked (waiting for a batch that holds
+-- it), with its stream and the partition's floor: an operator is about to accept a gap.
+SELECT sp.position, sp.generation, s.stream, p.floor
+  FROM {schema}.subscription_positions sp
+  JOIN {schema}.subscriptions s ON s.name = sp.subscription
+  JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
+ WHERE sp.subscription = %(name)s AND sp.partition = %(partition)s
+   FOR UPDATE OF sp
+
+-- name: accept_gap
+-- Move a position past an accepted gap and restart the partition (same transaction as
+-- the gap's record).
+UPDATE {schema}.subscription_positions
+   SET position = %(position)s,
+       next_time = {schema}.next_event_time(%(stream)s, partition, %(position)s),
+       stopped = false, attempts = 0, last_error = NULL, retry_at = NULL, updated_at = now()
+ WHERE subscription = %(name)s AND partition = %(partition)s
+
 -- name: partition_floor
 -- A partition's floor, read after its events were found missing (it may have risen).
 SELECT floor FROM {schema}.partitions WHERE stream = %(stream)s AND partition = %(partition)s
@@ -126,10 +145,13 @@ VALUES (%(name)s, %(stream)s, %(partition)s, %(generation)s, %(gap_from)s, %(gap
 
 -- name: read_after
 -- Up to `limit` events of one partition after a position, in position order, with the
--- stream's partition count (a stream with no such row does not exist).
-SELECT s.partitions, e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type,
-       e.data, e.metadata, e.occurred_at, e.recorded_at
+-- stream's partition count (a stream with no such row does not exist) and the
+-- partition's floor, read in the same snapshot as the events: positions below it are no
+-- longer stored, and a read from before it meets their gap.
+SELECT s.partitions, p.floor, e.id, e.stream, e.partition, e.position, e.key,
+       e.key_version, e.type, e.data, e.metadata, e.occurred_at, e.recorded_at
   FROM {schema}.streams s
+  LEFT JOIN {schema}.partitions p ON p.stream = s.name AND p.partition = %(partition)s
   LEFT JOIN LATERAL (
         SELECT * FROM {schema}.events e
          WHERE e.stream = s.name AND e.partition = %(partition)s AND e.position > %(after)s
@@ -140,10 +162,17 @@ SELECT s.partitions, e.id, e.stream, e.partition, e.position, e.key, e.key_versi
 
 -- name: read_since
 -- Up to `limit` events of every partition recorded at or after a time, in recorded order
--- (ties by partition and position), with the stream's partition count.
-SELECT s.partitions, e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type,
-       e.data, e.metadata, e.occurred_at, e.recorded_at
+-- (ties by partition and position), with the stream's partition count and, in the same
+-- snapshot, the partitions from which retention removed events recorded at or after the
+-- time (their floor_time is not older), with their floors.
+SELECT s.partitions, g.partitions, g.floors, e.id, e.stream, e.partition, e.position,
+       e.key, e.key_version, e.type, e.data, e.metadata, e.occurred_at, e.recorded_at
   FROM {schema}.streams s
+  CROSS JOIN LATERAL (
+        SELECT array_agg(p.partition ORDER BY p.partition) AS partitions,
+               array_agg(p.floor ORDER BY p.partition) AS floors
+          FROM {schema}.partitions p
+         WHERE p.stream = s.name AND p.floor_time >= %(since)s) g
   LEFT JOIN LATERAL (
         SELECT * FROM {schema}.events e
          WHERE e.stream = s.name AND e.recorded_at >= %(since)s
@@ -171,8 +200,8 @@ RETURNING name
 SELECT name, stream, start, generation, paused FROM {schema}.subscriptions WHERE name = %(name)s
 
 -- name: write_positions
--- Set the partitions' positions of a subscription, as of generation %(generation)s: 0
--- (from the beginning), the head (from the end: the next event appended), the last
+-- Set the partitions' positions of a subscription, as of generation %(generation)s: the
+-- floor's eve (from the beginning: the oldest event stored), the head (from the end: the next event appended), the last
 -- position recorded before a time, or the given one; and with each its next event's time.
 -- Used on creation (a partition a position map does not name starts at 0) and by reset,
 -- which also clears the failure state and, with %(only_named)s, moves only the partitions
@@ -183,10 +212,16 @@ SELECT %(name)s, w.partition, w.position, %(generation)s,
        {schema}.next_event_time(w.stream, w.partition, w.position)
   FROM (SELECT p.stream, p.partition,
                CASE %(kind)s
-                 WHEN 'beginning' THEN 0
+                 WHEN 'beginning' THEN p.floor - 1
                  WHEN 'end' THEN p.head
                  WHEN 'time' THEN (
-                     SELECT coalesce(max(e.position), 0) FROM {schema}.events e
+                     SELECT coalesce(max(e.position),
+                                     -- none stored from before: if retention removed
+                                     -- events since the time, the subscription meets
+                                     -- their gap; if not, it starts at the floor
+                                     CASE WHEN p.floor_time >= %(time)s::timestamptz THEN 0
+                                          ELSE p.floor - 1 END)
+                       FROM {schema}.events e
                       WHERE e.stream = p.stream AND e.partition = p.partition
                         AND e.recorded_at < %(time)s::timestamptz)
                  ELSE coalesce((%(positions)s::jsonb ->> p.partition::text)::bigint, 0)
@@ -540,7 +575,8 @@ SELECT subscription, stream, count(*) AS partitions, sum(lag) AS lag,
        count(*) FILTER (WHERE state = 'stopped') AS stopped,
        count(*) FILTER (WHERE state = 'paused') AS paused,
        (SELECT count(*) FROM {schema}.workers_status w
-         WHERE w.connected AND subscription = ANY (w.subscriptions)) AS workers
+         WHERE w.connected AND subscription = ANY (w.subscriptions)) AS workers,
+       count(*) FILTER (WHERE state = 'gap') AS gap
   FROM {schema}.subscription_status
  WHERE %(name)s::text IS NULL OR subscription = %(name)s
  GROUP BY subscription, stream
@@ -550,7 +586,7 @@ SELECT subscription, stream, count(*) AS partitions, sum(lag) AS lag,
 -- The status view's rows of one subscription, or of all.
 SELECT subscription, stream, partition, position, head, lag, next_event_at, lag_seconds,
        state, attempts, last_error, retry_at, generation, worker_id, worker_host, worker_pid,
-       updated_at
+       updated_at, floor, gap_from, gap_to
   FROM {schema}.subscription_status
  WHERE %(name)s::text IS NULL OR subscription = %(name)s
  ORDER BY subscription, partition

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy.exc
-from helpers import APPS, PASSWORD, Proxy, run_subengine, subengine_command
+from helpers import APPS, PASSWORD, Proxy, run_subengine, stored_events, subengine_command
 from helpers import free_port as refused_port
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.sql import SQL, Identifier, Literal
@@ -134,7 +134,7 @@ def test_append_on_terminated_connections_raises_database_unavailable_then_works
     assert isinstance(raised.value.__cause__, psycopg.OperationalError)
     assert "lost the connection to PostgreSQL" in str(raised.value)
     stored = engine.append(orders, [NewEvent("k", "Kept", {})])
-    assert [e.type for e in engine.read(orders, stored[0].partition)] == ["Kept"]
+    assert [e.type for e in stored_events(engine.read(orders, stored[0].partition))] == ["Kept"]
 
 
 def test_a_canceled_statement_is_not_database_unavailable(

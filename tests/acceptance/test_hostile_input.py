@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 from click.testing import CliRunner
-from helpers import run_subengine, snapshot
+from helpers import run_subengine, snapshot, stored_events
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from subengine.cli.main import cli  # type: ignore[import-not-found]
@@ -340,7 +340,7 @@ def test_a_raw_line_separator_inside_a_jsonl_string_is_data(
     assert from_file.returncode == 0, from_file.stderr
     from_stdin = run_subengine(cli_env, "append", "orders", "--file", "-", stdin=f"{line}\n")
     assert from_stdin.returncode == 0, from_stdin.stderr
-    stored = billing.read("orders", subengine.partition_for("k", 4))
+    stored = stored_events(billing.read("orders", subengine.partition_for("k", 4)))
     assert [event.data for event in stored if event.key == "k"] == [{"text": text}] * 3
 
 

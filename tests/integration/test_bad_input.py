@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import snapshot
+from helpers import snapshot, stored_events
 
 import subengine
 from subengine import NewEvent
@@ -36,7 +36,7 @@ def test_invalid_stream_names_are_refused_everywhere(
     with pytest.raises(subengine.InvalidInput, match="invalid stream name"):
         engine.append(name, [NewEvent("k", "T", {})])
     with pytest.raises(subengine.InvalidInput, match="invalid stream name"):
-        engine.read(name, 0)
+        stored_events(engine.read(name, 0))
     assert snapshot(sql) == before
 
 
@@ -46,9 +46,9 @@ def test_unknown_stream(
     before = snapshot(sql)
     for call in (
         lambda: engine.append("missing", [NewEvent("k", "T", {})]),
-        lambda: engine.read("missing", 0),
+        lambda: stored_events(engine.read("missing", 0)),
         lambda: engine.heads("missing"),
-        lambda: engine.read_since("missing", datetime.now().astimezone()),
+        lambda: stored_events(engine.read_since("missing", datetime.now().astimezone())),
     ):
         with pytest.raises(subengine.StreamNotFound, match="stream 'missing' does not exist"):
             call()
@@ -58,7 +58,7 @@ def test_unknown_stream(
 def test_unknown_partition(engine: subengine.Engine, stored: str) -> None:
     for partition in (4, -1, 10**6):
         with pytest.raises(subengine.PartitionNotFound, match=r"partitions 0\.\.3"):
-            engine.read(stored, partition)
+            stored_events(engine.read(stored, partition))
 
 
 @pytest.mark.parametrize("partitions", [0, -1, 4097, True, "4", 2.5])
@@ -154,7 +154,7 @@ def test_invalid_expected_versions(
 @pytest.mark.parametrize("limit", [0, -5, True, 10**20])
 def test_invalid_read_limits(engine: subengine.Engine, stored: str, limit: Any) -> None:
     with pytest.raises(subengine.InvalidInput, match="limit"):
-        engine.read(stored, 0, limit=limit)
+        stored_events(engine.read(stored, 0, limit=limit))
 
 
 def test_an_escaped_backslash_before_u0000_is_not_a_nul(
@@ -162,7 +162,7 @@ def test_an_escaped_backslash_before_u0000_is_not_a_nul(
 ) -> None:
     text = "C:\\u0000dir"  # a backslash, then the letters u0000
     [appended] = engine.append(stored, [NewEvent("k", "T", {"path": text})])
-    [event] = engine.read(stored, appended.partition, after=appended.position - 1)
+    [event] = stored_events(engine.read(stored, appended.partition, after=appended.position - 1))
     assert event.data == {"path": text}
 
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
-from helpers import key_in
+from helpers import key_in, stored_events
 
 import subengine
 from subengine import NewEvent
@@ -52,7 +52,9 @@ def test_open_append_holds_back_later_appends_to_its_partition_only(
         with ThreadPoolExecutor(1) as pool:
             later = pool.submit(later_append)
             wait_until_blocked(sql, "later-append")
-            assert engine.read(orders, 1) == []  # the later append is not visible first
+            assert (
+                stored_events(engine.read(orders, 1)) == []
+            )  # the later append is not visible first
             assert not later.done()
 
             # another partition appends and commits while partition 1 is held
@@ -64,7 +66,10 @@ def test_open_append_holds_back_later_appends_to_its_partition_only(
     finally:
         holder.close()
     assert second.position == 2
-    assert [(e.position, e.type) for e in engine.read(orders, 1)] == [(1, "First"), (2, "Second")]
+    assert [(e.position, e.type) for e in stored_events(engine.read(orders, 1))] == [
+        (1, "First"),
+        (2, "Second"),
+    ]
 
 
 def test_rolled_back_append_leaves_no_hole(
@@ -75,7 +80,9 @@ def test_rolled_back_append_leaves_no_hole(
         subengine.append(conn, orders, [NewEvent(key, "Lost", {})])
         conn.rollback()
     engine.append(orders, [NewEvent(key, "Kept", {})])
-    assert [(e.position, e.key_version, e.type) for e in engine.read(orders, 3)] == [(1, 1, "Kept")]
+    assert [(e.position, e.key_version, e.type) for e in stored_events(engine.read(orders, 3))] == [
+        (1, 1, "Kept")
+    ]
 
 
 def test_append_waiting_on_a_rolled_back_one_takes_its_position(
@@ -118,7 +125,9 @@ def test_concurrent_appends_are_dense_ordered_and_never_skipped_by_a_tailing_rea
             while True:
                 finished = done.is_set()
                 for partition in range(PARTITIONS):
-                    for event in engine.read("orders", partition, after=last[partition]):
+                    for event in stored_events(
+                        engine.read("orders", partition, after=last[partition])
+                    ):
                         seen[partition].append(event.position)
                         last[partition] = event.position
                 if finished:
@@ -143,7 +152,7 @@ def test_concurrent_appends_are_dense_ordered_and_never_skipped_by_a_tailing_rea
         per_writer: dict[tuple[int, str], list[int]] = defaultdict(list)
         for partition, head in heads.items():
             assert seen[partition] == list(range(1, head + 1)), "the tail skipped an event"
-            stored = engine.read("orders", partition, limit=head)
+            stored = stored_events(engine.read("orders", partition, limit=head))
             assert [e.position for e in stored] == list(range(1, head + 1))
             recorded = [e.recorded_at for e in stored]
             assert recorded == sorted(recorded), "recorded_at went back along a partition"

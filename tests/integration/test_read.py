@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 import pytest
+from helpers import server_now, stored_events
 
 import subengine
 from subengine import NewEvent
@@ -15,15 +16,15 @@ def test_read_returns_events_after_a_position_in_order_up_to_the_limit(
 ) -> None:
     engine.append(orders, [NewEvent("k", "T", {"n": n}) for n in range(10)])
     partition = subengine.partition_for("k", 4)
-    page = engine.read(orders, partition, after=3, limit=4)
+    page = stored_events(engine.read(orders, partition, after=3, limit=4))
     assert [e.position for e in page] == [4, 5, 6, 7]
     assert [e.data["n"] for e in page] == [3, 4, 5, 6]
-    assert engine.read(orders, partition, after=10) == []
+    assert stored_events(engine.read(orders, partition, after=10)) == []
 
 
 def test_events_carry_every_field(engine: subengine.Engine, orders: str) -> None:
     [stored] = engine.append(orders, [NewEvent("k", "Placed", {"a": 1}, metadata={"m": 2})])
-    [event] = engine.read(orders, stored.partition)
+    [event] = stored_events(engine.read(orders, stored.partition))
     assert (event.id, event.stream, event.partition, event.position) == (
         stored.id,
         "orders",
@@ -37,11 +38,6 @@ def test_events_carry_every_field(engine: subengine.Engine, orders: str) -> None
         event.position = 5  # type: ignore[misc]
 
 
-def server_now(engine: subengine.Engine) -> datetime:
-    with engine.connection() as conn:
-        return conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[no-any-return, index]
-
-
 def test_read_since_spans_partitions_in_recorded_order(
     engine: subengine.Engine, orders: str
 ) -> None:
@@ -49,7 +45,7 @@ def test_read_since_spans_partitions_in_recorded_order(
     middle = server_now(engine)
     later = engine.append(orders, [NewEvent(f"late-{n}", "T", {}) for n in range(6)])
     engine.append(orders, [NewEvent(f"last-{n}", "T", {}) for n in range(3)])
-    events = engine.read_since(orders, middle)
+    events = stored_events(engine.read_since(orders, middle))
     assert [e.id for e in events[:6]] == [
         a.id for a in sorted(later, key=lambda a: (a.partition, a.position))
     ]
@@ -57,8 +53,8 @@ def test_read_since_spans_partitions_in_recorded_order(
     assert len(events) == 9
     times = [(e.recorded_at, e.partition, e.position) for e in events]
     assert times == sorted(times)
-    assert len(engine.read_since(orders, middle, limit=2)) == 2
-    assert engine.read_since(orders, server_now(engine) + timedelta(hours=1)) == []
+    assert len(stored_events(engine.read_since(orders, middle, limit=2))) == 2
+    assert stored_events(engine.read_since(orders, server_now(engine) + timedelta(hours=1))) == []
 
 
 def test_heads_and_partitions(engine: subengine.Engine, orders: str) -> None:
@@ -69,7 +65,7 @@ def test_heads_and_partitions(engine: subengine.Engine, orders: str) -> None:
     assert [s.partition for s in states] == [0, 1, 2, 3]
     state = states[partition]
     assert (state.head, state.floor) == (2, 1)
-    [_, last] = engine.read(orders, partition)
+    [_, last] = stored_events(engine.read(orders, partition))
     assert state.head_time == last.recorded_at
     assert all(s.head_time is None for s in states if s.partition != partition)
 

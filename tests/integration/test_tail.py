@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import README
+from helpers import README, stored_events
 
 import subengine
 from subengine import Cursor, Event, NewEvent
@@ -73,7 +73,7 @@ def drain(tail: subengine.Tail, count: int) -> list[Event]:
         event = tail.next_event(timeout=EVENT_TIMEOUT)
         if event is None:
             break
-        got.append(event)
+        got.extend(stored_events([event]))
     assert len(got) == count, f"{len(got)} of {count} events"
     return got
 
@@ -306,7 +306,7 @@ def test_a_tail_gets_every_position_once_in_order_under_concurrent_writers(
                 event = tail.next_event(timeout=EVENT_TIMEOUT)
                 if event is None:
                     break
-                got.append(event)
+                got.extend(stored_events([event]))
                 if len(got) == expected // 3:
                     terminate()
             assert tail.next_event(timeout=0.2) is None  # nothing twice
@@ -333,7 +333,7 @@ def test_an_async_tail_gets_every_position_once_in_order_under_concurrent_writer
                     event = await tail.next_event(timeout=EVENT_TIMEOUT)
                     if event is None:
                         break
-                    got.append(event)
+                    got.extend(stored_events([event]))
                     if len(got) == expected // 3:
                         await asyncio.to_thread(terminate)
                 assert await tail.next_event(timeout=0.2) is None

@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Running, count, key_in, poisoned_app, record, wait_for
+from helpers import Running, count, key_in, poisoned_app, record, stored_events, wait_for
 from psycopg.sql import SQL, Identifier
 
 import subengine
@@ -244,7 +244,7 @@ def test_each_start_point_through_the_worker(
 ) -> None:
     old = [fast_engine.append("orders", [NewEvent(f"k{n}", "T", {"n": n})])[0] for n in range(12)]
     middle = old[6]
-    [event] = fast_engine.read("orders", middle.partition, middle.position - 1, 1)
+    [event] = stored_events(fast_engine.read("orders", middle.partition, middle.position - 1, 1))
     declared = {
         "beginning": "beginning",
         "end": "end",
@@ -372,16 +372,17 @@ def test_missing_positions_stop_the_partition_with_an_error_naming_them(
 ) -> None:
     fast_engine.create_stream("single", partitions=1)
     fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(10)])
-    sql.execute("DELETE FROM subengine.events WHERE stream = 'single' AND position <= 5")
-    sql.execute("UPDATE subengine.partitions SET floor = 6 WHERE stream = 'single'")
     app = subengine.App()
     app.subscription("billing", stream="single").handler()(record)
     fast_engine.ensure_subscription(app.subscriptions["billing"])
+    # as retention does it: the events go and the floor rises
+    sql.execute("DELETE FROM subengine.events WHERE stream = 'single' AND position <= 5")
+    sql.execute("UPDATE subengine.partitions SET floor = 6 WHERE stream = 'single'")
     with Running(app, fast_engine):
         wait_for(lambda: fast_engine.subscription_positions("billing")[0].stopped)
     [row] = fast_engine.subscription_positions("billing")
     assert (row.position, row.attempts) == (0, 0)
-    assert "partition 0 of stream 'single' no longer stores positions 1 to 5" in row.last_error  # type: ignore[operator]
+    assert "retention removed positions 1 to 5 of partition 0 of stream 'single'" in row.last_error  # type: ignore[operator]
     assert count(sql) == 0  # the handler saw none of 6..10
     [(state,)] = sql.execute("SELECT state FROM subengine.subscription_status").fetchall()
     assert state == "gap"  # below the floor: retention removed what it had not handled
