@@ -148,6 +148,11 @@ class WorkerMetrics:
             per_subscription,
             registry=self.registry,
         )
+        self._pruned = Counter(
+            "subengine_retention_removed_events",
+            "Events this worker's pruning runs removed (retention policies).",
+            registry=self.registry,
+        )
         self._listener_failures = Counter(
             "subengine_listener_failures",
             "Times the listening connection failed and was opened again.",
@@ -210,6 +215,9 @@ class WorkerMetrics:
     def gap_passed(self, subscription: str, action: str, events: int) -> None:
         self._gaps.labels(subscription, action).inc()
         self._gap_events.labels(subscription).inc(events)
+
+    def pruned(self, events: int) -> None:
+        self._pruned.inc(events)
 
     def database_error(self, subscription: str) -> None:
         self._database_errors.labels(subscription).inc()

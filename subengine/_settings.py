@@ -19,8 +19,11 @@ from subengine._errors import ConfigurationError
 from subengine._names import shown_value, validate_schema_name
 
 
-def _setting(default: Any, env: str, doc: str, *, shown: bool = True) -> Any:
-    return field(default=default, repr=shown, metadata={"env": env, "doc": doc})
+def _setting(
+    default: Any, env: str, doc: str, *, shown: bool = True, zero_is_off: bool = False
+) -> Any:
+    metadata = {"env": env, "doc": doc, "zero_is_off": zero_is_off}
+    return field(default=default, repr=shown, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -91,13 +94,21 @@ class Settings:
         "Seconds between a worker's progress lines and its readings of the lag (one query).",
     )
 
+    retention_interval: float = _setting(
+        60.0,
+        "SUBENGINE_RETENTION_INTERVAL",
+        "Seconds between the pruning runs of a worker (one pruner at a time per database "
+        "applies the streams' retention policies); 0: workers do not prune.",
+        zero_is_off=True,
+    )
+
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "int":
                 _check_count(f, value)
-            elif f.type == "float":
+            elif f.type == "float" and not (f.metadata["zero_is_off"] and value == 0):
                 _check_seconds(f, value)
         if self.pool_max_size < self.pool_min_size:
             raise ConfigurationError("setting pool_max_size must be at least pool_min_size")

@@ -44,6 +44,7 @@ from subengine._engine import Engine
 from subengine._errors import DatabaseUnavailable, Fenced, PositionsMissing, SubscriptionNotFound
 from subengine._events import Tombstone
 from subengine._locks import lock_key, lock_partition, unlock_partition
+from subengine._retention import PartitionCut
 from subengine._settings import Settings
 from subengine._sql import SQL, Db, Query, first_row
 from subengine._streams import listen
@@ -401,6 +402,10 @@ class Worker:
             threading.Thread(target=self._wake_on_stop, args=(stop,), daemon=True),
             threading.Thread(target=self._progress, args=(stop,), daemon=True),
         ]
+        if self.settings.retention_interval:
+            threads.append(
+                threading.Thread(target=self._prune, args=(stop,), daemon=True, name="pruner")
+            )
         slots = [
             threading.Thread(target=self._slot, args=(stop,), name=f"slot-{n}")
             for n in range(self.concurrency)
@@ -985,9 +990,40 @@ class Worker:
             if stop.wait(self.settings.progress_interval):
                 return
 
+    def _prune(self, stop: threading.Event) -> None:
+        """Apply the streams' retention policies every retention_interval, the first time
+        one interval after start (DESIGN.md, "Retention and gaps"); one worker of the
+        database at a time does (an advisory lock), and a stop ends a run between two of
+        its batches."""
+
+        def progress(cut: PartitionCut, removed: int) -> None:
+            if stop.is_set():
+                raise _Stopping
+
+        while not stop.wait(self.settings.retention_interval):
+            try:
+                run = self.engine.run_retention(progress=progress)
+            except _Stopping:
+                return
+            except Exception as error:  # retention waits for the next run: never fatal
+                log.warning("pruning failed: %s", error_text(error), extra=self._fields())
+                continue
+            self.metrics.pruned(run.removed)
+            if run.removed:
+                log.info(
+                    "retention removed %s event(s) from %s partition(s)",
+                    run.removed,
+                    len(run.partitions),
+                    extra=self._fields(events=run.removed, partitions=len(run.partitions)),
+                )
+
     def _fields(self, **fields: Any) -> dict[str, Any]:
         """Structured log fields (`extra=`): the worker's id and the given ones."""
         return {"worker_id": str(self.id), **fields}
+
+
+class _Stopping(Exception):
+    """The worker stops: a pruning run ends between two batches."""
 
 
 def _stream_heads(streams: Sequence[str]) -> Query[list[tuple[str, int, int]]]:

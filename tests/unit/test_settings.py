@@ -144,3 +144,12 @@ def test_a_malformed_dsn_keeps_the_option_name_it_is_about() -> None:
     with pytest.raises(subengine.ConfigurationError) as raised:
         subengine.Engine(f"host=localhost password {PASSWORD}")
     assert 'missing "=" after "password"' in str(raised.value)
+
+
+def test_retention_interval_zero_turns_pruning_off_and_other_durations_stay_checked() -> None:
+    assert Settings.from_env({"SUBENGINE_RETENTION_INTERVAL": "0"}).retention_interval == 0
+    for raw in ("-1", "nan", "604801"):
+        with pytest.raises(subengine.ConfigurationError, match="setting retention_interval"):
+            Settings.from_env({"SUBENGINE_RETENTION_INTERVAL": raw})
+    with pytest.raises(subengine.ConfigurationError, match="setting poll_interval"):
+        Settings(poll_interval=0)
