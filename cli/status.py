@@ -28,6 +28,7 @@ SUMMARY_COLUMNS = _render.columns(
     "retrying",
     "stopped",
     "paused",
+    "gap",
     "workers",
     "generation",
 )

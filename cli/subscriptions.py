@@ -23,9 +23,12 @@ PARTITION_COLUMNS = _render.columns(
     "partition",
     "position",
     "head",
+    "floor",
     "lag",
     ("lag_seconds", "lag s"),
     "state",
+    ("gap_from", "gap from"),
+    ("gap_to", "gap to"),
     "attempts",
     ("last_error", "last error"),
     ("worker_pid", "worker pid"),
@@ -122,6 +125,24 @@ def subscription_delete(context: Context, name: str, force: bool, as_json: bool)
         f"deleted subscription {deleted.name!r} (stream {deleted.stream!r}): "
         f"{deleted.partitions} positions, {deleted.dead_letters} dead letters"
     )
+
+
+@subscription.command("skip-gap")
+@click.argument("name")
+@click.option("--partition", type=int, required=True, help="The partition in state gap.")
+@json_option
+@pass_context
+def subscription_skip_gap(context: Context, name: str, partition: int, as_json: bool) -> None:
+    """Accept the gap of partition --partition of NAME and go on after it.
+
+    Retention removed events NAME had not handled; with policy on_gap='stop' the partition
+    halts in state gap. This records the gap (action 'accepted' in the gaps table), moves
+    the position past it and restarts the partition, in one transaction."""
+    gap = context.engine().skip_gap(name, partition)
+    if as_json:
+        _render.print_json([gap])
+        return
+    click.echo(f"subscription {name!r} skipped the {gap}; it goes on from position {gap.floor}")
 
 
 @subscription.command("list")
