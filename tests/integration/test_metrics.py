@@ -443,3 +443,28 @@ def test_the_lag_is_exported_when_a_worker_of_lower_id_serves_no_metrics(
                 lambda: sum(lag_gauges(scrape(port)).values()) == behind,
                 what="the lag gauges",
             )
+
+
+def test_gaps_passed_and_events_pruned_are_counted(
+    dsn: str, sql: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    settings = subengine.Settings(dsn=dsn, poll_interval=0.2, retention_interval=0.2)
+    app = subengine.App()
+    app.subscription("billing", stream="capped", on_gap="skip").handler()(record)
+    port = free_port()
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("capped", partitions=1, retention=subengine.Retention(max_events=3))
+        engine.ensure_subscription(app.subscriptions["billing"])
+        engine.pause_subscription("billing")  # the pruner removes what it has not handled
+        engine.append("capped", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
+        with Running(app, engine, metrics_port=port):
+            wait_for(lambda: engine.partitions("capped")[0].floor == 8, what="the pruning")
+            engine.resume_subscription("billing")
+            wait_for(lambda: count(sql) == 3)
+            samples = scrape(port)
+    assert value(samples, "subengine_retention_removed_events_total") == 7
+    assert value(samples, "subengine_gaps_total", subscription="billing", action="skipped") == 1
+    assert value(samples, "subengine_gaps_total", subscription="billing", action="handled") == 0
+    assert value(samples, "subengine_gap_events_total", subscription="billing") == 7
+    assert any("gap: retention removed positions 1 to 7" in r.getMessage() for r in caplog.records)
