@@ -312,7 +312,9 @@ def process_batch(db: Db, subscription: Subscription, partition: int) -> BatchOu
     event waits for the retry delay (`retry_at`). A handler's exception rolls the batch
     back and propagates; `Fenced` means the position moved under us (nothing of this
     batch was committed); `PositionsMissing` means events after the position are no longer
-    stored (the partition is then stopped before them).
+    stored (the partition is then stopped before them; `RetentionGap` when retention
+    removed them and the gap policy is `stop`). A gap the policy passes is an outcome
+    with no events handled and its `gap`.
     """
     try:
         outcomes = handle_batch(db, subscription, partition)
@@ -450,10 +452,11 @@ def _next_batch(
     Positions are dense and commit in order (invariant 1), so the events after the
     position are position + 1, + 2, ... up to the head, all committed: a hole shows
     events no longer stored. A batch takes a partition's events up to the first hole;
-    a chosen partition whose next position is missing is stopped before it (in this
-    transaction) and the batch names the missing positions (`missing`): they are never
-    skipped. A companion whose next position is missing is left out: its own batch
-    stops it.
+    a chosen partition whose next position is missing is a gap when retention removed
+    it (below the floor: passed or stopped before by the subscription's gap policy, see
+    `_missing`), and otherwise stopped before it (in this transaction) with the batch
+    naming the missing positions (`missing`): they are never skipped silently. A
+    companion whose next position is missing is left out: its own batch handles it.
     """
     params = {
         "name": subscription.name,
