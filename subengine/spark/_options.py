@@ -32,9 +32,16 @@ SUBSCRIPTION_PREFIX = "subscription:"
 # Spark passes these to sinks and sources itself; they are not ours to check.
 _SPARK_OPTIONS = frozenset({"path", "paths", "checkpointlocation", "queryname"})
 _COMMON = frozenset({"stream", "dsnenv", "dbschema"})
-_BATCH_READ = frozenset({"partitions", "since", "until", "rowspersplit"})
+_BATCH_READ = frozenset({"partitions", "since", "until", "rowspersplit", "failondataloss"})
 _STREAM_READ = frozenset(
-    {"partitions", "rowspersplit", "startingpositions", "maxrecordspertrigger", "subscription"}
+    {
+        "partitions",
+        "rowspersplit",
+        "startingpositions",
+        "maxrecordspertrigger",
+        "subscription",
+        "failondataloss",
+    }
 )
 _WRITE = frozenset({"writeid"})
 # Option names that look like connection settings: refused, so a DSN never lands in a plan.
@@ -76,6 +83,7 @@ class ReadOptions:
     starting_positions: str
     max_records_per_trigger: int | None
     subscription: str | None
+    fail_on_data_loss: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +168,15 @@ def _time(options: dict[str, str], name: str) -> datetime | None:
     return value
 
 
+def _flag(options: dict[str, str], name: str, spelled: str, default: bool) -> bool:
+    raw = options.get(name)
+    if raw is None:
+        return default
+    if raw.lower() not in ("true", "false"):
+        raise InvalidInput(f"option {spelled} must be true or false, not {raw!r}")
+    return raw.lower() == "true"
+
+
 def _partitions(raw: str | None) -> tuple[int, ...] | None:
     if raw is None:
         return None
@@ -232,6 +249,7 @@ def read_options(options: Mapping[str, str], role: Role) -> ReadOptions:
         starting_positions=starting,
         max_records_per_trigger=_whole(lowered, "maxrecordspertrigger", "maxRecordsPerTrigger", 1),
         subscription=subscription,
+        fail_on_data_loss=_flag(lowered, "failondataloss", "failOnDataLoss", True),
     )
 
 

@@ -968,6 +968,8 @@ def test_a_bad_row_fails_the_write_naming_the_row(
         ("batch", {"since": "yesterday"}, "option since must be an ISO 8601 time with a zone"),
         ("stream", {"dsn": "postgresql://secret"}, "would put connection settings into the query"),
         ("stream", {"startingPosition": "latest"}, "has no option 'startingposition'"),
+        ("batch", {"failOnDataLoss": "yes"}, "option failOnDataLoss must be true or false"),
+        ("stream", {"failOnDataLoss": "0"}, "option failOnDataLoss must be true or false"),
     ],
 )
 def test_bad_read_options_fail_before_any_job(
