@@ -212,6 +212,7 @@ class BatchReader(DataSourceReader):
             partition.partition,
             partition.after,
             partition.upto,
+            self.options.fail_on_data_loss,
             self.options.since,
             self.options.until,
         )
@@ -256,8 +257,9 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.available_now = {p: bounds[p].head for p in chosen}
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
-        heads = self._heads()
-        begin = _offsets.from_offset(start, tuple(heads))
+        bounds, chosen = self._bounds()
+        heads = {p: bounds[p].head for p in chosen}
+        begin = _offsets.from_offset(start, chosen)
         for partition, position in begin.items():
             if position > heads[partition]:
                 raise InvalidInput(
@@ -267,8 +269,11 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 )
         if self.available_now is not None:
             heads = {p: min(heads[p], self.available_now[p]) for p in heads}
+        # The limit counts stored events only: a micro-batch that meets a gap covers all of
+        # it, so that it fails naming the whole gap, or skips it at once.
+        stored = {p: max(begin[p], min(bounds[p].floor - 1, heads[p])) for p in begin}
         if isinstance(limit, ReadMaxRows):
-            return _offsets.to_offset(_offsets.admit(begin, heads, limit.max_rows))
+            return _offsets.to_offset(_offsets.admit(stored, heads, limit.max_rows))
         if isinstance(limit, ReadAllAvailable):
             return _offsets.to_offset({p: max(begin[p], heads[p]) for p in begin})
         raise InvalidInput(f"the subengine source cannot limit a micro-batch by {limit!r}")
@@ -280,9 +285,13 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         bounds, chosen = self._bounds()
         begin = _offsets.from_offset(start, chosen)
         finish = _offsets.from_offset(end, chosen)
-        for p in chosen:
-            _store.check_stored(self.target.stream, bounds[p], begin[p], finish[p])
-        ranges = [(p, begin[p], finish[p]) for p in chosen if finish[p] > begin[p]]
+        # Checked here on the driver, and again by each task in the snapshot it reads in.
+        fail = self.options.fail_on_data_loss
+        starts = {
+            p: _store.read_start(self.target.stream, bounds[p], begin[p], finish[p], fail)
+            for p in chosen
+        }
+        ranges = [(p, starts[p], finish[p]) for p in chosen if finish[p] > starts[p]]
         return _ranges(ranges, self.options.rows_per_split)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -294,6 +303,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             partition.partition,
             partition.after,
             partition.upto,
+            self.options.fail_on_data_loss,
         )
 
     def commit(self, end: dict[str, Any]) -> None:

@@ -4,8 +4,10 @@ Arrow batches, and a subscription's positions (writes: `_staging`).
 Reads come out of PostgreSQL through `COPY ... TO STDOUT (FORMAT csv)`, the server's
 fastest way out, and are parsed by Arrow's CSV reader in native code; building Python
 objects per row would cost more than everything else together. Every range read runs in
-one REPEATABLE READ transaction that first checks the partition still stores the range,
-so a read either returns exactly the events of its positions or fails with a clear error.
+one REPEATABLE READ transaction that first checks, in the same snapshot, that the
+partition still stores the range, so a read returns exactly the events of its positions;
+where retention removed some, it fails naming them or, with the option failOnDataLoss
+false, skips them with a warning naming them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from subengine._errors import (
     SubscriptionMismatch,
     SubscriptionNotFound,
 )
-from subengine._events import PartitionState
+from subengine._events import PartitionState, Tombstone
 from subengine._names import EARLIEST, LATEST
 from subengine._settings import Settings
 from subengine._sql import SQL, Db, Query, Row, nothing
@@ -73,17 +75,26 @@ COPY_POSITIONS = 100_000
 
 
 class RetentionGap(SubengineError, LookupError):
-    """A read asked for positions that retention has removed (DESIGN.md invariant 6)."""
+    """A read needs positions that retention has removed, and its option failOnDataLoss is
+    true (the default), so it fails rather than skip them (DESIGN.md invariant 6). `gap`
+    names exactly the positions of the read that are gone."""
 
-    def __init__(self, stream: str, partition: int, first_wanted: int, floor: int) -> None:
+    def __init__(self, gap: Tombstone) -> None:
         super().__init__(
-            f"partition {partition} of stream {stream!r} keeps positions from {floor} on "
-            f"(retention removed the ones before), but this read needs position "
-            f"{first_wanted}: the events in between are gone. Start from a later position "
-            "(startingPositions) or from a new checkpoint"
+            f"retention removed {_span(gap)} of partition {gap.partition} of stream "
+            f"{gap.stream!r}, which this read needs (the partition keeps positions from "
+            f"{gap.floor} on). To skip them and read on from position {gap.floor}, set the "
+            "option failOnDataLoss to false"
         )
-        self.stream = stream
-        self.partition = partition
+        self.gap = gap
+        self.stream = gap.stream
+        self.partition = gap.partition
+
+
+def _span(gap: Tombstone) -> str:
+    if gap.gap_from == gap.gap_to:
+        return f"position {gap.gap_from}"
+    return f"positions {gap.gap_from} to {gap.gap_to}"
 
 
 @contextmanager
@@ -113,16 +124,39 @@ def chosen(
     return tuple(wanted)
 
 
-def check_stored(stream: str, bounds: PartitionState, after: int, upto: int) -> None:
-    """Raise unless positions (after, upto] of the partition are all still stored."""
+def read_start(
+    stream: str, bounds: PartitionState, after: int, upto: int, fail_on_data_loss: bool
+) -> int:
+    """Where a read of positions (after, upto] of the partition starts: after `after`, or,
+    when retention removed some of them, after the gap, which fails the read with
+    RetentionGap if `fail_on_data_loss` and is logged as skipped otherwise."""
     if upto > bounds.head:
         raise InvalidInput(
             f"positions up to {upto} of partition {bounds.partition} of stream {stream!r} "
             f"were asked for, but its head is {bounds.head}: is the checkpoint or the "
             "startingPositions option from another database or stream?"
         )
-    if upto > after and after + 1 < bounds.floor:
-        raise RetentionGap(stream, bounds.partition, after + 1, bounds.floor)
+    if upto <= after or after + 1 >= bounds.floor:
+        return after
+    gap = Tombstone(stream, bounds.partition, after + 1, min(upto, bounds.floor - 1), bounds.floor)
+    if fail_on_data_loss:
+        raise RetentionGap(gap)
+    log.warning(
+        "skipped %s of partition %d of stream %s: retention removed them (the partition "
+        "keeps positions from %d on) and the read's option failOnDataLoss is false",
+        _span(gap),
+        gap.partition,
+        gap.stream,
+        gap.floor,
+        extra={
+            "stream": gap.stream,
+            "partition": gap.partition,
+            "from_position": gap.gap_from,
+            "to_position": gap.gap_to,
+            "floor": gap.floor,
+        },
+    )
+    return gap.gap_to
 
 
 def read_range(
@@ -132,21 +166,24 @@ def read_range(
     partition: int,
     after: int,
     upto: int,
+    fail_on_data_loss: bool,
     since: datetime | None = None,
     until: datetime | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """The events of positions (after, upto] of one partition, in position order, as
-    Arrow batches of ARROW_SCHEMA. The same range always gives the same rows."""
+    Arrow batches of ARROW_SCHEMA. The same range always gives the same rows, unless
+    retention removed some of them: then see `read_start`. The floor is checked in the
+    snapshot the events are read in, so the check is exact however it moves meanwhile."""
     with connect(dsn, schema) as db:
         db.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         db.conn.read_only = True
         bounds = partition_bounds(db, stream).get(partition)
         if bounds is None:
             raise PartitionNotFound(stream, partition, 0)
-        check_stored(stream, bounds, after, upto)
+        start = read_start(stream, bounds, after, upto, fail_on_data_loss)
         db.run(Query("spark_read_plan", {}, nothing))
         filtered = since is not None or until is not None
-        for low in range(after, upto, COPY_POSITIONS):
+        for low in range(start, upto, COPY_POSITIONS):
             high = min(low + COPY_POSITIONS, upto)
             params = {
                 "stream": stream,

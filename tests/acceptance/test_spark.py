@@ -15,7 +15,9 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -34,6 +36,7 @@ from pytest_postgresql.executors import NoopExecutor
 
 import subengine
 from subengine import NewEvent, _migrate
+from subengine._logging import extra_fields
 
 pyspark = pytest.importorskip(
     "pyspark", reason="PySpark is not installed: pip install -e '.[spark]'"
@@ -61,7 +64,11 @@ from pyspark.sql.types import StructType  # noqa: E402
 
 import subengine.spark  # noqa: E402
 from subengine.spark._source import (  # noqa: E402
+    EVENT_SCHEMA,
+    BatchReader,
     BatchWriter,
+    EventRange,
+    StreamReader,
     StreamWriter,
     SubengineDataSource,
     WriteCommit,
@@ -121,6 +128,7 @@ def spark(spark_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     session.dataSource.register(ShiftingRows)
     session.dataSource.register(LosingShuffleWrites)
     session.dataSource.register(ForgetfulWrites)
+    session.dataSource.register(PrunedWhileReading)
     yield session
     session.stop()
 
@@ -152,15 +160,17 @@ def new_stream(db: subengine.Engine) -> Callable[..., str]:
     return make
 
 
-def read(spark: SparkSession, stream: str, **options: str) -> DataFrame:
-    reader = spark.read.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV)
+def read(spark: SparkSession, stream: str, source: str = "subengine", **options: str) -> DataFrame:
+    reader = spark.read.format(source).option("stream", stream).option("dsnEnv", DSN_ENV)
     for key, value in options.items():
         reader = reader.option(key, value)
     return reader.load()
 
 
-def read_stream(spark: SparkSession, stream: str, **options: str) -> DataFrame:
-    reader = spark.readStream.format("subengine").option("stream", stream).option("dsnEnv", DSN_ENV)
+def read_stream(
+    spark: SparkSession, stream: str, source: str = "subengine", **options: str
+) -> DataFrame:
+    reader = spark.readStream.format(source).option("stream", stream).option("dsnEnv", DSN_ENV)
     for key, value in options.items():
         reader = reader.option(key, value)
     return reader.load()
@@ -460,7 +470,72 @@ def test_a_subscription_gives_the_start_and_follows_the_commits(
     assert all(moved[p] >= heads[p] for p in heads)
 
 
-def test_reading_positions_that_retention_removed_fails_clearly(
+# retention gaps
+
+
+def prune(conn: psycopg.Connection[Any], stream: str, partition: int, floor: int) -> None:
+    """Remove the partition's positions below `floor` and raise its floor to it, in one
+    transaction, as retention does."""
+    with conn.transaction():
+        conn.execute(
+            "DELETE FROM subengine.events WHERE stream = %s AND partition = %s AND position < %s",
+            (stream, partition, floor),
+        )
+        conn.execute(
+            "UPDATE subengine.partitions SET floor = %s"
+            " WHERE stream = %s AND partition = %s AND floor < %s",
+            (floor, stream, partition, floor),
+        )
+
+
+def prune_on_read(sql: psycopg.Connection[Any], stream: str, partition: int, floor: int) -> None:
+    """Make the read tasks of PrunedWhileReading prune the partition up to `floor`."""
+    sql.execute("CREATE TABLE IF NOT EXISTS prune_on_read (stream text, partition int, floor int)")
+    sql.execute("INSERT INTO prune_on_read VALUES (%s, %s, %s)", (stream, partition, floor))
+
+
+class PrunedWhileReading(SubengineDataSource):
+    """The subengine source, whose read tasks first prune the partitions that the table
+    `prune_on_read` names: retention running after Spark planned the read, before its
+    tasks read."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "subengine_pruned_while_reading"
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        reader = super().reader(schema)
+        assert isinstance(reader, BatchReader)
+        return PruningBatchReader(reader.options)
+
+    def streamReader(self, schema: StructType) -> StreamReader:
+        reader = super().streamReader(schema)
+        assert isinstance(reader, StreamReader)
+        return PruningStreamReader(reader.options)
+
+
+def prune_as_asked(stream: str) -> None:
+    with psycopg.connect(os.environ[DSN_ENV], autocommit=True) as conn:
+        asked = conn.execute(
+            "SELECT partition, floor FROM prune_on_read WHERE stream = %s", (stream,)
+        ).fetchall()
+        for partition, floor in asked:
+            prune(conn, stream, partition, floor)
+
+
+class PruningBatchReader(BatchReader):
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        prune_as_asked(self.options.target.stream)
+        return super().read(partition)
+
+
+class PruningStreamReader(StreamReader):
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        prune_as_asked(self.target.stream)
+        return super().read(partition)
+
+
+def test_a_micro_batch_that_needs_removed_positions_fails_naming_them(
     spark: SparkSession,
     db: subengine.Engine,
     sql: psycopg.Connection[Any],
@@ -469,12 +544,131 @@ def test_reading_positions_that_retention_removed_fails_clearly(
 ) -> None:
     stream = new_stream(partitions=1)
     db.append(stream, orders(10))
-    sql.execute("DELETE FROM subengine.events WHERE stream = %s AND position < 4", (stream,))
-    sql.execute("UPDATE subengine.partitions SET floor = 4 WHERE stream = %s", (stream,))
+    prune(sql, stream, 0, 4)
+    # One event per micro-batch; the first still meets the whole gap.
+    frame = read_stream(spark, stream, startingPositions='{"0": 1}', maxRecordsPerTrigger="1")
+    message = (
+        f"retention removed positions 2 to 3 of partition 0 of stream '{stream}', which this "
+        "read needs (the partition keeps positions from 4 on). To skip them and read on from "
+        "position 4, set the option failOnDataLoss to false"
+    )
+    sink = Collector()
+    with pytest.raises(StreamingQueryException, match=re.escape(message)):
+        run_available_now(frame, sink, tmp_path / "checkpoint")
+    assert sink.delivered() == []
+
+
+def test_a_query_stopped_by_a_gap_goes_on_from_the_floor_with_fail_on_data_loss_false(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    stream = new_stream(partitions=2)
+    checkpoint = tmp_path / "checkpoint"
+    db.append(stream, orders(20))
+    first = Collector()
+    run_available_now(read_stream(spark, stream), first, checkpoint)
+    db.append(stream, orders(40, prefix="later"))
+    read_up_to = max(pos for p, pos, _ in first.delivered() if p == 0)
+    prune(sql, stream, 0, read_up_to + 6)
+    with pytest.raises(StreamingQueryException, match="set the option failOnDataLoss to false"):
+        run_available_now(read_stream(spark, stream), Collector(), checkpoint)
+
+    resumed = Collector()
+    frame = read_stream(spark, stream, failOnDataLoss="FALSE", maxRecordsPerTrigger="7")
+    run_available_now(frame, resumed, checkpoint)
+    stored = {row for row in stored_events(sql, stream) if row not in first.delivered()}
+    assert sorted(resumed.delivered()) == sorted(stored)
+    for partition in (0, 1):
+        positions = [pos for p, pos, _ in resumed.delivered() if p == partition]
+        assert positions == sorted(positions)
+    assert min(pos for p, pos, _ in resumed.delivered() if p == 0) == read_up_to + 6
+
+
+def test_a_micro_batch_skips_positions_removed_after_planning_with_fail_on_data_loss_false(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    stream = new_stream(partitions=1)
+    db.append(stream, orders(10))
+    prune_on_read(sql, stream, 0, 4)
+    frame = read_stream(
+        spark, stream, source="subengine_pruned_while_reading", failOnDataLoss="false"
+    )
+    sink = Collector()
+    run_available_now(frame, sink, tmp_path / "checkpoint")
+    assert [pos for _, pos, _ in sink.delivered()] == list(range(4, 11))
+
+
+def test_a_batch_read_fails_when_retention_removes_its_positions_after_planning(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+) -> None:
+    stream = new_stream(partitions=1)
+    db.append(stream, orders(10))
+    prune(sql, stream, 0, 4)
     assert [row.position for row in read(spark, stream).collect()] == list(range(4, 11))
-    frame = read_stream(spark, stream, startingPositions='{"0": 1}')
-    with pytest.raises(StreamingQueryException, match="retention removed the ones before"):
-        run_available_now(frame, Collector(), tmp_path / "checkpoint")
+    prune_on_read(sql, stream, 0, 7)
+    frame = read(spark, stream, source="subengine_pruned_while_reading")
+    with pytest.raises(PySparkException, match="retention removed positions 4 to 6 of partition"):
+        frame.collect()
+
+
+def test_a_batch_read_skips_positions_removed_after_planning_with_fail_on_data_loss_false(
+    spark: SparkSession,
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+) -> None:
+    stream = new_stream(partitions=2)
+    db.append(stream, orders(30))
+    prune_on_read(sql, stream, 1, 5)
+    frame = read(spark, stream, source="subengine_pruned_while_reading", failOnDataLoss="false")
+    rows = spark_rows(frame)
+    assert rows == sql_rows(sql, stream)
+    assert min(row[2] for row in rows if row[1] == 1) == 5
+
+
+def test_a_skipped_gap_is_logged_naming_stream_partition_and_positions(
+    db: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    new_stream: Callable[..., str],
+    spark_dsn: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The readers' methods run here, not in Spark's Python workers, whose logs go elsewhere.
+    monkeypatch.setenv(DSN_ENV, spark_dsn)
+    stream = new_stream(partitions=1)
+    db.append(stream, orders(10))
+    options = {"stream": stream, "dsnEnv": DSN_ENV, "failOnDataLoss": "false"}
+    source = SubengineDataSource(options)
+    planned = source.streamReader(EVENT_SCHEMA).partitions({"0": 0}, {"0": 10})
+    prune(sql, stream, 0, 4)
+    rows = list(source.reader(EVENT_SCHEMA).read(EventRange(0, 0, 10)))
+    assert sum(batch.num_rows for batch in rows) == 7
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="subengine.spark"):
+        ranges = source.streamReader(EVENT_SCHEMA).partitions({"0": 1}, {"0": 10})
+        list(source.reader(EVENT_SCHEMA).read(EventRange(0, 0, 10)))
+    assert planned == [EventRange(0, 0, 10)]
+    assert ranges == [EventRange(0, 3, 10)]
+    skipped = (
+        f"skipped positions 2 to 3 of partition 0 of stream {stream}: retention removed them",
+        f"skipped positions 1 to 3 of partition 0 of stream {stream}: retention removed them",
+    )
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == list(skipped)
+    assert [extra_fields(r) for r in caplog.records] == [
+        {"stream": stream, "partition": 0, "from_position": f, "to_position": 3, "floor": 4}
+        for f in (2, 1)
+    ]
 
 
 # writes
