@@ -143,7 +143,7 @@ class PositionsMissing(SubengineError, LookupError):
         self.last = last
 
 
-class RetentionGap(PositionsMissing):
+class StoppedAtGap(PositionsMissing):
     """Retention removed events a subscription had not handled (`gap`, a Tombstone),
     and its gap policy is `stop`: the partition stopped before them, in state `gap`."""
 

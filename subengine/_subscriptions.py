@@ -31,7 +31,7 @@ from subengine._errors import (
     Fenced,
     InvalidInput,
     PositionsMissing,
-    RetentionGap,
+    StoppedAtGap,
     SubscriptionMismatch,
     SubscriptionNotFound,
 )
@@ -312,7 +312,7 @@ def process_batch(db: Db, subscription: Subscription, partition: int) -> BatchOu
     event waits for the retry delay (`retry_at`). A handler's exception rolls the batch
     back and propagates; `Fenced` means the position moved under us (nothing of this
     batch was committed); `PositionsMissing` means events after the position are no longer
-    stored (the partition is then stopped before them; `RetentionGap` when retention
+    stored (the partition is then stopped before them; `StoppedAtGap` when retention
     removed them and the gap policy is `stop`). A gap the policy passes is an outcome
     with no events handled and its `gap`.
     """
@@ -517,7 +517,7 @@ def _missing(
         return _Batch([], missing)
     gap = Tombstone(subscription.stream, partition, old + 1, floor - 1, floor)
     if subscription.on_gap == "stop":
-        stopped = RetentionGap(subscription.name, gap)
+        stopped = StoppedAtGap(subscription.name, gap)
         db.run(stop_partition(subscription.name, partition, old, generation, stopped))
         return _Batch([], stopped)
     if subscription.gap is not None:
