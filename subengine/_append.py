@@ -24,6 +24,7 @@ from subengine._errors import (
     InvalidEvent,
     InvalidInput,
     SchemaNotReady,
+    StreamBeingDeleted,
     StreamNotFound,
     SubengineError,
     WrongExpectedVersion,
@@ -171,6 +172,8 @@ def prepare(
 def translate_error(error: psycopg.Error, stream: str) -> SubengineError | None:
     """The subengine error a database error stands for, if any."""
     if error.sqlstate == STREAM_NOT_FOUND:
+        if json.loads(error.diag.message_detail or "{}").get("deleting"):
+            return StreamBeingDeleted(stream)
         return StreamNotFound(stream)
     if error.sqlstate == VERSION_CONFLICT:
         detail = json.loads(error.diag.message_detail or "{}")

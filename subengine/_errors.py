@@ -43,6 +43,19 @@ class StreamNotFound(SubengineError, LookupError):
         self.stream = stream
 
 
+class StreamBeingDeleted(StreamNotFound):
+    """The stream is being deleted: its events are going, it takes no appends and no new
+    subscriptions, and its name cannot be created again until the delete finishes."""
+
+    def __init__(self, stream: str) -> None:
+        SubengineError.__init__(
+            self,
+            f"stream {stream!r} is being deleted; `subengine stream delete {stream}` finishes "
+            "an interrupted delete, after which the name can be created again",
+        )
+        self.stream = stream
+
+
 class StreamExists(SubengineError):
     """A stream of that name exists already."""
 
