@@ -30,6 +30,7 @@ from subengine._errors import (
     PositionsMissing,
     SchemaNotReady,
     StoppedAtGap,
+    StreamBeingDeleted,
     StreamExists,
     StreamNotFound,
     SubengineError,
@@ -60,6 +61,7 @@ from subengine._records import (
 from subengine._reset import reset_subscription
 from subengine._retention import RetentionRun
 from subengine._settings import Settings
+from subengine._stream_deletion import DeletedStream
 from subengine._subscriptions import BatchOutcome, SubscriptionPosition
 from subengine._tail import AsyncTail, Tail
 
@@ -73,6 +75,7 @@ __all__ = [
     "Cursor",
     "DatabaseUnavailable",
     "DeadLetter",
+    "DeletedStream",
     "Engine",
     "Event",
     "EventIdConflict",
@@ -92,6 +95,7 @@ __all__ = [
     "StoppedAtGap",
     "StoredSubscription",
     "Stream",
+    "StreamBeingDeleted",
     "StreamExists",
     "StreamNotFound",
     "SubengineError",

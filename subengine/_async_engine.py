@@ -8,6 +8,7 @@ validated by the same functions), with `SQL.run_async` on a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -17,12 +18,13 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from subengine import _read, _streams
+from subengine import _read, _stream_deletion, _streams
 from subengine._append import ExpectedVersion, append_events, prepare, schema_not_ready
 from subengine._connection import (
     APPLICATION_NAME,
     PooledAsyncConnection,
     PoolWait,
+    connect,
     connect_async,
     connect_options,
     connection_lost_error,
@@ -30,11 +32,12 @@ from subengine._connection import (
 from subengine._cursor import Cursor
 from subengine._declarations import Retention
 from subengine._engine import configured
-from subengine._errors import DatabaseUnavailable, StreamExists
+from subengine._errors import DatabaseUnavailable
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
 from subengine._listener import AsyncListener
 from subengine._settings import Settings
-from subengine._sql import SQL
+from subengine._sql import SQL, Db
+from subengine._stream_deletion import DeletedStream
 from subengine._tail import LISTENER_APPLICATION_NAME, AsyncTail
 
 log = logging.getLogger("subengine")
@@ -172,14 +175,31 @@ class AsyncEngine:
         async with self.connection() as conn:
             created = await self.sql.run_async(conn, query)
             if created is None:
-                existing = await self.sql.run_async(conn, _streams.get_stream(name))
-                raise StreamExists(name, existing.partitions)
+                raise await self.sql.run_async(conn, _streams.name_taken(name))
             return created
 
     async def streams(self) -> list[Stream]:
         """Every stream, by name."""
         async with self.connection() as conn:
             return await self.sql.run_async(conn, _streams.list_streams())
+
+    async def delete_stream(
+        self,
+        name: str,
+        *,
+        force: bool = False,
+        batch: int = _stream_deletion.DEFAULT_DELETE_BATCH,
+    ) -> DeletedStream:
+        """`Engine.delete_stream`. Its steps are the sync engine's, run in a thread on a
+        connection of their own (autocommit, each batch its own transaction), so that
+        the event loop never waits for them."""
+        return await asyncio.to_thread(self._delete_stream, name, force, batch)
+
+    def _delete_stream(self, name: str, force: bool, batch: int) -> DeletedStream:
+        with connect(self.dsn, self.settings.connect_timeout, autocommit=True) as conn:
+            return _stream_deletion.delete_stream(
+                Db(conn, self.sql), name, force=force, batch=batch
+            )
 
     async def stream(self, name: str) -> Stream:
         """One stream; raises StreamNotFound when it does not exist."""

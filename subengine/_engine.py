@@ -20,6 +20,7 @@ from subengine import (
     _operations,
     _read,
     _retention,
+    _stream_deletion,
     _streams,
     _subscriptions,
 )
@@ -42,7 +43,7 @@ from subengine._connection import (
 )
 from subengine._cursor import Cursor
 from subengine._declarations import Retention, Start, Subscription
-from subengine._errors import ConfigurationError, DatabaseUnavailable, StreamExists
+from subengine._errors import ConfigurationError, DatabaseUnavailable
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
 from subengine._records import (
     DeadLetter,
@@ -55,6 +56,7 @@ from subengine._records import (
 from subengine._retention import PartitionCut, RetentionRun
 from subengine._settings import Settings
 from subengine._sql import SQL, Db
+from subengine._stream_deletion import DeletedStream
 from subengine._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
 from subengine._tail import Tail, close_listener
 
@@ -237,14 +239,32 @@ class Engine:
         with self.connection() as conn:
             created = self.sql.run(conn, query)
             if created is None:
-                existing = self.sql.run(conn, _streams.get_stream(name))
-                raise StreamExists(name, existing.partitions)
+                raise self.sql.run(conn, _streams.name_taken(name))
             return created
 
     def streams(self) -> list[Stream]:
         """Every stream, by name."""
         with self.connection() as conn:
             return self.sql.run(conn, _streams.list_streams())
+
+    def delete_stream(
+        self,
+        name: str,
+        *,
+        force: bool = False,
+        batch: int = _stream_deletion.DEFAULT_DELETE_BATCH,
+    ) -> DeletedStream:
+        """Delete a stream with its partitions and events, `batch` events per transaction.
+
+        Refused while subscriptions of it are stored, unless `force`, which deletes them
+        too (positions, dead letters, gaps), even while connected workers run them.
+        Appends to the stream fail from the delete's first step; running the delete
+        again finishes one that was interrupted. A stream created later under the name
+        has a new epoch."""
+        with self.connect(autocommit=True) as conn:
+            return _stream_deletion.delete_stream(
+                Db(conn, self.sql), name, force=force, batch=batch
+            )
 
     def set_retention(self, name: str, retention: Retention | None) -> Stream:
         """Change a stream's retention policy (None: keep every event from now on); the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from subengine._declarations import Retention
-from subengine._errors import StreamNotFound
+from subengine._errors import StreamBeingDeleted, StreamExists, StreamNotFound
 from subengine._events import PartitionState, Stream
 from subengine._names import validate_partition_count, validate_stream_name
 from subengine._retention import retention_json
@@ -23,6 +23,18 @@ def create_stream(
         return Stream(*result.rows[0]) if result.rows else None
 
     return Query("create_stream", params, read)
+
+
+def name_taken(stream: str) -> Query[StreamExists | StreamBeingDeleted]:
+    """Why `create_stream` found the name taken: a stream of it exists, or one is being
+    deleted (or was deleted just now: then creating it again succeeds)."""
+
+    def read(result: Result) -> StreamExists | StreamBeingDeleted:
+        if not result.rows or result.rows[0][1]:
+            return StreamBeingDeleted(stream)
+        return StreamExists(stream, result.rows[0][0])
+
+    return Query("stream_name_taken", {"stream": stream}, read)
 
 
 def get_stream(stream: str) -> Query[Stream]:

@@ -32,6 +32,7 @@ from subengine._errors import (
     InvalidInput,
     PositionsMissing,
     StoppedAtGap,
+    StreamBeingDeleted,
     SubscriptionMismatch,
     SubscriptionNotFound,
 )
@@ -76,9 +77,11 @@ def ensure_subscription(db: Db, subscription: Subscription) -> None:
         _check_start_positions(db, subscription.stream, start)
         params = {"name": subscription.name, "stream": subscription.stream, "start": Jsonb(start)}
         if db.run(Query("create_subscription", params, first_row)) is not None:
-            db.run(
+            written = db.run(
                 _write_positions(subscription.name, subscription.stream, start, 1, only_named=False)
             )
+            if not written:  # no partition rows: a delete of the stream has begun
+                raise StreamBeingDeleted(subscription.stream)
             return
         stored = db.run(Query("get_subscription", {"name": subscription.name}, first_row))
         if stored is None:  # deleted between the two statements: nothing to agree with

@@ -188,6 +188,62 @@ SELECT stream, partition, head, head_time, floor
  WHERE stream = %(stream)s
  ORDER BY partition
 
+-- name: stream_name_taken
+-- Why create_stream found a name taken: the stream's partition count, and whether it is
+-- being deleted (its partitions are gone, its row not yet).
+SELECT s.partitions, NOT EXISTS (SELECT FROM {schema}.partitions p WHERE p.stream = s.name)
+  FROM {schema}.streams s
+ WHERE s.name = %(stream)s
+
+-- name: lock_stream_for_delete
+-- A stream, its row locked until the transaction ends: a subscription of it being stored
+-- (its foreign key takes a KEY SHARE lock on the row) commits before, and is seen, or
+-- waits and then finds the stream's partitions gone.
+SELECT name, partitions, created_at, epoch, retention FROM {schema}.streams
+ WHERE name = %(stream)s
+   FOR UPDATE
+
+-- name: stream_subscriptions
+-- The names of the stored subscriptions of a stream.
+SELECT name FROM {schema}.subscriptions WHERE stream = %(stream)s ORDER BY name
+
+-- name: delete_partitions
+-- A stream's partition rows, locked in ascending partition order as appends lock them
+-- (so the two never deadlock): this waits for the appends in flight, and from its
+-- commit every append to the stream fails (SE404, being deleted).
+WITH locked AS (
+    SELECT partition FROM {schema}.partitions
+     WHERE stream = %(stream)s
+     ORDER BY partition
+       FOR UPDATE
+)
+DELETE FROM {schema}.partitions p USING locked l
+ WHERE p.stream = %(stream)s AND p.partition = l.partition
+
+-- name: delete_events_batch
+-- Up to %(batch)s events of a partition of a stream being deleted, after position
+-- %(after)s, by the primary key; how many went and the last position among them.
+WITH gone AS (
+    DELETE FROM {schema}.events e
+     WHERE e.stream = %(stream)s AND e.partition = %(partition)s
+       AND e.position IN (SELECT position FROM {schema}.events
+                           WHERE stream = %(stream)s AND partition = %(partition)s
+                             AND position > %(after)s
+                           ORDER BY position
+                           LIMIT %(batch)s)
+    RETURNING e.position
+)
+SELECT count(*), coalesce(max(position), %(after)s) FROM gone
+
+-- name: delete_stream
+-- A stream's row, last, and only once nothing else of it is left (no partition, no
+-- event); its epoch.
+DELETE FROM {schema}.streams s
+ WHERE s.name = %(stream)s
+   AND NOT EXISTS (SELECT FROM {schema}.partitions p WHERE p.stream = s.name)
+   AND NOT EXISTS (SELECT FROM {schema}.events e WHERE e.stream = s.name)
+RETURNING s.epoch
+
 -- name: create_subscription
 -- Store a subscription on first use; returns nothing when the name is taken.
 INSERT INTO {schema}.subscriptions (name, stream, start)

@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
             "_listener",
             "_tail",
             "_retention",
+            "_stream_deletion",
         ],
         2,
     ),
