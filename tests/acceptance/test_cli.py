@@ -29,17 +29,19 @@ def test_stream_create_list_and_show(cli_env: dict[str, str]) -> None:
     )
     run(cli_env, "stream", "create", "audit", "--partitions", "1")
     listed = run(cli_env, "stream", "list").stdout.splitlines()
-    assert [line.split()[:2] for line in listed] == [
-        ["stream", "partitions"],
-        ["audit", "1"],
-        ["orders", "3"],
-    ]
     as_json = [
         json.loads(line) for line in run(cli_env, "stream", "list", "--json").stdout.splitlines()
     ]
     assert [(s["name"], s["partitions"]) for s in as_json] == [("audit", 1), ("orders", 3)]
+    epochs = {s["name"]: s["epoch"] for s in as_json}
+    assert [line.split()[:3] for line in listed] == [
+        ["stream", "partitions", "epoch"],
+        ["audit", "1", str(epochs["audit"])],
+        ["orders", "3", str(epochs["orders"])],
+    ]
     shown = run(cli_env, "stream", "show", "orders").stdout.splitlines()
-    assert [line.split()[:2] for line in shown[1:]] == [["0", "0"], ["1", "0"], ["2", "0"]]
+    assert shown[0] == f"stream 'orders': 3 partitions, epoch {epochs['orders']}"
+    assert [line.split()[:2] for line in shown[2:]] == [["0", "0"], ["1", "0"], ["2", "0"]]
 
 
 def test_append_one_event_and_read_it_back(
