@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import wait_for
+from helpers import stored_events, wait_for
 
 import subengine
 from subengine import NewEvent
@@ -143,7 +143,7 @@ def test_a_recreated_stream_has_a_new_epoch_and_starts_at_position_one(
     assert engine.heads(orders) == {0: 0, 1: 0}
     appended = engine.append(orders, [NewEvent("order-1", "Placed", {"total": 1})])
     assert [(a.position, a.key_version) for a in appended] == [(1, 1)]
-    [event] = engine.read(orders, appended[0].partition)
+    [event] = stored_events(engine.read(orders, appended[0].partition))
     assert (event.position, event.data) == (1, {"total": 1})
     subscribe(engine, "billing", orders)
     assert {p.position for p in engine.subscription_positions("billing")} == {0}
