@@ -40,7 +40,9 @@ def test_stream_create_list_and_show(cli_env: dict[str, str]) -> None:
         ["orders", "3", str(epochs["orders"])],
     ]
     shown = run(cli_env, "stream", "show", "orders").stdout.splitlines()
-    assert shown[0] == f"stream 'orders': 3 partitions, epoch {epochs['orders']}"
+    assert (
+        shown[0] == f"stream 'orders': 3 partitions, epoch {epochs['orders']}; retention: keep all"
+    )
     assert [line.split()[:2] for line in shown[2:]] == [["0", "0"], ["1", "0"], ["2", "0"]]
 
 
