@@ -1,7 +1,8 @@
 """The one error handler of the command: every error prints as one line on stderr.
 
 `error: ...`, then exit status 1 for errors the engine raises on purpose
-(`SubengineError`) and for the database's own; click's usage errors keep click's status 2.
+(`SubengineError`) and for the database's own; click's usage errors keep click's status 2;
+75 when another process holds what the command needs (`CommandBusy`).
 The root group (`CommandLine`) catches them all, so no command handles errors itself.
 """
 
@@ -35,6 +36,14 @@ class CommandUsageError(CommandError):
     """A usage error (click's, or a bad setting) shown as one line; exit status 2."""
 
     exit_code = 2
+
+
+class CommandBusy(CommandError):
+    """Another process holds what the command needs (the pruner's lock): exit status 75,
+    EX_TEMPFAIL of sysexits.h, "try again later", so that a scheduler can tell it from a
+    failure."""
+
+    exit_code = 75
 
 
 class InvalidSetting(CommandUsageError):

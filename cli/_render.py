@@ -15,7 +15,8 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -26,6 +27,7 @@ import click
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
     from rich.console import Console, RenderableType
+    from rich.progress import Progress, TaskID
     from rich.table import Table
 
     Record = DataclassInstance | Mapping[str, Any]
@@ -194,3 +196,49 @@ def watch(render: Callable[[], tuple[Table, int]], interval: float) -> None:
                 time.sleep(interval)
     except KeyboardInterrupt:
         return
+
+
+class Bar:
+    """A progress bar on stderr (see `progress_bar`); every call does nothing when stderr
+    is not a terminal."""
+
+    def __init__(self, progress: Progress | None = None, task: TaskID | None = None) -> None:
+        self._progress = progress
+        self._task = task
+
+    def total(self, total: int) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, total=total)
+
+    def advance(self, amount: int, description: str) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, advance=amount, description=description)
+
+
+@contextmanager
+def progress_bar(description: str) -> Iterator[Bar]:
+    """A progress bar of work done, drawn on stderr while the block runs and erased after
+    it, so stdout keeps only the result; none at all when stderr is not a terminal (a
+    pipe, a log file, cron)."""
+    if not sys.stderr.isatty():
+        yield Bar()
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with progress:
+        yield Bar(progress, progress.add_task(description, total=None))

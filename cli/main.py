@@ -25,6 +25,7 @@ from ._errors import CommandLine, InvalidSetting
 from .database import db, migrate
 from .dead_letters import dead_letters
 from .events import append, read
+from .retention import retention
 from .showcase import demo
 from .status import status
 from .streams import stream
@@ -91,6 +92,7 @@ for command in (
     migrate,
     db,
     stream,
+    retention,
     append,
     read,
     worker,
