@@ -4,11 +4,16 @@ epoch in `stream show`/`list`, and `retention run`, as processes against Postgre
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
+import subprocess
 from typing import Any
 
 import psycopg
 import pytest
 from helpers import run_ok as run
+from helpers import subengine_command
 
 import subengine
 from subengine import NewEvent
@@ -269,6 +274,16 @@ def test_retention_run_removes_and_raises_the_floors(
     assert again.stdout == "removed nothing: every stream is within its retention policy\n"
 
 
+def test_retention_run_starts_from_the_raised_floor(
+    engine: subengine.Engine, pruned: str, cli_env: dict[str, str]
+) -> None:
+    run(cli_env, "retention", "run")
+    engine.append("orders", [NewEvent(key_in(1, 4), "T", n) for n in range(2)])
+    lines = run(cli_env, "retention", "run").stdout.splitlines()
+    assert lines[1] == "  partition 1: positions 8 to 9 (2 events)"
+    assert floors(cli_env, "orders")[1] == 10
+
+
 def test_retention_run_json_lists_what_it_removed(pruned: str, cli_env: dict[str, str]) -> None:
     as_json = json_lines(run(cli_env, "retention", "run", "--stream", "orders", "--json").stdout)
     assert as_json == [
@@ -276,6 +291,37 @@ def test_retention_run_json_lists_what_it_removed(pruned: str, cli_env: dict[str
         {"stream": "orders", "partition": 2, "first": 1, "last": 2, "removed": 2, "dry_run": False},
     ]
     assert floors(cli_env, "orders") == {0: 1, 1: 8, 2: 3, 3: 1}
+
+
+def test_the_progress_bar_is_drawn_on_stderr_when_it_is_a_terminal(
+    pruned: str, cli_env: dict[str, str]
+) -> None:
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [subengine_command(), "retention", "run", "--batch", "1"],
+        env=dict(cli_env, TERM="xterm-256color", COLUMNS="100"),
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        text=True,
+    )
+    os.close(follower)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the command closed its end
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(leader)
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0
+    terminal = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn.decode())
+    assert "9/9" in terminal and "pruning" in terminal
+    # stdout, a pipe, has the summary alone
+    assert out.splitlines()[-1] == "total: removed 9 events from 2 partitions of 1 stream"
+    assert "\x1b" not in out
 
 
 def test_retention_run_summarises_many_partitions(
