@@ -1,5 +1,6 @@
 """Every SQL statement and command shown in docs/operations.md runs, in order, against a
-database with a subscription, a held partition's worth of events and dead letters."""
+database with a subscription, a held partition's worth of events and dead letters; every
+command and the Python example of docs/retention.md run against a fresh database."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import subengine
 from subengine import NewEvent
 
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
+RETENTION = (ROOT / "docs" / "retention.md").read_text()
 
 
 def blocks(text: str, language: str) -> list[str]:
@@ -99,3 +101,31 @@ def test_every_command_of_the_operations_page_runs(
     assert sql.execute(
         "SELECT bool_and(NOT paused), max(generation) FROM subengine.subscriptions"
     ).fetchone() == (True, 2)
+
+
+def test_every_command_of_the_retention_page_runs(
+    cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
+    commands = [
+        shlex.split(line, comments=True)
+        for block in blocks(RETENTION, "sh")
+        for line in block.splitlines()
+        if line.startswith("subengine ")
+    ]
+    assert len(commands) >= 8
+    for command in commands:
+        result = run_subengine(cli_env, *command[1:])
+        assert result.returncode == 0, (command, result.stderr)
+    # what the commands left: orders altered to 30 days alone, payments keeping all
+    assert sql.execute("SELECT name, retention FROM subengine.streams ORDER BY 1").fetchall() == [
+        ("orders", {"max_age": 30 * 86400}),
+        ("payments", None),
+    ]
+
+
+def test_the_python_example_of_the_retention_page_runs(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    [example] = blocks(RETENTION, "python")
+    exec(example, {"engine": engine})
+    assert sql.execute("SELECT retention FROM subengine.streams").fetchall() == [(None,)]
