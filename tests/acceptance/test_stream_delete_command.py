@@ -44,7 +44,7 @@ def test_stream_delete_is_refused_with_subscriptions_then_forced(
     ]
     assert new["epoch"] > old["epoch"]
     shown = run(cli_env, "stream", "show", "orders").stdout.splitlines()
-    assert shown[0] == f"stream 'orders': 2 partitions, epoch {new['epoch']}"
+    assert shown[0] == f"stream 'orders': 2 partitions, epoch {new['epoch']}; retention: keep all"
     as_json = run(cli_env, "stream", "delete", "orders", "--json").stdout
     assert json.loads(as_json) == {
         "name": "orders",
