@@ -1,12 +1,13 @@
 """Every SQL statement and command shown in docs/operations.md runs, in order, against a
 database with a subscription, a held partition's worth of events and dead letters; every
-command and the Python example of docs/retention.md run against a fresh database."""
+command and the Python examples of docs/retention.md run against a fresh database."""
 
 from __future__ import annotations
 
 import re
 import shlex
 import signal
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -123,9 +124,26 @@ def test_every_command_of_the_retention_page_runs(
     ]
 
 
-def test_the_python_example_of_the_retention_page_runs(
-    engine: subengine.Engine, sql: psycopg.Connection[Any]
+def test_the_python_examples_of_the_retention_page_run(
+    engine: subengine.Engine, sql: psycopg.Connection[Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    [example] = blocks(RETENTION, "python")
-    exec(example, {"engine": engine})
+    policies, reader, gap_handler = (textwrap.dedent(b) for b in blocks(RETENTION, "python"))
+    exec(policies, {"engine": engine})
     assert sql.execute("SELECT retention FROM subengine.streams").fetchall() == [(None,)]
+    # the reader meets a gap in partition 3: 5 events, of which retention kept 2
+    key = next(f"order-{n}" for n in range(99) if subengine.partition_for(f"order-{n}", 8) == 3)
+    engine.append("orders", [NewEvent(key, "T", {"n": n}) for n in range(5)])
+    engine.set_retention("orders", subengine.Retention(max_events=2))
+    assert engine.run_retention().removed == 3
+    handled: list[int] = []
+    exec(
+        reader,
+        {"engine": engine, "subengine": subengine, "handle": lambda e: handled.append(e.position)},
+    )
+    assert capsys.readouterr().out == "missed positions 1 to 3\n"
+    assert handled == [4, 5]
+    app = subengine.App()
+    namespace: dict[str, Any] = {"app": app}
+    exec(gap_handler, namespace)
+    assert app.subscriptions["billing"].on_gap == "handler"
+    assert app.subscriptions["billing"].gap is namespace["incomplete"]
