@@ -1,0 +1,421 @@
+"""Pruning (DESIGN.md, "Retention and gaps"): what each policy removes, and that removing
+it keeps positions dense, never removes a row twice and never holds appends up for long.
+
+Concurrency here is real: threads with their own engines and connections, processes
+started together, and locks observed in pg_locks / pg_stat_activity. Nothing asserts on
+wall-clock durations; the timeouts below only bound how long a broken build can hang.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import PYTHON, key_in, wait_for
+
+import subengine
+from subengine import NewEvent, Retention, Subscription, _retention
+from subengine._sql import Db
+
+# How long a concurrent test may run before it stops adding load (a bound, not a claim).
+LOAD_SECONDS = 20.0
+
+
+def stored_positions(sql: psycopg.Connection[Any], stream: str) -> dict[int, list[int]]:
+    rows = sql.execute(
+        "SELECT partition, position FROM subengine.events WHERE stream = %s"
+        " ORDER BY partition, position",
+        (stream,),
+    ).fetchall()
+    positions: dict[int, list[int]] = {}
+    for partition, position in rows:
+        positions.setdefault(partition, []).append(position)
+    return positions
+
+
+def floors_and_heads(sql: psycopg.Connection[Any], stream: str) -> dict[int, tuple[int, int]]:
+    rows = sql.execute(
+        "SELECT partition, floor, head FROM subengine.partitions WHERE stream = %s",
+        (stream,),
+    ).fetchall()
+    return {partition: (floor, head) for partition, floor, head in rows}
+
+
+def holes(sql: psycopg.Connection[Any], stream: str) -> dict[int, str]:
+    """Partitions whose stored positions are not exactly floor..head, in one snapshot."""
+    with sql.transaction():
+        sql.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        limits = floors_and_heads(sql, stream)
+        stored = stored_positions(sql, stream)
+    wrong: dict[int, str] = {}
+    for partition, (floor, head) in limits.items():
+        have = stored.get(partition, [])
+        if have != list(range(floor, head + 1)):
+            wrong[partition] = f"floor {floor}, head {head}, stored {have[:3]}..{have[-3:]}"
+    return wrong
+
+
+def events(count: int, prefix: str = "k", keys: int = 40) -> list[NewEvent]:
+    return [NewEvent(f"{prefix}{n % keys}", "T", {"n": n}) for n in range(count)]
+
+
+def backdate(sql: psycopg.Connection[Any], stream: str, by: timedelta) -> None:
+    """Move every stored event of `stream` (and its partitions' head_time) `by` into the
+    past. Retention by age compares recorded_at with now(), and append_events always
+    records the time of the append: backdating is how a test gets old events without
+    waiting for them to age. Shifting all of them keeps recorded_at non-decreasing along
+    each partition, as the age cut requires."""
+    sql.execute(
+        "UPDATE subengine.events SET recorded_at = recorded_at - %s WHERE stream = %s",
+        (by, stream),
+    )
+    sql.execute(
+        "UPDATE subengine.partitions SET head_time = head_time - %s WHERE stream = %s",
+        (by, stream),
+    )
+
+
+# concurrency
+
+
+def test_pruning_during_appends_keeps_positions_dense(
+    dsn: str, engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("busy", 4, retention=Retention(max_events=30))
+    threads, appends_each = 8, 60
+    deadline = time.monotonic() + LOAD_SECONDS
+    failures: list[BaseException] = []
+    appended = [0] * threads
+    done = threading.Event()
+
+    def append(number: int) -> None:
+        try:
+            with subengine.Engine(dsn) as own:
+                for n in range(appends_each):
+                    if time.monotonic() > deadline:
+                        return
+                    own.append("busy", events(3, prefix=f"t{number}-{n}-", keys=3))
+                    appended[number] += 3
+        except BaseException as error:
+            failures.append(error)
+
+    runs: list[subengine.RetentionRun] = []
+    violations: list[str] = []
+
+    def prune() -> None:
+        last_floors: dict[int, int] = {}
+        try:
+            with psycopg.connect(dsn, autocommit=True) as look:
+                while not done.is_set():
+                    runs.append(engine.run_retention(batch=7))
+                    for partition, (floor, _) in floors_and_heads(look, "busy").items():
+                        if floor < last_floors.get(partition, 1):
+                            violations.append(f"floor of {partition} went down to {floor}")
+                        last_floors[partition] = floor
+                    if wrong := holes(look, "busy"):
+                        violations.append(f"holes during appends: {wrong}")
+        except BaseException as error:
+            failures.append(error)
+
+    workers = [threading.Thread(target=append, args=(n,)) for n in range(threads)]
+    pruner = threading.Thread(target=prune)
+    pruner.start()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    runs_during_appends = len(runs)
+    done.set()
+    pruner.join()
+
+    assert failures == []
+    assert violations == []
+    assert runs_during_appends >= 2, "the pruner should have run repeatedly during the appends"
+    assert not any(run.locked for run in runs)
+    assert holes(sql, "busy") == {}
+    final = engine.run_retention("busy")
+    assert holes(sql, "busy") == {}
+    limits = floors_and_heads(sql, "busy")
+    assert sum(head for _, head in limits.values()) == sum(appended)
+    removed = sum(run.removed for run in [*runs, final])
+    assert removed == sum(floor - 1 for floor, _ in limits.values())
+    assert all(head - floor + 1 <= 30 for floor, head in limits.values())
+    assert removed > 0
+
+
+PRUNER = """
+import json, sys
+import subengine
+with subengine.Engine(sys.argv[1]) as engine:
+    print("ready", flush=True)
+    sys.stdin.readline()
+    run = engine.run_retention(batch=int(sys.argv[2]))
+    print(json.dumps({"removed": run.removed, "locked": run.locked}), flush=True)
+"""
+
+
+def test_two_pruning_processes_remove_each_event_once(
+    dsn: str, engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("shared", 4, retention=Retention(max_events=10))
+    for _ in range(4):
+        engine.append("shared", events(500))
+    before = sql.execute("SELECT count(*) FROM subengine.events").fetchone()
+    expected_gone = sum(head - 10 for _, head in floors_and_heads(sql, "shared").values())
+
+    pruners = [
+        subprocess.Popen(
+            [PYTHON, "-c", PRUNER, dsn, "20"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    for pruner in pruners:  # both connected and waiting: then let them go together
+        assert pruner.stdout is not None
+        assert pruner.stdout.readline().strip() == "ready"
+    for pruner in pruners:
+        assert pruner.stdin is not None
+        pruner.stdin.write("go\n")
+        pruner.stdin.flush()
+    results = []
+    for pruner in pruners:
+        out, err = pruner.communicate(timeout=120)
+        assert pruner.returncode == 0, err
+        assert err == ""
+        results.append(json.loads(out))
+
+    after = sql.execute("SELECT count(*) FROM subengine.events").fetchone()
+    assert before is not None and after is not None
+    gone = before[0] - after[0]
+    assert gone == expected_gone
+    assert sum(result["removed"] for result in results) == gone
+    # The cut is fixed (nothing is appended), so one run removed it all: the other one
+    # either found the lock taken or, started after the first had finished, nothing left.
+    assert sorted(result["removed"] for result in results)[0] == 0
+    assert sum(result["locked"] for result in results) <= 1
+    assert holes(sql, "shared") == {}
+
+
+# policies
+
+
+def test_max_events_keeps_the_newest_events_of_each_partition(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("counted", 2, retention=Retention(max_events=3))
+    keys = [key_in(0, partitions=2), key_in(1, partitions=2)]
+    engine.append("counted", [NewEvent(keys[0], "T", {"n": n}) for n in range(10)])
+    engine.append("counted", [NewEvent(keys[1], "T", {"n": n}) for n in range(2)])
+
+    run = engine.run_retention()
+
+    assert run.removed == 7
+    assert [(p.partition, p.first, p.last) for p in run.partitions] == [(0, 1, 7)]
+    assert stored_positions(sql, "counted") == {0: [8, 9, 10], 1: [1, 2]}
+    assert floors_and_heads(sql, "counted") == {0: (8, 10), 1: (1, 2)}
+
+
+def test_max_age_removes_the_events_recorded_before_it(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("aged", 1, retention=Retention(max_age="1s"))
+    engine.append("aged", events(5))
+    backdate(sql, "aged", timedelta(hours=1))
+    engine.append("aged", events(3))  # recorded now: younger than 1 s for a while
+
+    run = engine.run_retention()
+
+    assert run.removed == 5
+    assert floors_and_heads(sql, "aged") == {0: (6, 8)}
+    backdate(sql, "aged", timedelta(hours=1))  # now all of them are old
+    assert engine.run_retention().removed == 3
+    assert floors_and_heads(sql, "aged") == {0: (9, 8)}
+    assert stored_positions(sql, "aged") == {}
+
+
+def test_either_limit_removes_when_a_policy_has_both(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    both = Retention(max_events=4, max_age="1h")
+    engine.create_stream("by-count", 1, retention=both)
+    engine.create_stream("by-age", 1, retention=both)
+    engine.append("by-count", events(10))  # young, but too many
+    engine.append("by-age", events(3))  # few, but old
+    backdate(sql, "by-age", timedelta(hours=2))
+    engine.append("by-age", events(2))
+
+    run = engine.run_retention()
+
+    assert {p.stream: p.removed for p in run.partitions} == {"by-count": 6, "by-age": 3}
+    assert floors_and_heads(sql, "by-count") == {0: (7, 10)}
+    assert floors_and_heads(sql, "by-age") == {0: (4, 5)}
+
+
+def test_keep_unprocessed_keeps_what_a_subscription_needs_until_the_hard_limit(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    policy = Retention(max_events=2, keep_unprocessed=True, hard_max_events=6)
+    engine.create_stream("kept", 1, retention=policy)
+    handled: list[int] = []
+    reader = Subscription(
+        "reader",
+        "kept",
+        batch_size=6,
+        catch_all=lambda event, conn: handled.append(event.position),
+    )
+    engine.ensure_subscription(reader)
+    engine.append("kept", events(10))
+    engine.process_batch(reader, 0)
+    assert handled == [1, 2, 3, 4, 5, 6]
+
+    # max_events alone would keep 9 and 10; the reader still needs 7 and 8
+    assert engine.run_retention().removed == 6
+    assert floors_and_heads(sql, "kept") == {0: (7, 10)}
+
+    # 4 more: the hard limit (6 events) now removes 7 and 8, unprocessed as they are
+    engine.append("kept", events(4))
+    assert engine.run_retention().removed == 2
+    assert floors_and_heads(sql, "kept") == {0: (9, 14)}
+    states = {row.partition: row.state for row in engine.subscription_status("reader")}
+    assert states == {0: "gap"}
+
+
+def test_a_stream_without_a_policy_keeps_everything(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("forever", 2)
+    engine.create_stream("pruned", 2, retention=Retention(max_events=1))
+    engine.append("forever", events(20))
+    engine.append("pruned", events(20))
+    backdate(sql, "forever", timedelta(days=3650))
+
+    run = engine.run_retention()
+
+    assert {p.stream for p in run.partitions} == {"pruned"}
+    assert sum(len(p) for p in stored_positions(sql, "forever").values()) == 20
+    with pytest.raises(subengine.InvalidInput, match="no retention policy"):
+        engine.run_retention("forever")
+
+
+def test_dry_run_removes_nothing_and_reports_what_a_run_then_removes(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("planned", 4, retention=Retention(max_events=5, max_age="1h"))
+    engine.append("planned", events(30))
+    backdate(sql, "planned", timedelta(hours=2))
+    engine.append("planned", events(40, prefix="j"))
+    before = stored_positions(sql, "planned"), floors_and_heads(sql, "planned")
+
+    dry = engine.run_retention(dry_run=True)
+
+    assert dry.dry_run and dry.removed > 0
+    assert (stored_positions(sql, "planned"), floors_and_heads(sql, "planned")) == before
+    real = engine.run_retention(batch=4)
+    assert real.partitions == dry.partitions
+    assert real.removed == dry.removed
+
+
+# appends beside a prune batch
+
+
+def test_an_append_is_not_blocked_while_a_prune_batch_deletes(
+    dsn: str, engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("live", 1, retention=Retention(max_events=5))
+    engine.append("live", events(50))
+    # A row lock on event 20 stops the pruner's DELETE in the middle of its (only) batch:
+    # positions 1..19 are deleted in its open transaction, the floor not yet raised.
+    blocker = psycopg.connect(dsn)
+    blocker.execute(
+        "SELECT 1 FROM subengine.events WHERE stream = 'live' AND position = 20 FOR UPDATE"
+    )
+    pruning_engine = subengine.Engine(dsn)
+    outcome: list[subengine.RetentionRun | BaseException] = []
+
+    def prune() -> None:
+        try:
+            outcome.append(pruning_engine.run_retention(batch=1000))
+        except BaseException as error:
+            outcome.append(error)
+
+    # The pruner's backend is the one that is new once it runs.
+    with psycopg.connect(dsn, autocommit=True) as look:
+        others = {row[0] for row in look.execute("SELECT pid FROM pg_stat_activity").fetchall()}
+    pruner = threading.Thread(target=prune)
+    pruner.start()
+    try:
+        waiting: list[tuple[int, str]] = []
+
+        def pruner_waits() -> bool:
+            rows = sql.execute(
+                "SELECT pid, query FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE %s",
+                ("%DELETE FROM%",),
+            ).fetchall()
+            waiting[:] = [(pid, query) for pid, query in rows if pid not in others]
+            return bool(waiting)
+
+        wait_for(pruner_waits, "the prune batch to wait inside its DELETE", timeout=30)
+        pid, query = waiting[0]
+        assert "UPDATE" in query  # the batch is the one prune_range statement
+        blockers = sql.execute("SELECT pg_blocking_pids(%s)", (pid,)).fetchone()
+        assert blockers is not None and blockers[0] == [blocker.info.backend_pid]
+
+        # Mid-batch, the partition row is free: no lock on it, and an append passes.
+        with psycopg.connect(dsn) as appender:
+            appender.execute("SET lock_timeout = '10s'")  # fail, not hang, if it were held
+            appender.execute(
+                "SELECT 1 FROM subengine.partitions WHERE stream = 'live' FOR UPDATE NOWAIT"
+            )
+            appender.rollback()
+            appender.execute("SET lock_timeout = '10s'")
+            row = appender.execute(
+                "SELECT position FROM subengine.append('live', 'k-new', 'T', '{}')"
+            ).fetchone()
+            appender.commit()
+        assert row == (51,)
+        assert floors_and_heads(sql, "live") == {0: (1, 51)}  # the batch has not committed
+    finally:
+        blocker.rollback()
+        blocker.close()
+        pruner.join(timeout=60)
+        pruning_engine.close()
+
+    assert len(outcome) == 1 and isinstance(outcome[0], subengine.RetentionRun)
+    assert outcome[0].removed == 45  # the cut planned before the append: 50 - 5
+    assert holes(sql, "live") == {}
+    assert floors_and_heads(sql, "live") == {0: (46, 51)}
+
+
+def test_a_prune_batch_holds_the_partition_only_from_its_update_to_its_commit(
+    dsn: str, engine: subengine.Engine
+) -> None:
+    """What run_retention's autocommit avoids: the statement's final UPDATE locks the
+    partition row until the transaction ends, so an append waits for that commit."""
+    engine.create_stream("held", 1, retention=Retention(max_events=5))
+    engine.append("held", events(50))
+    with engine.db() as db:
+        (cut,) = db.run(_retention.retention_plan("held"))
+    with psycopg.connect(dsn) as pruning, psycopg.connect(dsn) as appender:
+        removed, floor = Db(pruning, engine.sql).run(_retention._prune_range(cut, 1, 20))
+        assert (removed, floor) == (19, 20)
+        appender.execute("SET lock_timeout = '200ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            appender.execute("SELECT * FROM subengine.append('held', 'k-new', 'T', '{}')")
+        appender.rollback()
+        pruning.commit()
+        appender.execute("SET lock_timeout = '10s'")
+        row = appender.execute(
+            "SELECT position FROM subengine.append('held', 'k-new', 'T', '{}')"
+        ).fetchone()
+        appender.commit()
+    assert row == (51,)
