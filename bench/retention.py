@@ -20,7 +20,8 @@ the stream is filled by one `INSERT ... SELECT` over `generate_series` straight 
 `events` table, followed by setting each partition's `head` and `head_time`: the rows are
 what appends would have stored (dense positions 1..head per partition, each key in the
 partition `partition_for` gives it, key versions 1, 2, ... per key, recorded_at increasing
-along each partition, a JSON payload of about 150 bytes), only written faster. Then
+along each partition, time-ordered ids as subengine makes them, a JSON payload of about
+150 bytes), only written faster. Then
 ANALYZE. The fill time is printed. Appends measured later go to the same stream, with
 keys of their own.
 
@@ -78,6 +79,13 @@ SCHEMA_MARKER = "subengine benchmark scratch schema (bench/retention.py); droppe
 STREAM = "bench-retained"
 OTHER_STREAM = "bench-other"  # pruned beside appends to STREAM: contention without locks
 DROP_TABLES = ("bench_delete_me", "bench_drop_me")
+# The fixed part of the filled events' ids (UUIDv7 layout), one per stream or table.
+ID_PREFIXES = {
+    STREAM: "01940000-0000-7000-8001-",
+    OTHER_STREAM: "01940000-0000-7000-8002-",
+    DROP_TABLES[0]: "01940000-0000-7000-8003-",
+    DROP_TABLES[1]: "01940000-0000-7000-8004-",
+}
 FILL_KEYS_PER_PARTITION = 1000
 LIVE_KEYS = 1000
 DELETE_BATCH = 5000
@@ -160,7 +168,9 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 FILL = """
 INSERT INTO {table} (stream, partition, position, id, key, key_version, type, data,
                      metadata, occurred_at, recorded_at)
-SELECT %(stream)s, k.partition, g.n / %(partitions)s + 1, gen_random_uuid(), k.key,
+SELECT %(stream)s, k.partition, g.n / %(partitions)s + 1,
+       -- time-ordered like subengine's default ids: each insert lands at the index's end
+       (%(id_prefix)s || lpad(to_hex(g.n), 12, '0'))::uuid, k.key,
        g.n / %(partitions)s / %(keys)s + 1,
        'OrderPlaced',
        jsonb_build_object('order', k.key, 'customer', 'customer-' || (g.n %% 100000),
@@ -207,6 +217,7 @@ def fill(
             "keys": FILL_KEYS_PER_PARTITION,
             "events": events,
             "start": "2026-01-01T00:00:00Z",
+            "id_prefix": ID_PREFIXES[stream if table == "events" else table],
         },
     )
 
