@@ -2,8 +2,8 @@
 
 Run it from the repository root:
 
-    .venv/bin/python bench/retention.py                   # about 8 minutes on 2 cores
-    .venv/bin/python bench/retention.py --events 500000   # about 2 minutes, a smoke test
+    .venv/bin/python bench/retention.py                   # 3 to 6 minutes on 2 cores
+    .venv/bin/python bench/retention.py --events 500000   # under a minute, a smoke test
     .venv/bin/python bench/retention.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
 Without a DSN it uses the embedded PostgreSQL, which keeps running afterwards (stop it with

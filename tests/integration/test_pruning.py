@@ -419,3 +419,21 @@ def test_a_prune_batch_holds_the_partition_only_from_its_update_to_its_commit(
         ).fetchone()
         appender.commit()
     assert row == (51,)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="append_events numbers key versions from the events still stored: once "
+    "retention removed all of a key's events, the key starts again at version 1",
+)
+def test_key_versions_go_on_after_a_key_was_pruned(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("versions", 1, retention=Retention(max_events=1))
+    engine.append("versions", [NewEvent("order-1", "T", {}), NewEvent("order-1", "T", {})])
+    engine.append("versions", [NewEvent("order-2", "T", {})])
+    assert engine.run_retention().removed == 2  # both events of order-1 are gone
+
+    (appended,) = engine.append("versions", [NewEvent("order-1", "T", {})])
+
+    assert appended.key_version == 3
