@@ -1,4 +1,5 @@
-"""Stream deletion: an append to a stream whose partitions are gone fails with SE404.
+"""Stream deletion: an append to a stream whose partitions are gone fails with SE404; key
+versions survive retention.
 
 `Engine.delete_stream` removes a stream's partition rows first, in one short transaction,
 then its events in batches, then the stream's row. In between, the stream's row still
@@ -10,6 +11,11 @@ SE404, "stream ... is being deleted", with DETAIL {"deleting": true}. The check 
 the UPDATE that locks the head, so an append that waited for a partition row the delete
 removed fails too; an append that locked its heads first commits first, and the delete
 removes its events with the rest.
+
+Key versions came from the events stored, so once retention removed every event of a
+key, its next append started again at version 1 (and expected_version 0 passed for a key
+with a history). Pruning now keeps each such key's last version in `pruned_keys`, which
+append_events reads when a key has no event stored.
 
 Revision ID: 0010
 Revises: 0009
@@ -27,7 +33,18 @@ depends_on = None
 def upgrade() -> None:
     op.execute(
         r"""
--- As revision 0007 made it, but for the check that each head was found.
+-- The last key version of each key retention removed entirely (pruning writes it, with
+-- the delete): a key's versions go on after its events are gone, so `expected_version`
+-- keeps meaning what it says and no key version is used twice.
+CREATE TABLE pruned_keys (
+    stream       text NOT NULL REFERENCES streams (name) ON DELETE CASCADE,
+    key          text NOT NULL,
+    key_version  bigint NOT NULL,
+    PRIMARY KEY (stream, key)
+);
+
+-- As revision 0007 made it, but for the check that each head was found, and key
+-- versions that go on after retention removed a key's events (pruned_keys).
 CREATE OR REPLACE FUNCTION append_events(
     stream_name         text,
     event_ids           uuid[],
@@ -218,7 +235,10 @@ BEGIN
           INTO mismatch
           FROM unnest(expected_keys, expected_versions) AS x(key, expected)
          CROSS JOIN LATERAL (
-                SELECT max(e.key_version) AS v FROM events e
+                SELECT coalesce(max(e.key_version),
+                                (SELECT k.key_version FROM pruned_keys k
+                                  WHERE k.stream = stream_name AND k.key = x.key)) AS v
+                  FROM events e
                  WHERE e.stream = stream_name AND e.key = x.key) AS current_version
          WHERE coalesce(current_version.v, 0) IS DISTINCT FROM x.expected
            -- a key whose events are all stored already is a retried append: no check
@@ -244,7 +264,11 @@ BEGIN
           JOIN unnest(touched, old_heads, lock_times) AS h(partition, old_head, recorded)
             ON h.partition = event_partitions[n]
          CROSS JOIN LATERAL (
-                SELECT coalesce(max(e.key_version), 0) AS version FROM events e
+                SELECT coalesce(max(e.key_version),
+                                (SELECT k.key_version FROM pruned_keys k
+                                  WHERE k.stream = stream_name AND k.key = event_keys[n]),
+                                0) AS version
+                  FROM events e
                  WHERE e.stream = stream_name AND e.key = event_keys[n]) AS kv
     ),
     inserted AS (
@@ -285,6 +309,7 @@ $function$;
 def downgrade() -> None:
     op.execute(
         r"""
+DROP TABLE pruned_keys;
 -- As revision 0007 made it.
 CREATE OR REPLACE FUNCTION append_events(
     stream_name         text,

@@ -94,15 +94,28 @@ SELECT stream, partition, floor, head,
 -- Remove positions %(from)s up to (not including) %(to)s of a partition and raise its
 -- floor to %(to)s, in one statement: a reader's snapshot sees the events or the new
 -- floor, never neither. The partition row is locked only by the final UPDATE, after the
--- deletes, so an append to the partition waits at most for that. `floor_time` becomes
--- the time of the last event removed. Returns how many rows went and the floor.
+-- deletes, so an append to the partition waits at most for that and the commit.
+-- `floor_time` becomes the time of the last event removed; a key left with no event
+-- keeps its last version in pruned_keys. Returns how many rows went and the floor.
 WITH gone AS (
     DELETE FROM {schema}.events
      WHERE stream = %(stream)s AND partition = %(partition)s
        AND position >= %(from)s AND position < %(to)s
-    RETURNING position, recorded_at
+    RETURNING position, recorded_at, key, key_version
 ), summary AS (
     SELECT count(*) AS removed, max(recorded_at) AS last_time FROM gone
+), kept_versions AS (
+    -- keys with no later version stored (the statement's snapshot still shows the rows
+    -- it deletes, so "later" is what stays): their last version, for append_events
+    INSERT INTO {schema}.pruned_keys AS k (stream, key, key_version)
+    SELECT %(stream)s, g.key, max(g.key_version)
+      FROM gone g
+     GROUP BY g.key
+    HAVING NOT EXISTS (SELECT FROM {schema}.events e
+                        WHERE e.stream = %(stream)s AND e.key = g.key
+                          AND e.key_version > max(g.key_version))
+    ON CONFLICT (stream, key) DO UPDATE
+       SET key_version = greatest(k.key_version, excluded.key_version)
 )
 UPDATE {schema}.partitions p
    SET floor = greatest(p.floor, %(to)s),
