@@ -20,7 +20,7 @@ from subengine._declarations import Retention
 from subengine._errors import InvalidInput, StreamNotFound
 from subengine._events import Stream
 from subengine._names import validate_stream_name, validate_whole_number
-from subengine._sql import Db, Query, Result, first_row
+from subengine._sql import Db, Query, Result, first_row, nothing
 
 DEFAULT_PRUNE_BATCH = 5_000
 MAX_PRUNE_BATCH = 100_000
@@ -126,7 +126,8 @@ def run_retention(
     plan: Callable[[Sequence[PartitionCut]], None] | None = None,
     progress: Progress | None = None,
 ) -> RetentionRun:
-    """Prune every stream with a policy, or one stream, on an autocommit connection.
+    """Prune every stream with a policy, or one stream, on an autocommit connection of
+    its own (its commits do not wait for the disk: see the query pruner_settings).
 
     `plan` hears the partitions with something to remove before the run starts;
     `progress` hears each batch. With `dry_run` nothing is removed: the run reports what
@@ -141,6 +142,7 @@ def run_retention(
         if row[4] is None:
             raise InvalidInput(f"stream {stream!r} has no retention policy: it keeps every event")
     lock = {"schema": schema}
+    db.run(Query("pruner_settings", {}, nothing))
     if not dry_run and not db.run(
         Query("retention_lock", lock, lambda result: bool(result.rows[0][0]))
     ):

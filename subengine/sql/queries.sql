@@ -44,6 +44,14 @@ RETURNING name, partitions, created_at, epoch, retention
 -- (one bigint key) can take.
 SELECT pg_try_advisory_lock(hashtext('subengine retention'), hashtext(%(schema)s))
 
+-- name: pruner_settings
+-- The pruner's connection commits without waiting for the disk: a batch holds its
+-- partition's row from its floor update to its commit, and a flush of the batch's WAL
+-- there would make appends to the partition wait for it. A batch lost in a server crash
+-- loses its deletes and its floor together (one transaction), and a later run prunes
+-- again.
+SELECT set_config('synchronous_commit', 'off', false)
+
 -- name: retention_unlock
 SELECT pg_advisory_unlock(hashtext('subengine retention'), hashtext(%(schema)s))
 
