@@ -101,17 +101,16 @@ SELECT stream, partition, floor, head,
 -- name: prune_range
 -- Remove positions %(from)s up to (not including) %(to)s of a partition and raise its
 -- floor to %(to)s, in one statement: a reader's snapshot sees the events or the new
--- floor, never neither. The partition row is locked only by the final UPDATE, after the
--- deletes, so an append to the partition waits at most for that and the commit.
--- `floor_time` becomes the time of the last event removed; a key left with no event
--- keeps its last version in pruned_keys. Returns how many rows went and the floor.
+-- floor, never neither. A key left with no event keeps its last version in pruned_keys.
+-- The partition row is locked only by the final UPDATE, after everything else (it needs
+-- `summary`, which needs the deletes and the keys' versions), so an append to the
+-- partition waits at most for that UPDATE and the commit. `floor_time` becomes the time
+-- of the last event removed. Returns how many rows went and the floor.
 WITH gone AS (
     DELETE FROM {schema}.events
      WHERE stream = %(stream)s AND partition = %(partition)s
        AND position >= %(from)s AND position < %(to)s
     RETURNING position, recorded_at, key, key_version
-), summary AS (
-    SELECT count(*) AS removed, max(recorded_at) AS last_time FROM gone
 ), kept_versions AS (
     -- keys with no later version stored (the statement's snapshot still shows the rows
     -- it deletes, so "later" is what stays): their last version, for append_events
@@ -124,6 +123,11 @@ WITH gone AS (
                           AND e.key_version > max(g.key_version))
     ON CONFLICT (stream, key) DO UPDATE
        SET key_version = greatest(k.key_version, excluded.key_version)
+    RETURNING 1
+), summary AS (
+    SELECT count(*) AS removed, max(recorded_at) AS last_time,
+           (SELECT count(*) FROM kept_versions) AS keys
+      FROM gone
 )
 UPDATE {schema}.partitions p
    SET floor = greatest(p.floor, %(to)s),

@@ -327,17 +327,32 @@ def test_dry_run_removes_nothing_and_reports_what_a_run_then_removes(
 # appends beside a prune batch
 
 
+@pytest.mark.parametrize(
+    "stopped_in",
+    [
+        # A row lock on event 20 stops the pruner's DELETE in the middle of its (only)
+        # batch: positions 1..19 are deleted in its open transaction, the floor not raised.
+        "the delete",
+        # A row lock on a pruned key (k10 loses every event) stops it while it records the
+        # last versions of the keys it emptied, after the deletes.
+        "the keys' versions",
+    ],
+)
 def test_an_append_is_not_blocked_while_a_prune_batch_deletes(
-    dsn: str, engine: subengine.Engine, sql: psycopg.Connection[Any]
+    dsn: str, engine: subengine.Engine, sql: psycopg.Connection[Any], stopped_in: str
 ) -> None:
     engine.create_stream("live", 1, retention=Retention(max_events=5))
     engine.append("live", events(50))
-    # A row lock on event 20 stops the pruner's DELETE in the middle of its (only) batch:
-    # positions 1..19 are deleted in its open transaction, the floor not yet raised.
     blocker = psycopg.connect(dsn)
-    blocker.execute(
-        "SELECT 1 FROM subengine.events WHERE stream = 'live' AND position = 20 FOR UPDATE"
-    )
+    if stopped_in == "the delete":
+        blocker.execute(
+            "SELECT 1 FROM subengine.events WHERE stream = 'live' AND position = 20 FOR UPDATE"
+        )
+    else:
+        sql.execute("INSERT INTO subengine.pruned_keys VALUES ('live', 'k10', 0)")
+        blocker.execute(
+            "SELECT 1 FROM subengine.pruned_keys WHERE stream = 'live' AND key = 'k10' FOR UPDATE"
+        )
     pruning_engine = subengine.Engine(dsn)
     outcome: list[subengine.RetentionRun | BaseException] = []
 
