@@ -35,9 +35,11 @@ rows with the dead rows of the runs before it (autovacuum as configured on the s
 Appends beside pruning. One connection appends single-event transactions
 (`engine.append(stream, [event])`) to random keys of its own, as fast as it can, for
 `--window` seconds; per-transaction latency is timed around the call. Variants: no
-pruning (the plain counterpart) and pruning with each batch size, where a pruner thread
-starts with the appender and runs `run_retention` over a slice of `--window-slice`
-events per partition; the appender stops when the pruner finishes or the window ends,
+pruning (the plain counterpart) and pruning with each batch size, where a pruner
+process (as a worker or `subengine retention run` is: a thread of the appending process
+would take the GIL from the appends, up to 5 ms at a time) starts with the appender and
+runs `run_retention` over a slice of `--window-slice` events per partition; the
+appender stops when the pruner finishes or the window ends,
 whichever comes first, so every append of a pruning variant ran while a prune was under
 way. The pruner's coverage (seconds pruned / seconds appended) is printed. The variants
 of a round run in an order rotated by one from the round before; figures are the median
@@ -61,6 +63,7 @@ import gc
 import os
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -265,12 +268,17 @@ class Pruner:
         self.stream = stream
         self.keep = events // partitions  # per partition; the stream holds that many now
 
-    def prune(self, slice_: int, batch: int) -> tuple[int, float]:
-        """Remove the oldest `slice_` events of every partition; (removed, seconds)."""
+    def lower(self, slice_: int) -> None:
+        """Lower the policy so that the next run removes `slice_` events per partition."""
         self.keep -= slice_
         if self.keep < 1:
             raise SystemExit("bench/retention.py: the stream ran out of events; use --events")
         self.engine.set_retention(self.stream, Retention(max_events=self.keep))
+
+    def prune(self, slice_: int, batch: int) -> tuple[int, float]:
+        """Remove the oldest `slice_` events of every partition, in this process;
+        (removed, seconds)."""
+        self.lower(slice_)
         gc.collect()
         started = time.perf_counter()
         run = self.engine.run_retention(self.stream, batch=batch)
@@ -278,6 +286,41 @@ class Pruner:
         if run.locked:
             raise SystemExit("bench/retention.py: another pruner holds the retention lock")
         return run.removed, elapsed
+
+    def start_elsewhere(self, slice_: int, batch: int) -> subprocess.Popen[str]:
+        """A pruner process, as a worker or `subengine retention run` is (a thread of the
+        appending process would compete with the appends for the GIL), connected and
+        waiting for a line on its stdin to remove the next `slice_` events per partition;
+        it then prints what it removed, the seconds and whether the lock was taken."""
+        self.lower(slice_)
+        process = subprocess.Popen(
+            [sys.executable, "-c", PRUNE_PROCESS, self.stream, str(batch)],
+            env={
+                **os.environ,
+                "SUBENGINE_DSN": self.engine.dsn,
+                "SUBENGINE_SCHEMA": self.engine.schema,
+            },
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ready":
+            raise SystemExit("bench/retention.py: the pruner process did not start")
+        return process
+
+
+PRUNE_PROCESS = """
+import sys, time, subengine
+stream, batch = sys.argv[1], int(sys.argv[2])
+with subengine.Engine() as engine:
+    engine.streams()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    started = time.perf_counter()
+    run = engine.run_retention(stream, batch=batch)
+    print(run.removed, time.perf_counter() - started, int(run.locked), flush=True)
+"""
 
 
 def append_window(
@@ -290,16 +333,24 @@ def append_window(
     pruned: list[tuple[int, float]] = []
     finished = threading.Event()
 
-    def prune(pruner: Pruner, batch: int) -> None:
+    def prune(process: subprocess.Popen[str]) -> None:
+        assert process.stdin is not None and process.stdout is not None
         try:
-            pruned.append(pruner.prune(config.window_slice, batch))
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            removed, seconds, locked = process.stdout.readline().split()
+            if int(locked):
+                raise SystemExit("bench/retention.py: another pruner holds the retention lock")
+            pruned.append((int(removed), float(seconds)))
         finally:
             finished.set()
+            process.wait()
 
     thread = None
     window = config.window
     if pruner is not None:
-        thread = threading.Thread(target=prune, args=(pruner, variant.batch))
+        process = pruner.start_elsewhere(config.window_slice, variant.batch)
+        thread = threading.Thread(target=prune, args=(process,))
         window = PRUNING_WINDOW_LIMIT
     clock = time.perf_counter
     latencies = []
@@ -483,7 +534,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument(
         "--window-slice",
         type=int,
-        help="events per partition the pruner beside appends removes (8%% of all)",
+        help="events per partition the pruner beside appends removes (5%% of all)",
     )
     parser.add_argument("--drop-rows", type=int, help="rows of the delete-or-drop tables (10%%)")
     parser.add_argument("--seed", type=int, default=20261123, help="seed of the live keys")
@@ -496,7 +547,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
         rounds=args.rounds,
         slice=args.slice or max(1, per_partition // 100),
         window=args.window,
-        window_slice=args.window_slice or max(1, per_partition * 8 // 100),
+        window_slice=args.window_slice or max(1, per_partition * 5 // 100),
         drop_rows=args.drop_rows or max(1, args.events // 10),
         seed=args.seed,
     )
