@@ -454,3 +454,29 @@ def test_key_versions_go_on_after_a_key_was_pruned(
     assert sql.execute("SELECT key, key_version FROM subengine.pruned_keys").fetchall() == [
         ("order-1", 2)
     ]
+
+
+def test_the_age_cut_is_the_first_position_recorded_at_or_after_the_cutoff(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    # 40 events in one partition; appends of 1 to 4 events share their recorded_at
+    engine.create_stream("aged", 1)
+    for n in range(16):
+        engine.append("aged", events(n % 4 + 1, prefix=f"a{n}-"))
+    times = sql.execute(
+        "SELECT position, recorded_at FROM subengine.events WHERE stream = 'aged' ORDER BY position"
+    ).fetchall()
+    head, head_time = len(times), times[-1][1]
+    # a floor above 1 (as after pruning), and every distinct time as a cutoff, and around
+    sql.execute("DELETE FROM subengine.events WHERE stream = 'aged' AND position < 4")
+    sql.execute("UPDATE subengine.partitions SET floor = 4 WHERE stream = 'aged'")
+    stored = [(p, t) for p, t in times if p >= 4]
+    cutoffs = sorted({t for _, t in stored})
+    cutoffs += [cutoffs[0] - timedelta(seconds=1), head_time + timedelta(seconds=1)]
+    for cutoff in cutoffs:
+        expected = next((p for p, t in stored if t >= cutoff), head + 1)
+        [(cut,)] = sql.execute(
+            "SELECT subengine.retention_age_cut('aged', 0, %s, %s, %s)",
+            (head, head_time, cutoff),
+        ).fetchall()
+        assert cut == expected, cutoff
