@@ -10,7 +10,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from subengine._errors import InvalidInput, PartitionNotFound, StreamNotFound
+from subengine._errors import (
+    InvalidInput,
+    PartitionNotFound,
+    StreamBeingDeleted,
+    StreamNotFound,
+)
 from subengine._events import Event, Tombstone
 from subengine._names import (
     BIGINT_MAX,
@@ -46,6 +51,8 @@ def read_after(
         partitions, floor = result.rows[0][:2]
         if not 0 <= partition < partitions:
             raise PartitionNotFound(stream, partition, partitions)
+        if floor is None:  # its partitions are gone first: `stream delete` is under way
+            raise StreamBeingDeleted(stream)
         items: list[Event | Tombstone] = []
         if after < floor - 1:
             items.append(Tombstone(stream, partition, after + 1, floor - 1, floor))

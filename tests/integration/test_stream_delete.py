@@ -170,6 +170,8 @@ def test_a_stream_being_deleted_takes_no_append_subscription_or_new_creation(
         subscribe(engine, "billing", orders)
     with pytest.raises(subengine.StreamBeingDeleted, match="stream delete orders"):
         engine.create_stream(orders, partitions=4)
+    with pytest.raises(subengine.StreamBeingDeleted):
+        engine.read(orders, stored[0].partition)
     with pytest.raises(psycopg.DatabaseError, match="being deleted") as plain_sql:
         sql.execute("SELECT * FROM subengine.append(%s, 'k', 'T', '{}')", (orders,))
     assert plain_sql.value.sqlstate == "SE404"
