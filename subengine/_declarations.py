@@ -62,14 +62,21 @@ def describe_duration(duration: timedelta) -> str:
     return f"{seconds}s"
 
 
+# Longer ages keep everything a stream can have held; far longer ones overflow
+# PostgreSQL's timestamps when the pruner subtracts them from now.
+MAX_AGE = timedelta(days=100 * 365)
+
+
 def _age(value: object, what: str) -> timedelta | None:
     if value is None:
         return None
-    if isinstance(value, str):
-        return parse_duration(value, what)
-    if not isinstance(value, timedelta) or value.total_seconds() < 1:
-        raise InvalidInput(f"{what} must be a timedelta of a second or more, or like '7d'")
-    return value
+    age = parse_duration(value, what) if isinstance(value, str) else value
+    if not isinstance(age, timedelta) or not timedelta(seconds=1) <= age <= MAX_AGE:
+        raise InvalidInput(
+            f"{what} must be from a second to 100 years (36500d), as a timedelta or like "
+            f"'7d', not {shown_value(value)}"
+        )
+    return age
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,14 @@ SELECT pg_advisory_unlock(hashtext('subengine retention'), hashtext(%(schema)s))
 WITH policies AS (
     SELECT s.name AS stream,
            (s.retention ->> 'max_events')::bigint AS max_events,
-           now() - make_interval(secs => (s.retention ->> 'max_age')::double precision)
-               AS cutoff,
+           -- ages are at most 100 years (subengine.Retention); a policy written by hand
+           -- with more must not overflow the timestamps and stop every stream's pruning
+           now() - make_interval(secs => least((s.retention ->> 'max_age')::double precision,
+                                               3153600000)) AS cutoff,
            coalesce((s.retention ->> 'keep_unprocessed')::boolean, false) AS keep,
            (s.retention ->> 'hard_max_events')::bigint AS hard_max_events,
-           now() - make_interval(secs => (s.retention ->> 'hard_max_age')::double precision)
+           now() - make_interval(
+               secs => least((s.retention ->> 'hard_max_age')::double precision, 3153600000))
                AS hard_cutoff
       FROM {schema}.streams s
      WHERE s.retention IS NOT NULL

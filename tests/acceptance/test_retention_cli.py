@@ -190,6 +190,7 @@ def test_stream_alter_keep_all_removes_the_policy(
             "a retention policy needs --max-age, --max-events or both",
         ),
         (["stream", "alter", "orders", "--max-age", "0d"], 1, "--max-age must be"),
+        (["stream", "alter", "orders", "--max-age", "99999999w"], 1, "--max-age must be from"),
         (["stream", "alter", "orders", "--max-events", "0"], 1, "--max-events must be"),
         (
             ["stream", "alter", "orders", "--max-age", "1d", "--keep-unprocessed"],

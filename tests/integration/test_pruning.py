@@ -480,3 +480,20 @@ def test_the_age_cut_is_the_first_position_recorded_at_or_after_the_cutoff(
             (head, head_time, cutoff),
         ).fetchall()
         assert cut == expected, cutoff
+
+
+def test_an_age_too_long_for_timestamps_is_refused_and_one_written_by_hand_prunes_nothing(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    with pytest.raises(subengine.InvalidInput, match="from a second to 100 years"):
+        Retention(max_age="99999999w")
+    engine.create_stream("capped", 1, retention=Retention(max_events=2))
+    engine.create_stream("forever", 1, retention=Retention(max_age="1d"))
+    engine.append("capped", events(5))
+    engine.append("forever", events(5))
+    # a policy written in SQL, past what Retention accepts: the other streams still prune
+    sql.execute(
+        "UPDATE subengine.streams SET retention = '{\"max_age\": 1e15}' WHERE name = 'forever'"
+    )
+    run = engine.run_retention()
+    assert [(p.stream, p.removed) for p in run.partitions] == [("capped", 3)]
