@@ -346,10 +346,17 @@ def handle_batch(
     size = size or subscription.batch_size
     if subscription.ack == "transactional":
         return _transactional_batch(db, subscription, partition, size, companions)
-    with db.transaction():
-        batch = _next_batch(db, subscription, partition, size, 0)
-        if batch is not None and batch.parts and batch.parts[0].gap is not None:
-            return _commit_positions(db, subscription, batch)  # with the gap's record
+    batch: _Batch | None = None
+    try:
+        with db.transaction():
+            batch = _next_batch(db, subscription, partition, size, 0)
+            if batch is not None and batch.parts and batch.parts[0].gap is not None:
+                return _commit_positions(db, subscription, batch)  # with the gap's record
+    except psycopg.Error as error:
+        # a commit that fails after a gap handler ran fails for what it wrote
+        if batch is None or subscription.gap is None or database_trouble(error):
+            raise
+        raise _failed(error, batch, batch.parts[0]) from error
     if batch is None:
         return None
     if batch.missing is not None:
@@ -530,11 +537,14 @@ def _missing(
             if database_trouble(error):
                 raise
             raise BatchFailed(error, 0, old, old, generation, partition, False) from error
-    db.run(
-        _record_gap(
-            subscription.name, generation, gap, "handled" if subscription.gap else "skipped"
-        )
-    )
+    try:
+        action = "handled" if subscription.gap else "skipped"
+        db.run(_record_gap(subscription.name, generation, gap, action))
+    except psycopg.Error as error:
+        if subscription.gap is None or database_trouble(error):
+            raise
+        # the gap handler left the transaction aborted (an SQL error it caught)
+        raise BatchFailed(error, 0, old, old, generation, partition, False) from error
     return _Batch([_Part(partition, old, generation, [], None, gap)])
 
 
@@ -712,7 +722,9 @@ def record_failure(
         attempts = int(attempts_row[0])
         if attempts < subscription.max_attempts:
             return Failure(attempts, "retry")
-        if subscription.on_error == "stop":
+        # a gap has no event to dead-letter: a failing gap handler stops the partition,
+        # in state gap, with its error
+        if subscription.on_error == "stop" or failed.events == 0:
             db.run(stop_partition(subscription.name, partition, failed.position, failed.generation))
             return Failure(attempts, "stopped")
         # dead_letter: the event after the position is the failing one

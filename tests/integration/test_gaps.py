@@ -214,3 +214,52 @@ def test_starting_from_the_beginning_of_a_pruned_stream_is_no_gap(
         wait_for(lambda: count(sql) == 4)
     assert effects(sql) == [7, 8, 9, 10]
     assert gaps(sql) == []
+
+
+@pytest.mark.parametrize("on_error", ["stop", "dead_letter"])
+def test_a_gap_handler_that_keeps_failing_stops_the_partition_with_its_error(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], on_error: Any
+) -> None:
+    single(fast_engine)
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single", max_attempts=2, on_error=on_error)
+    sub.handler()(record)
+
+    @sub.gap_handler()
+    def failing(gap: Tombstone, conn: Any) -> None:
+        raise RuntimeError("the projection cannot be marked")
+
+    fast_engine.ensure_subscription(sub)
+    prune(fast_engine)
+    with Running(app, fast_engine):
+        wait_for(lambda: fast_engine.subscription_positions("billing")[0].stopped)
+    [status] = fast_engine.subscription_status("billing")
+    assert (status.state, status.position, status.attempts) == ("gap", 0, 2)
+    assert status.last_error == "RuntimeError: the projection cannot be marked"
+    assert count(sql, "subengine.dead_letters") == 0  # a gap has no event to dead-letter
+    assert gaps(sql) == [] and effects(sql) == []
+
+
+def test_a_gap_handler_that_swallows_its_sql_error_is_charged_with_it(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    # its transaction is aborted: recording the gap fails, and that is the handler's doing
+    single(fast_engine)
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single", max_attempts=2)
+    sub.handler()(record)
+
+    @sub.gap_handler()
+    def swallowing(gap: Tombstone, conn: Any) -> None:
+        try:
+            conn.execute("SELECT 1 / 0")
+        except psycopg.errors.DivisionByZero:
+            pass
+
+    fast_engine.ensure_subscription(sub)
+    prune(fast_engine)
+    with Running(app, fast_engine):
+        wait_for(lambda: fast_engine.subscription_positions("billing")[0].stopped, timeout=20)
+    [status] = fast_engine.subscription_status("billing")
+    assert (status.state, status.attempts) == ("gap", 2)
+    assert str(status.last_error).startswith("InFailedSqlTransaction")
