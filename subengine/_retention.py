@@ -60,6 +60,8 @@ class PartitionCut:
     floor: int
     head: int
     cut: int
+    keep: bool = False  # keep_unprocessed: each batch checks the subscriptions again
+    hard: int | None = None  # then the hard limits' cut
 
     @property
     def removable(self) -> int:
@@ -103,12 +105,18 @@ def retention_plan(stream: str | None = None) -> Query[list[PartitionCut]]:
     )
 
 
-def _prune_range(cut: PartitionCut, start: int, end: int) -> Query[tuple[int, int]]:
-    params = {"stream": cut.stream, "partition": cut.partition, "from": start, "to": end}
+def _prune_range(cut: PartitionCut, start: int, end: int) -> Query[tuple[int, int] | None]:
+    params = {
+        "stream": cut.stream,
+        "partition": cut.partition,
+        "from": start,
+        "to": end,
+        "keep": cut.keep,
+        "hard": cut.hard,
+    }
 
-    def read(result: Result) -> tuple[int, int]:
-        row = result.rows[0] if result.rows else (0, start)
-        return int(row[0]), int(row[1])
+    def read(result: Result) -> tuple[int, int] | None:
+        return (int(result.rows[0][0]), int(result.rows[0][1])) if result.rows else None
 
     return Query("prune_range", params, read)
 
@@ -160,7 +168,8 @@ def run_retention(
                 ],
                 dry_run=True,
             )
-        return RetentionRun([_prune(db, cut, batch, progress) for cut in cuts])
+        pruned = [_prune(db, cut, batch, progress) for cut in cuts]
+        return RetentionRun([part for part in pruned if part.last >= part.first])
     finally:
         if not dry_run:
             db.run(Query("retention_unlock", lock, lambda result: None))
@@ -170,10 +179,14 @@ def _prune(db: Db, cut: PartitionCut, batch: int, progress: Progress | None) -> 
     removed, start, floor = 0, cut.floor, cut.floor
     while start < cut.cut:
         end = min(start + batch, cut.cut)
-        count, floor = db.run(_prune_range(cut, start, end))
+        pruned = db.run(_prune_range(cut, start, end))
+        if pruned is None:  # the stream is being deleted
+            break
+        count, floor = pruned
         removed += count
         if progress is not None:
             progress(cut, removed)
-        # another pruner (without the lock: an older version) may have raised it further
-        start = max(end, floor)
-    return PrunedPartition(cut.stream, cut.partition, cut.floor, cut.cut - 1, removed)
+        if floor < end:  # a subscription it keeps events for stands below the cut now
+            break
+        start = floor
+    return PrunedPartition(cut.stream, cut.partition, cut.floor, floor - 1, removed)

@@ -97,22 +97,40 @@ WITH policies AS (
 SELECT stream, partition, floor, head,
        greatest(floor, least(head + 1,
                              CASE WHEN keep THEN greatest(least(soft, unprocessed), hard)
-                                  ELSE soft END)) AS cut
+                                  ELSE soft END)) AS cut,
+       keep, hard
   FROM limits
  ORDER BY stream, partition
 
 -- name: prune_range
 -- Remove positions %(from)s up to (not including) %(to)s of a partition and raise its
--- floor to %(to)s, in one statement: a reader's snapshot sees the events or the new
--- floor, never neither. A key left with no event keeps its last version in pruned_keys.
+-- floor to the end of what went, in one statement: a reader's snapshot sees the events or
+-- the new floor, never neither. With %(keep)s (keep_unprocessed), the end is also kept
+-- below the next event of every subscription of the stream as they stand now (one
+-- stored or reset since the run planned included), unless the hard limit's cut
+-- %(hard)s is past it. A key left with no event keeps its last version in pruned_keys.
 -- The partition row is locked only by the final UPDATE, after everything else (it needs
 -- `summary`, which needs the deletes and the keys' versions), so an append to the
 -- partition waits at most for that UPDATE and the commit. `floor_time` becomes the time
--- of the last event removed. Returns how many rows went and the floor.
-WITH gone AS (
+-- of the last event removed. A partition whose row is gone (its stream being deleted)
+-- loses nothing here and returns no row. Returns how many rows went and the floor.
+WITH bound AS (
+    SELECT CASE WHEN %(keep)s
+                THEN least(%(to)s::bigint,
+                           greatest((SELECT min(sp.position) + 1
+                                       FROM {schema}.subscription_positions sp
+                                       JOIN {schema}.subscriptions sub
+                                         ON sub.name = sp.subscription
+                                      WHERE sub.stream = %(stream)s
+                                        AND sp.partition = %(partition)s),
+                                    %(hard)s::bigint))
+                ELSE %(to)s::bigint END AS upto
+      FROM {schema}.partitions
+     WHERE stream = %(stream)s AND partition = %(partition)s
+), gone AS (
     DELETE FROM {schema}.events
      WHERE stream = %(stream)s AND partition = %(partition)s
-       AND position >= %(from)s AND position < %(to)s
+       AND position >= %(from)s AND position < (SELECT upto FROM bound)
     RETURNING position, recorded_at, key, key_version
 ), kept_versions AS (
     -- keys with no later version stored (the statement's snapshot still shows the rows
@@ -133,10 +151,10 @@ WITH gone AS (
       FROM gone
 )
 UPDATE {schema}.partitions p
-   SET floor = greatest(p.floor, %(to)s),
+   SET floor = greatest(p.floor, bound.upto),
        floor_time = coalesce(
-           CASE WHEN p.floor < %(to)s THEN summary.last_time END, p.floor_time)
-  FROM summary
+           CASE WHEN p.floor < bound.upto THEN summary.last_time END, p.floor_time)
+  FROM summary, bound
  WHERE p.stream = %(stream)s AND p.partition = %(partition)s
 RETURNING summary.removed, p.floor
 
