@@ -11,7 +11,8 @@ interrupted anywhere:
 2. The events go in batches, each its own transaction: no huge transaction, and appends
    to other streams never wait for more than a batch.
 3. The row goes, only once nothing else of the stream is left. The name is free again;
-   a stream created under it has a new epoch, so a cursor of the old one is detected.
+   a stream created under it has a new epoch, by which a reader that kept the old one
+   can tell (`Cursor` does not carry the epoch yet: the gateway's cursor will).
 """
 
 from __future__ import annotations
