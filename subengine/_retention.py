@@ -171,7 +171,9 @@ def run_retention(
         pruned = [_prune(db, cut, batch, progress) for cut in cuts]
         return RetentionRun([part for part in pruned if part.last >= part.first])
     finally:
-        if not dry_run:
+        # a broken connection took its session lock with it; unlocking would only hide
+        # what broke it
+        if not dry_run and not db.conn.broken:
             db.run(Query("retention_unlock", lock, lambda result: None))
 
 
