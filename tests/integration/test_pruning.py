@@ -365,6 +365,7 @@ def test_an_append_is_not_blocked_while_a_prune_batch_deletes(
     # The pruner's backend is the one that is new once it runs.
     with psycopg.connect(dsn, autocommit=True) as look:
         others = {row[0] for row in look.execute("SELECT pid FROM pg_stat_activity").fetchall()}
+        # (other tests' backends, in other databases, come and go: the query names ours)
     pruner = threading.Thread(target=prune)
     pruner.start()
     try:
@@ -373,7 +374,7 @@ def test_an_append_is_not_blocked_while_a_prune_batch_deletes(
         def pruner_waits() -> bool:
             rows = sql.execute(
                 "SELECT pid, query FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND query LIKE %s",
+                " AND query LIKE %s AND datname = current_database()",
                 ("%DELETE FROM%",),
             ).fetchall()
             waiting[:] = [(pid, query) for pid, query in rows if pid not in others]
