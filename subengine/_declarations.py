@@ -322,6 +322,11 @@ class Subscription:
 
         return register
 
+    def handle_gap(self, gap: Tombstone, conn: psycopg.Connection[Any] | None) -> None:
+        """Run the gap handler, if there is one, for a gap the subscription passes."""
+        if self.gap is not None:
+            _returned(self.gap, self.gap(gap, conn))
+
     def handle(self, events: Sequence[Event], conn: psycopg.Connection[Any] | None) -> None:
         """Run the handlers for a batch, in position order (nothing for an empty one)."""
         if not events:

@@ -23,7 +23,6 @@ from psycopg.types.json import Jsonb
 from subengine._declarations import (
     Start,
     Subscription,
-    _returned,
     describe_start,
     start_to_json,
 )
@@ -532,7 +531,7 @@ def _missing(
         return _Batch([], stopped)
     if subscription.gap is not None:
         try:
-            _returned(subscription.gap, subscription.gap(gap, db.conn))
+            subscription.handle_gap(gap, db.conn)
         except Exception as error:
             if database_trouble(error):
                 raise
