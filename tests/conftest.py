@@ -8,6 +8,10 @@ cloned from a template that subengine's migrations have already been applied to;
 names carry a random tag of the pytest process (and under xdist the worker's id), so
 workers and whole sessions sharing one server never meet.
 
+The browser tests get a headless Chromium, the system's, driven by Playwright (`page`);
+the replication tests a PostgreSQL 15 primary with a streaming replica of it
+(`streaming_replica`). Both skip, saying what to install, where the machine lacks them.
+
 Every test under acceptance/ is marked `slow`. Plain helpers live in helpers.py.
 """
 
@@ -18,7 +22,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
@@ -40,6 +44,9 @@ from pytest_postgresql.executors import NoopExecutor
 
 import subengine
 from subengine import _migrate
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
 
 TESTS = Path(__file__).parent
 _embedded_server: Any = None
@@ -199,3 +206,64 @@ def stored(engine: subengine.Engine, orders: str) -> str:
     """The stream 'orders' with a few events, so that 'nothing changed' has something to keep."""
     engine.append(orders, [subengine.NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
     return orders
+
+
+# The flags that let Chromium run headless as root in a container and keep it off the
+# network: no sandbox (it needs user namespaces), no GPU, no QUIC, and none of the
+# background fetches (updates, sync, component downloads) a desktop browser makes.
+# Playwright adds --headless and a fresh --user-data-dir of its own to every launch.
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# Every wait of a browser test ends: a launch, a navigation, an evaluation.
+BROWSER_TIMEOUT_MS = 20_000
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    """A headless Chromium for this test: the system's (/usr/bin/chromium, or
+    SUBENGINE_TEST_CHROMIUM), driven by Playwright's synchronous API.
+
+    One per test, not per session: while Playwright's synchronous API runs, it marks its
+    event loop as running in this thread, so `asyncio.run` fails here until it stops; a
+    browser that outlived its test would break the async tests after it. A launch costs
+    about a second. The same holds inside a browser test: it cannot run asyncio code
+    in its own thread.
+    """
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("Playwright is not installed: pip install -e '.[test]'")
+    chromium = Path(os.environ.get("SUBENGINE_TEST_CHROMIUM", "/usr/bin/chromium"))
+    if not chromium.is_file():
+        pytest.skip(
+            f"no Chromium at {chromium}: install it (Debian: apt-get install chromium) "
+            "or set SUBENGINE_TEST_CHROMIUM to a Chromium or Chrome executable"
+        )
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=chromium,
+            headless=True,
+            chromium_sandbox=False,
+            args=CHROMIUM_FLAGS,
+            timeout=BROWSER_TIMEOUT_MS,
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Page:
+    """A blank page of a fresh browser context (no cookies, no cache) of `browser`, whose
+    every Playwright call gives up after BROWSER_TIMEOUT_MS."""
+    context = browser.new_context()
+    context.set_default_timeout(BROWSER_TIMEOUT_MS)
+    return context.new_page()

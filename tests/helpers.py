@@ -1,6 +1,6 @@
 """Helpers shared by the tests of every tier: paths, running the `subengine` command,
-waiting, handlers, a worker in a thread, scraping metrics, and a TCP proxy that can fail
-like a network.
+waiting, handlers, a worker in a thread, scraping metrics, a TCP proxy that can fail
+like a network, and an EventSource in a browser page.
 
 Fixtures live in conftest.py; plain functions and classes live here, imported by name
 (`from helpers import run_subengine`).
@@ -19,13 +19,17 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import subengine
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page, Route
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -369,3 +373,64 @@ def server_now(engine: subengine.Engine) -> datetime:
     """The database server's clock now."""
     with engine.connection() as conn:
         return conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[no-any-return, index]
+
+
+# Opens an EventSource in the page and records, in window.sse, every message it receives
+# (of type "message" and of the named types), and how often it opened and failed.
+_OPEN_EVENT_SOURCE = """([url, types]) => {
+    const sse = window.sse = {messages: [], opens: 0, errors: 0};
+    const source = sse.source = new EventSource(url);
+    source.addEventListener("open", () => { sse.opens += 1; });
+    source.addEventListener("error", () => { sse.errors += 1; });
+    for (const type of ["message", ...types]) {
+        source.addEventListener(type, (event) => {
+            sse.messages.push({type: event.type, id: event.lastEventId, data: event.data});
+        });
+    }
+}"""
+# EventSource.readyState, by its value
+_READY_STATES = {0: "connecting", 1: "open", 2: "closed"}
+
+
+class PageEventSource:
+    """An EventSource on `url` in `page` (the `page` fixture), recording what it receives.
+
+    The page is first taken to a blank page of the URL's own origin, which the browser
+    serves itself (the server never sees it), so the stream is same-origin and the
+    server needs no CORS headers. `types` are the named events (`event: <type>`) to record
+    besides plain messages. Read it with `messages()`, `state()` and `counts()`; wait on
+    them with `wait_for`, which bounds the wait.
+    """
+
+    def __init__(self, page: Page, url: str, types: Sequence[str] = ()) -> None:
+        self.page = page
+        parts = urlsplit(url)
+        blank = f"{parts.scheme}://{parts.netloc}/subengine-test-blank-page"
+
+        def serve_blank(route: Route) -> None:
+            route.fulfill(content_type="text/html", body="<!doctype html><title>test</title>")
+
+        page.route(blank, serve_blank)
+        page.goto(blank)
+        page.unroute(blank)  # the stream's requests go to the server untouched
+        page.evaluate(_OPEN_EVENT_SOURCE, [url, list(types)])
+
+    def messages(self) -> list[dict[str, str]]:
+        """Every message received so far, in order: {"type", "id", "data"}, where "id" is
+        the last event id the EventSource holds after it (as it would send on reconnect)."""
+        messages: list[dict[str, str]] = self.page.evaluate("window.sse.messages")
+        return messages
+
+    def state(self) -> str:
+        """Its readyState: "connecting" (also while it waits to reconnect), "open", or
+        "closed" (it gave up, or was closed)."""
+        return _READY_STATES[self.page.evaluate("window.sse.source.readyState")]
+
+    def counts(self) -> tuple[int, int]:
+        """How often it opened a connection and how often one failed or ended."""
+        opens, errors = self.page.evaluate("[window.sse.opens, window.sse.errors]")
+        return int(opens), int(errors)
+
+    def close(self) -> None:
+        """Close it, as a page would: the browser drops the connection and never reconnects."""
+        self.page.evaluate("window.sse.source.close()")
