@@ -9,8 +9,9 @@ names carry a random tag of the pytest process (and under xdist the worker's id)
 workers and whole sessions sharing one server never meet.
 
 The browser tests get a headless Chromium, the system's, driven by Playwright (`page`);
-the replication tests a PostgreSQL 15 primary with a streaming replica of it
-(`streaming_replica`). Both skip, saying what to install, where the machine lacks them.
+the replication tests a primary with a streaming replica of it (`streaming_replica`),
+started from the machine's PostgreSQL 15 programs. Both skip, saying what to install,
+where the machine lacks them.
 
 Every test under acceptance/ is marked `slow`. Plain helpers live in helpers.py.
 """
@@ -28,14 +29,20 @@ import psycopg
 import pytest
 from helpers import (  # noqa: F401  (re-exported for tests that still import from conftest)
     APPS,
+    POSTGRES_15_BIN,
     PYTHON,
     README,
+    REPLICATION_TIMEOUT,
     SESSION_TAG,
     Proxy,
+    Replication,
+    postgres_runner,
     run_subengine,
     run_subengine_until,
     snapshot,
+    streaming_replication,
     subengine_command,
+    wait_replayed,
     write_readme_app,
 )
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -267,3 +274,27 @@ def page(browser: Browser) -> Page:
     context = browser.new_context()
     context.set_default_timeout(BROWSER_TIMEOUT_MS)
     return context.new_page()
+
+
+@pytest.fixture(scope="session")
+def streaming_replica() -> Iterator[Replication]:
+    """(primary_dsn, replica_dsn): a fresh PostgreSQL 15 primary, migrated, and a replica
+    streaming from it (read-only, hot standby), each on a free loopback port; the replica
+    has replayed the migrations. Shared by the tests of a session (each xdist worker
+    starts its own pair, in about a second): give streams names of your own, and call
+    `wait_replayed` before reading on the replica what the primary just committed."""
+    if not (POSTGRES_15_BIN / "initdb").is_file():
+        pytest.skip(
+            f"PostgreSQL 15's server programs are not in {POSTGRES_15_BIN}: install them "
+            "(Debian: apt-get install postgresql-15)"
+        )
+    runner = postgres_runner()
+    if runner is None:
+        pytest.skip(
+            "initdb refuses to run as root, and root cannot run it as the postgres OS user "
+            "here: create that user, or run the tests as another user"
+        )
+    with streaming_replication(runner) as replication:
+        _migrate.upgrade(replication.primary_dsn, "subengine", subengine.Settings().connect_timeout)
+        wait_replayed(*replication, timeout=REPLICATION_TIMEOUT)
+        yield replication

@@ -1,6 +1,7 @@
 """Helpers shared by the tests of every tier: paths, running the `subengine` command,
 waiting, handlers, a worker in a thread, scraping metrics, a TCP proxy that can fail
-like a network, and an EventSource in a browser page.
+like a network, an EventSource in a browser page, and a PostgreSQL 15 primary with a
+streaming replica.
 
 Fixtures live in conftest.py; plain functions and classes live here, imported by name
 (`from helpers import run_subengine`).
@@ -8,18 +9,23 @@ Fixtures live in conftest.py; plain functions and classes live here, imported by
 
 from __future__ import annotations
 
+import os
+import pwd
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
 import psycopg
@@ -434,3 +440,179 @@ class PageEventSource:
     def close(self) -> None:
         """Close it, as a page would: the browser drops the connection and never reconnects."""
         self.page.evaluate("window.sse.source.close()")
+
+
+# The machine's PostgreSQL 15 server programs (Debian's postgresql-15 package)
+POSTGRES_15_BIN = Path("/usr/lib/postgresql/15/bin")
+# initdb and postgres refuse to run as root; as root, they run as this OS user
+POSTGRES_OS_USER = "postgres"
+# Every step of starting or stopping the pair ends within this many seconds.
+REPLICATION_TIMEOUT = 60.0
+# Written to the primary's postgresql.conf, which the replica's copy inherits: loopback
+# TCP only (no Unix socket, whose default directory needs the postgres group), enough
+# WAL senders for a replica and pg_basebackup's WAL stream, small shared memory, and no
+# fsync (the clusters are thrown away).
+_PRIMARY_SETTINGS = """
+listen_addresses = '127.0.0.1'
+port = {port}
+unix_socket_directories = ''
+wal_level = replica
+max_wal_senders = 4
+hot_standby = on
+shared_buffers = 32MB
+fsync = off
+"""
+
+
+class Replication(NamedTuple):
+    """Connection strings of a primary and of its streaming replica, database `postgres`."""
+
+    primary_dsn: str
+    replica_dsn: str
+
+
+def postgres_runner() -> list[str] | None:
+    """The prefix that runs PostgreSQL's server programs as a user they accept: as root,
+    `runuser` to the postgres OS user; as anyone else, nothing. None when root has no
+    postgres user or no runuser."""
+    if os.geteuid() != 0:
+        return []
+    runuser = shutil.which("runuser")
+    try:
+        pwd.getpwnam(POSTGRES_OS_USER)
+    except KeyError:
+        return None
+    return None if runuser is None else [runuser, "-u", POSTGRES_OS_USER, "--"]
+
+
+def _run_postgres_program(
+    runner: list[str], directory: Path, *command: str, env: dict[str, str] | None = None
+) -> None:
+    """Run one of PostgreSQL's programs in `directory`, failing the test with its output."""
+    try:
+        subprocess.run(
+            [*runner, *command],
+            cwd=directory,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=REPLICATION_TIMEOUT,
+        )
+    except subprocess.CalledProcessError as error:
+        raise AssertionError(
+            f"{Path(command[0]).name} failed:\n{error.stdout}{error.stderr}"
+        ) from None
+
+
+@contextmanager
+def streaming_replication(
+    runner: list[str], bin_dir: Path = POSTGRES_15_BIN
+) -> Iterator[Replication]:
+    """A fresh primary (initdb, a free loopback port, password authentication) and a
+    streaming replica of it (pg_basebackup -R, its own port, hot standby), yielded once
+    the replica streams; both are stopped and their directories removed on exit.
+
+    `runner` is `postgres_runner()`. Nothing is migrated here."""
+    root = Path(tempfile.mkdtemp(prefix="subengine-replication-"))
+    owner = pwd.getpwnam(POSTGRES_OS_USER) if runner else None
+    if owner is not None:
+        os.chown(root, owner.pw_uid, owner.pw_gid)
+    primary, replica = root / "primary", root / "replica"
+    primary_port, replica_port = free_port(), free_port()
+    password = secrets.token_urlsafe(16)
+    env = dict(os.environ, PGPASSWORD=password)
+
+    def dsn(port: int, password: str = password) -> str:
+        return make_conninfo(
+            host="127.0.0.1", port=port, user="postgres", password=password, dbname="postgres"
+        )
+
+    def run(*command: str) -> None:
+        _run_postgres_program(runner, root, str(bin_dir / command[0]), *command[1:], env=env)
+
+    started: list[Path] = []
+    try:
+        password_file = root / "password"
+        password_file.write_text(password)
+        if owner is not None:
+            os.chown(password_file, owner.pw_uid, owner.pw_gid)
+        run(
+            "initdb", "--pgdata", str(primary), "--username", "postgres",
+            "--pwfile", str(password_file), "--auth", "scram-sha-256",
+            "--encoding", "UTF8", "--locale", "C", "--no-sync",
+        )  # fmt: skip
+        password_file.unlink()
+        with (primary / "postgresql.conf").open("a") as conf:
+            conf.write(_PRIMARY_SETTINGS.format(port=primary_port))
+        _start(run, primary, started)
+        run(
+            "pg_basebackup", "--pgdata", str(replica), "--dbname", dsn(primary_port, ""),
+            "--write-recovery-conf", "--wal-method", "stream", "--create-slot",
+            "--slot", "subengine_replica", "--checkpoint", "fast", "--no-sync",
+        )  # fmt: skip
+        with (replica / "postgresql.conf").open("a") as conf:
+            conf.write(f"port = {replica_port}\n")
+        _start(run, replica, started)
+        replication = Replication(dsn(primary_port), dsn(replica_port))
+        wait_for(
+            lambda: _streaming(replication),
+            "the replica to stream from the primary",
+            REPLICATION_TIMEOUT,
+        )
+        yield replication
+    finally:
+        try:
+            for directory in reversed(started):
+                _stop(run, directory)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _start(run: Callable[..., None], directory: Path, started: list[Path]) -> None:
+    log = directory.parent / f"{directory.name}.log"
+    try:
+        run(
+            "pg_ctl", "start", "--pgdata", str(directory), "--log", str(log),
+            "--wait", "--timeout", str(int(REPLICATION_TIMEOUT)),
+        )  # fmt: skip
+    except AssertionError as error:
+        server_log = log.read_text() if log.exists() else "(no log)"
+        raise AssertionError(f"{error}\nserver log:\n{server_log}") from None
+    started.append(directory)
+
+
+def _stop(run: Callable[..., None], directory: Path) -> None:
+    stop = ("pg_ctl", "stop", "--pgdata", str(directory), "--wait")
+    try:
+        run(*stop, "--mode", "fast", "--timeout", str(int(REPLICATION_TIMEOUT)))
+    except AssertionError:
+        run(*stop, "--mode", "immediate")
+
+
+def _streaming(replication: Replication) -> bool:
+    with psycopg.connect(replication.primary_dsn, connect_timeout=5) as primary:
+        row = primary.execute(
+            "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
+        ).fetchone()
+    with psycopg.connect(replication.replica_dsn, connect_timeout=5) as replica:
+        recovering = replica.execute("SELECT pg_is_in_recovery()").fetchone()
+    return row is not None and row[0] > 0 and recovering is not None and bool(recovering[0])
+
+
+def wait_replayed(primary_dsn: str, replica_dsn: str, timeout: float = 30.0) -> None:
+    """Wait, at most `timeout` seconds, until the replica has replayed the primary's WAL up
+    to where it is now: what the primary committed before the call can be read there."""
+    with psycopg.connect(primary_dsn, connect_timeout=5) as primary:
+        row = primary.execute("SELECT pg_current_wal_lsn()").fetchone()
+    assert row is not None
+    target = row[0]
+    with psycopg.connect(replica_dsn, connect_timeout=5, autocommit=True) as replica:
+
+        def replayed() -> bool:
+            caught_up = replica.execute(
+                "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)
+            ).fetchone()
+            return caught_up is not None and bool(caught_up[0])
+
+        wait_for(replayed, f"the replica to replay the primary's WAL up to {target}", timeout)
