@@ -17,7 +17,14 @@ def test_upgrade_from_empty_creates_the_data_model(blank_dsn: str) -> None:
         assert engine.schema_revision() is None
         engine.migrate()
         assert engine.schema_revision() == _migrate.head_revision()
-    assert {"streams", "partitions", "events", "subengine_alembic_version"} <= tables(blank_dsn)
+    assert {
+        "streams",
+        "partitions",
+        "events",
+        "gateway_keys",
+        "gateway_secrets",
+        "subengine_alembic_version",
+    } <= tables(blank_dsn)
     with psycopg.connect(blank_dsn) as conn:
         types: dict[str, str] = dict(
             conn.execute(
