@@ -19,6 +19,7 @@ from subengine._cursor import Cursor
 from subengine._declarations import Retention, Subscription
 from subengine._engine import Engine
 from subengine._errors import (
+    ApiKeyNotFound,
     ConfigurationError,
     DatabaseUnavailable,
     EventIdConflict,
@@ -47,6 +48,7 @@ from subengine._events import (
     Tombstone,
     partition_for,
 )
+from subengine._gateway_keys import ApiKey
 from subengine._logging import configure_logging
 from subengine._names import validate_schema_name
 from subengine._orm import sqlalchemy_session
@@ -66,6 +68,8 @@ from subengine._subscriptions import BatchOutcome, SubscriptionPosition
 from subengine._tail import AsyncTail, Tail
 
 __all__ = [
+    "ApiKey",
+    "ApiKeyNotFound",
     "App",
     "Appended",
     "AsyncEngine",

@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from subengine import _read, _stream_deletion, _streams
+from subengine import _gateway_keys, _read, _stream_deletion, _streams
 from subengine._append import ExpectedVersion, append_events, prepare, schema_not_ready
 from subengine._connection import (
     APPLICATION_NAME,
@@ -34,6 +34,7 @@ from subengine._declarations import Retention
 from subengine._engine import configured
 from subengine._errors import DatabaseUnavailable
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
+from subengine._gateway_keys import ApiKey
 from subengine._listener import AsyncListener
 from subengine._settings import Settings
 from subengine._sql import SQL, Db
@@ -252,6 +253,47 @@ class AsyncEngine:
     async def heads(self, stream: str) -> dict[int, int]:
         """The head (last committed position) of every partition of a stream."""
         query = _streams.heads(stream)
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    # the gateway's API keys and signing secrets
+
+    async def create_api_key(
+        self, scopes: Iterable[str], streams: Iterable[str], name: str | None = None
+    ) -> tuple[ApiKey, str]:
+        """`Engine.create_api_key`: the key and its token, which nothing can show again."""
+        query = _gateway_keys.create_key(name, scopes, streams)
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def api_keys(self) -> list[ApiKey]:
+        """Every API key, revoked ones included, oldest first (never their secrets)."""
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, _gateway_keys.list_keys())
+
+    async def revoke_api_key(self, id: str) -> ApiKey:
+        """`Engine.revoke_api_key`: ApiKeyNotFound when there is no key `id`."""
+        query = _gateway_keys.revoke_key(id)
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def authenticate(self, token: str) -> ApiKey | None:
+        """The API key of `token`, or None when the token is malformed, unknown, wrong or
+        revoked (a malformed one costs no query). Never raises on a bad token."""
+        query = _gateway_keys.authenticate(token)
+        if query is None:
+            return None
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def any_active_api_key(self) -> bool:
+        """Whether any API key is not revoked; without one the gateway runs open."""
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, _gateway_keys.any_active_key())
+
+    async def signing_secret(self, name: str) -> bytes:
+        """`Engine.signing_secret`: the same bytes for every caller of the schema."""
+        query = _gateway_keys.signing_secret(name)
         async with self.connection() as conn:
             return await self.sql.run_async(conn, query)
 

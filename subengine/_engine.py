@@ -16,6 +16,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from subengine import (
     _embedded,
+    _gateway_keys,
     _migrate,
     _operations,
     _read,
@@ -45,6 +46,7 @@ from subengine._cursor import Cursor
 from subengine._declarations import Retention, Start, Subscription
 from subengine._errors import ConfigurationError, DatabaseUnavailable
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
+from subengine._gateway_keys import ApiKey
 from subengine._records import (
     DeadLetter,
     PartitionStatus,
@@ -447,6 +449,52 @@ class Engine:
     def heads(self, stream: str) -> dict[int, int]:
         """The head (last committed position) of every partition of a stream."""
         query = _streams.heads(stream)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    # the gateway's API keys and signing secrets
+
+    def create_api_key(
+        self, scopes: Iterable[str], streams: Iterable[str], name: str | None = None
+    ) -> tuple[ApiKey, str]:
+        """Create an API key of the gateway allowed `scopes` (read, append, admin) on the
+        streams matching `streams` (a name, a prefix ending in '*', or '*'); the key and
+        its token, "sek_<id>_<secret>", which nothing can show again: only its hash is
+        stored."""
+        query = _gateway_keys.create_key(name, scopes, streams)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def api_keys(self) -> list[ApiKey]:
+        """Every API key, revoked ones included, oldest first (never their secrets)."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _gateway_keys.list_keys())
+
+    def revoke_api_key(self, id: str) -> ApiKey:
+        """Revoke the API key `id` (revoking it again changes nothing); the key. Raises
+        ApiKeyNotFound when there is none."""
+        query = _gateway_keys.revoke_key(id)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def authenticate(self, token: str) -> ApiKey | None:
+        """The API key of `token`, or None when the token is malformed, unknown, wrong or
+        revoked. Never raises on a bad token."""
+        query = _gateway_keys.authenticate(token)
+        if query is None:
+            return None
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def any_active_api_key(self) -> bool:
+        """Whether any API key is not revoked; without one the gateway runs open."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _gateway_keys.any_active_key())
+
+    def signing_secret(self, name: str) -> bytes:
+        """The gateway's signing secret `name` (32 random bytes), made on first use and
+        the same for every caller and process of the schema after."""
+        query = _gateway_keys.signing_secret(name)
         with self.connection() as conn:
             return self.sql.run(conn, query)
 

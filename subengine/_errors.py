@@ -110,6 +110,16 @@ class EventIdConflict(SubengineError):
         self.type = type
 
 
+class ApiKeyNotFound(SubengineError, LookupError):
+    """No API key of the gateway has that id."""
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(
+            f"API key {key_id!r} does not exist; `subengine gateway key list` shows the keys"
+        )
+        self.key_id = key_id
+
+
 class SubscriptionMismatch(SubengineError):
     """The stored subscription of that name reads another stream or began elsewhere."""
 

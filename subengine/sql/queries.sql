@@ -748,6 +748,53 @@ UPDATE {schema}.dead_letters
  WHERE subscription = %(name)s AND partition = %(partition)s AND position = %(position)s
    AND resolution IS NULL
 
+-- name: create_gateway_key
+-- Store a new API key of the gateway (the SHA-256 of its secret, never the secret);
+-- returns nothing when the id drawn for it is taken already.
+INSERT INTO {schema}.gateway_keys (id, name, secret_hash, scopes, streams)
+VALUES (%(id)s, %(name)s, %(secret_hash)s, %(scopes)s, %(streams)s)
+ON CONFLICT (id) DO NOTHING
+RETURNING id, name, scopes, streams, created_at, revoked_at
+
+-- name: list_gateway_keys
+-- Every API key, revoked ones included, oldest first (no hashes).
+SELECT id, name, scopes, streams, created_at, revoked_at FROM {schema}.gateway_keys
+ ORDER BY created_at, id
+
+-- name: revoke_gateway_key
+-- Revoke an API key; a key revoked already keeps the time it was first revoked. The
+-- clock, not the transaction's start, so that it never precedes created_at.
+UPDATE {schema}.gateway_keys SET revoked_at = coalesce(revoked_at, clock_timestamp())
+ WHERE id = %(id)s
+RETURNING id, name, scopes, streams, created_at, revoked_at
+
+-- name: gateway_key_for_token
+-- The API key a token names by its id, with the hash its secret must have.
+SELECT id, name, scopes, streams, created_at, revoked_at, secret_hash
+  FROM {schema}.gateway_keys WHERE id = %(id)s
+
+-- name: any_active_gateway_key
+-- Whether any API key is not revoked (without one, the gateway is open, on loopback only).
+SELECT EXISTS (SELECT FROM {schema}.gateway_keys WHERE revoked_at IS NULL)
+
+-- name: gateway_signing_secret
+-- The secret named %(name)s, stored as %(secret)s by the first caller: every caller gets
+-- the same one. A stored secret is read without a write. Two first callers at once both
+-- insert; the second waits for the first to commit, and then its DO UPDATE (which, unlike
+-- DO NOTHING, sees a row committed after the statement began) returns the first one's
+-- secret unchanged. A SELECT after DO NOTHING would miss that row in this statement.
+WITH stored AS (
+    SELECT secret FROM {schema}.gateway_secrets WHERE name = %(name)s
+), created AS (
+    INSERT INTO {schema}.gateway_secrets AS s (name, secret)
+    SELECT %(name)s, %(secret)s WHERE NOT EXISTS (SELECT FROM stored)
+    ON CONFLICT (name) DO UPDATE SET secret = s.secret
+    RETURNING s.secret
+)
+SELECT secret FROM stored
+UNION ALL
+SELECT secret FROM created
+
 -- name: spark_read_plan
 -- For the rest of a range read's transaction: walk the primary key, which yields positions
 -- in order, rather than sort a bitmap scan's rows (measured: about twice as fast), and

@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
             "_tail",
             "_retention",
             "_stream_deletion",
+            "_gateway_keys",
         ],
         2,
     ),
