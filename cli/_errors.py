@@ -8,17 +8,25 @@ The root group (`CommandLine`) catches them all, so no command handles errors it
 
 from __future__ import annotations
 
+import re
 from typing import IO, Any
 
 import click
 
 import subengine
 
+# An API key's token (sek_<id>_<secret>), wherever a message would quote one: click's
+# "extra argument (...)" quotes what it was given, and a token given in the wrong place
+# must not reach a terminal's scrollback or a CI log.
+TOKEN = re.compile(r"sek_[0-9a-f]{12}_[A-Za-z0-9_\-]+")
+TOKEN_SHOWN = "sek_<id>_<hidden>"
+
 
 def one_line(message: str) -> str:
-    """`message` on one line. Messages quote user input with repr(), which escapes line
-    breaks; this catches those that embed text as it is (a file name, click's "extra
-    argument (...)")."""
+    """`message` on one line, without tokens. Messages quote user input with repr(),
+    which escapes line breaks; this catches those that embed text as it is (a file name,
+    click's "extra argument (...)")."""
+    message = TOKEN.sub(TOKEN_SHOWN, message)
     return " ".join(part.strip() for part in message.strip().splitlines() if part.strip())
 
 

@@ -25,6 +25,7 @@ from ._errors import CommandLine, InvalidSetting
 from .database import db, migrate
 from .dead_letters import dead_letters
 from .events import append, read
+from .gateway import gateway
 from .retention import retention
 from .showcase import demo
 from .status import status
@@ -101,6 +102,7 @@ for command in (
     workers,
     dead_letters,
     demo,
+    gateway,
 ):
     cli.add_command(command)
 
