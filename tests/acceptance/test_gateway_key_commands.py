@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from typing import Any
 
 import psycopg
 import pytest
+from helpers import ROOT, run_subengine
 from helpers import run_ok as run
-from helpers import run_subengine
 
 import subengine
 
@@ -183,3 +184,28 @@ def test_no_error_echoes_a_token(
         assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
     assert keys_table(sql) == before
     assert engine.authenticate(token) == key
+
+
+def test_every_command_of_the_keys_page_runs(
+    cli_env: dict[str, str], engine: subengine.Engine
+) -> None:
+    page = (ROOT / "docs" / "gateway-keys.md").read_text()
+    commands = [
+        shlex.split(line)
+        for block in re.findall(r"```sh\n(.*?)```", page, flags=re.DOTALL)
+        for line in block.splitlines()
+        if line.startswith("subengine ")
+    ]
+    assert len(commands) == 6
+    shown_id = commands[-1][-1]  # the page revokes a key by an id of its example
+    for command in commands:
+        if command[1:4] == ["gateway", "key", "revoke"]:
+            command[-1] = engine.api_keys()[0].id
+        run(cli_env, *command[1:])
+    keys = engine.api_keys()
+    assert [(key.name, key.revoked) for key in keys] == [
+        ("dashboard", True),
+        ("billing", False),
+        ("ops", False),
+    ]
+    assert re.fullmatch("[0-9a-f]{12}", shown_id)
