@@ -27,6 +27,7 @@ from .dead_letters import dead_letters
 from .events import append, read
 from .gateway import gateway
 from .retention import retention
+from .serve import serve
 from .showcase import demo
 from .status import status
 from .streams import stream
@@ -101,6 +102,7 @@ for command in (
     status,
     workers,
     dead_letters,
+    serve,
     demo,
     gateway,
 ):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
@@ -36,6 +36,7 @@ from subengine._errors import DatabaseUnavailable
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
 from subengine._gateway_keys import ApiKey
 from subengine._listener import AsyncListener
+from subengine._read import Page
 from subengine._settings import Settings
 from subengine._sql import SQL, Db
 from subengine._stream_deletion import DeletedStream
@@ -241,6 +242,35 @@ class AsyncEngine:
         query = _read.read_since(
             stream, since, self.settings.read_limit if limit is None else limit
         )
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def read_page(
+        self, stream: str, positions: Sequence[int], limit: int | None = None
+    ) -> Page:
+        """Up to `limit` events of every partition after its position in `positions`,
+        oldest first across partitions, with the tombstones of the gaps after them and,
+        from the same snapshot, the stream's epoch, heads and floors (the gateway's
+        catch-up read; see `subengine._read.read_page`)."""
+        query = _read.read_page(
+            stream, positions, self.settings.read_limit if limit is None else limit
+        )
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def positions_since(self, stream: str, since: datetime) -> tuple[int, list[int]]:
+        """The stream's epoch, and per partition the position just before its first event
+        recorded at or after `since` (0 where retention removed such events)."""
+        query = _read.positions_since(stream, since)
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def epochs_and_heads(
+        self, streams: Sequence[str]
+    ) -> dict[str, tuple[int, list[int] | None]]:
+        """The epoch and heads of each of `streams` that exists (heads None while it is
+        being deleted)."""
+        query = _read.epochs_and_heads(streams)
         async with self.connection() as conn:
             return await self.sql.run_async(conn, query)
 

@@ -7,6 +7,8 @@ ever skipped. Reads by time are for finding a starting point, not for catching u
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +22,7 @@ from subengine._events import Event, Tombstone
 from subengine._names import (
     BIGINT_MAX,
     INTEGER_MAX,
+    MAX_PARTITIONS,
     validate_stream_name,
     validate_whole_number,
 )
@@ -85,3 +88,91 @@ def read_since(stream: str, since: datetime, limit: int) -> Query[list[Event | T
         return items
 
     return Query("read_since", {"stream": stream, "since": since, "limit": _limit(limit)}, read)
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """What `read_page` found, in one snapshot: the stream's epoch, the head and floor of
+    every partition (partition order), the tombstones of the gaps after the cursor and
+    the events after it, oldest first across partitions."""
+
+    stream: str
+    epoch: int
+    heads: tuple[int, ...]
+    floors: tuple[int, ...]
+    tombstones: list[Tombstone]
+    events: list[Event]
+
+
+def _positions(positions: Sequence[int], what: str) -> list[int]:
+    if isinstance(positions, str | bytes) or not isinstance(positions, Sequence):
+        raise InvalidInput(f"{what} must be a sequence of positions")
+    if len(positions) > MAX_PARTITIONS:
+        raise InvalidInput(f"{what} has more than {MAX_PARTITIONS} positions")
+    return [
+        validate_whole_number(position, f"the position of partition {partition}", 0, BIGINT_MAX)
+        for partition, position in enumerate(positions)
+    ]
+
+
+def read_page(stream: str, positions: Sequence[int], limit: int) -> Query[Page]:
+    """Up to `limit` events of every partition after its position in `positions`
+    (partition order; a partition past its end is at 0), oldest first across
+    partitions; first a tombstone for each partition whose positions after the cursor
+    retention removed. A cursor with a partition count other than the stream's is
+    refused: `InvalidInput`."""
+    validate_stream_name(stream)
+    after = _positions(positions, "the cursor")
+
+    def read(result: Result) -> Page:
+        if not result.rows:
+            raise StreamNotFound(stream)
+        epoch, partitions, heads, floors = result.rows[0][:4]
+        if heads is None:  # its partitions are gone first: `stream delete` is under way
+            raise StreamBeingDeleted(stream)
+        if after and len(after) != partitions:
+            raise InvalidInput(
+                f"the cursor has {len(after)} positions for stream {stream!r}, which has "
+                f"{partitions} partitions"
+            )
+        tombstones = [
+            Tombstone(stream, partition, position + 1, floor - 1, floor)
+            for partition, (position, floor) in enumerate(
+                zip(after or [0] * partitions, floors, strict=True)
+            )
+            if position < floor - 1
+        ]
+        events = _events([row[4:] for row in result.rows])
+        return Page(stream, epoch, tuple(heads), tuple(floors), tombstones, events)
+
+    params = {"stream": stream, "positions": after, "limit": _limit(limit)}
+    return Query("read_page", params, read)
+
+
+def positions_since(stream: str, since: datetime) -> Query[tuple[int, list[int]]]:
+    """The stream's epoch, and the position of every partition just before its first
+    event recorded at or after `since`: exact, because recorded_at never decreases along
+    a partition. A partition from which retention removed events recorded at or after
+    `since` is at 0, so a read from there meets the gap first."""
+    validate_stream_name(stream)
+    if not isinstance(since, datetime) or since.tzinfo is None:
+        raise InvalidInput(f"since must be a datetime with a time zone, not {since!r}")
+
+    def read(result: Result) -> tuple[int, list[int]]:
+        if not result.rows:
+            raise StreamNotFound(stream)
+        epoch, positions = result.rows[0]
+        return epoch, list(positions)
+
+    return Query("positions_since", {"stream": stream, "since": since}, read)
+
+
+def epochs_and_heads(streams: Sequence[str]) -> Query[dict[str, tuple[int, list[int] | None]]]:
+    """The epoch and the heads (partition order) of each of `streams` that exists; heads
+    None for a stream being deleted."""
+    names = [validate_stream_name(stream) for stream in streams]
+
+    def read(result: Result) -> dict[str, tuple[int, list[int] | None]]:
+        return {name: (epoch, heads) for name, epoch, heads in result.rows}
+
+    return Query("epochs_and_heads", {"streams": names}, read)

@@ -227,6 +227,60 @@ SELECT s.partitions, g.partitions, g.floors, e.id, e.stream, e.partition, e.posi
  WHERE s.name = %(stream)s
  ORDER BY e.recorded_at, e.partition, e.position
 
+-- name: read_page
+-- A page of a stream after a cursor: up to `limit` events of the partitions whose head is
+-- past the cursor's position for them (`positions`, partition order; missing: 0), oldest
+-- first across partitions (recorded order, ties by partition and position, so each
+-- partition's events come in position order), with the stream's epoch, partition count,
+-- heads and floors read in the same snapshot as the events.
+SELECT s.epoch, s.partitions, h.heads, h.floors, e.id, e.stream, e.partition, e.position,
+       e.key, e.key_version, e.type, e.data, e.metadata, e.occurred_at, e.recorded_at
+  FROM {schema}.streams s
+  CROSS JOIN LATERAL (
+        SELECT array_agg(p.head ORDER BY p.partition) AS heads,
+               array_agg(p.floor ORDER BY p.partition) AS floors
+          FROM {schema}.partitions p
+         WHERE p.stream = s.name) h
+  LEFT JOIN LATERAL (
+        SELECT e.*
+          FROM {schema}.partitions p
+         CROSS JOIN LATERAL (
+               SELECT * FROM {schema}.events e
+                WHERE e.stream = p.stream AND e.partition = p.partition
+                  AND e.position > coalesce((%(positions)s::bigint[])[p.partition + 1], 0)
+                ORDER BY e.position
+                LIMIT %(limit)s) e
+         WHERE p.stream = s.name
+           AND p.head > coalesce((%(positions)s::bigint[])[p.partition + 1], 0)
+         ORDER BY e.recorded_at, e.partition, e.position
+         LIMIT %(limit)s) e ON true
+ WHERE s.name = %(stream)s
+ ORDER BY e.recorded_at, e.partition, e.position
+
+-- name: positions_since
+-- Where a reader of every partition stands just before the first event recorded at or
+-- after a time, exactly (recorded_at never decreases along a partition): the position
+-- before it, the head when there is none, and 0 when retention removed events recorded
+-- at or after the time (a read then starts with their gap). With the stream's epoch.
+SELECT s.epoch,
+       array_agg(CASE WHEN p.floor_time >= %(since)s THEN 0
+                      ELSE {schema}.retention_age_cut(p.stream, p.partition, p.head,
+                                                      p.head_time, %(since)s) - 1
+                 END ORDER BY p.partition)
+  FROM {schema}.streams s
+  JOIN {schema}.partitions p ON p.stream = s.name
+ WHERE s.name = %(stream)s
+ GROUP BY s.epoch
+
+-- name: epochs_and_heads
+-- The epoch and the head of every partition of some streams (a stream being deleted,
+-- whose partitions are gone, has no heads).
+SELECT s.name, s.epoch, array_agg(p.head ORDER BY p.partition) FILTER (WHERE p.head IS NOT NULL)
+  FROM {schema}.streams s
+  LEFT JOIN {schema}.partitions p ON p.stream = s.name
+ WHERE s.name = ANY (%(streams)s::text[])
+ GROUP BY s.name, s.epoch
+
 -- name: partitions
 -- Head, head time and floor of every partition of a stream.
 SELECT stream, partition, head, head_time, floor

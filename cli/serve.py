@@ -1,0 +1,101 @@
+"""`subengine serve`: the HTTP gateway (docs/gateway.md)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+import click
+
+from ._context import Context, pass_context
+from ._errors import CommandError
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8800, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Server processes sharing the port.",
+)
+@click.option(
+    "--read-dsn",
+    envvar="SUBENGINE_READ_DSN",
+    show_envvar=True,
+    help="Serve reads from this PostgreSQL (a streaming replica); appends, keys and "
+    "notifications stay on --dsn.",
+)
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    help="Allow browsers on this origin (repeatable); none by default.",
+)
+@click.option(
+    "--heartbeat",
+    default=15.0,
+    show_default=True,
+    type=click.FloatRange(1, 60),
+    help="Default seconds of silence before a heartbeat on an event stream.",
+)
+@click.option(
+    "--stream-lifetime",
+    default=600.0,
+    show_default=True,
+    type=click.FloatRange(1, 86400),
+    help="Seconds (±10%) before the server closes an event stream; clients resume by cursor.",
+)
+@click.option("--access-log/--no-access-log", default=False, show_default=True)
+@pass_context
+def serve(
+    context: Context,
+    host: str,
+    port: int,
+    workers: int,
+    read_dsn: str | None,
+    cors_origins: tuple[str, ...],
+    heartbeat: float,
+    stream_lifetime: float,
+    access_log: bool,
+) -> None:
+    """Serve streams over HTTP: pull, long-poll, server-sent events and watches."""
+    from subengine.gateway import GatewayConfig
+    from subengine.gateway._serve import serve as run
+
+    engine = context.engine()
+    if not _loopback(host) and not any(key.revoked_at is None for key in engine.api_keys()):
+        raise CommandError(
+            f"refusing to listen on {host}: no API key exists, so anyone could read every "
+            "stream; create one with 'subengine gateway key create' or listen on 127.0.0.1"
+        )
+    try:
+        socket.getaddrinfo(host, port)
+    except OSError as error:
+        raise CommandError(f"cannot listen on {host}: {error.strerror}") from None
+    config = GatewayConfig(
+        heartbeat=heartbeat, stream_lifetime=stream_lifetime, cors_origins=cors_origins
+    )
+    run(
+        config,
+        dsn=engine.dsn,
+        schema=engine.schema,
+        host=host,
+        port=port,
+        workers=workers,
+        read_dsn=read_dsn,
+        log_level=context.log_level or "info",
+        access_log=access_log,
+    )

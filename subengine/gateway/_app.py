@@ -1,0 +1,844 @@
+"""The gateway's ASGI application: pull, long-poll, SSE and watches over HTTP (docs/gateway.md).
+
+An entry point (DESIGN.md, layers): it parses requests, calls the engine and presents;
+it runs no SQL. Every response is JSON (or an event stream) with an explicit
+Cache-Control; every error is `{"error": {"code": ..., "message": ...}}` with a 4xx or 5xx
+status naming the problem, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import random
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from subengine._async_engine import AsyncEngine
+from subengine._errors import (
+    DatabaseUnavailable,
+    InvalidInput,
+    PartitionNotFound,
+    StreamNotFound,
+    SubengineError,
+)
+from subengine._names import validate_key, validate_stream_name, validate_type
+from subengine._settings import Settings
+from subengine.gateway._cursor import GatewayCursor, InvalidCursor, StreamPosition
+from subengine.gateway._hub import Hub, Watcher, dumps
+from subengine.gateway._reading import Reader, Selection
+from subengine.gateway._sse import Blocked, EventStream, Gone, frame_text
+
+log = logging.getLogger("subengine.gateway")
+
+NO_STORE = "no-store"
+CURSOR_HEADER = "Subengine-Cursor"
+UP_TO_DATE_HEADER = "Subengine-Up-To-Date"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """How a gateway serves (docs/gateway.md, "Configuration")."""
+
+    # seconds of silence on an event stream before a heartbeat comment
+    heartbeat: float = 15.0
+    # seconds an event stream stays open (each one ±10%) before the server closes it so
+    # that load rebalances; the client resumes by cursor
+    stream_lifetime: float = 600.0
+    # seconds between head polls, the safety net for lost notifications
+    poll_interval: float = 1.0
+    # events per page: the default and the most a request may ask for
+    page_limit: int = 100
+    max_page_limit: int = 1000
+    # seconds a long-poll may wait at most (and waits when `wait` is not given)
+    max_wait: float = 60.0
+    default_wait: float = 30.0
+    # seconds a write may stay blocked on a client's socket before the stream is closed
+    # with `error: slow`
+    write_timeout: float = 30.0
+    # seconds a watch id stays valid
+    watch_ttl: float = 86_400.0
+    max_streams_per_watch: int = 16
+    max_body_bytes: int = 1 << 20
+    cors_origins: tuple[str, ...] = ()
+
+
+class ApiError(Exception):
+    """An answer with a 4xx or 5xx status and a JSON error naming the problem."""
+
+    def __init__(
+        self, status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+def json_response(
+    body: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    text = body if isinstance(body, str) else dumps(body)
+    return Response(
+        text,
+        status_code=status,
+        media_type="application/json",
+        headers={"Cache-Control": NO_STORE, **(headers or {})},
+    )
+
+
+def error_response(error: ApiError) -> Response:
+    body = {"error": {"code": error.code, "message": error.message}}
+    return json_response(body, error.status, error.headers)
+
+
+def _bad(message: str, code: str = "bad_request") -> ApiError:
+    return ApiError(400, code, message)
+
+
+def _translated(error: Exception) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, InvalidCursor):
+        return ApiError(400, "bad_cursor", str(error))
+    if isinstance(error, StreamNotFound):
+        return ApiError(404, "stream_not_found", str(error))
+    if isinstance(error, PartitionNotFound):
+        return ApiError(404, "partition_not_found", str(error))
+    if isinstance(error, InvalidInput):
+        return ApiError(400, "bad_request", str(error))
+    if isinstance(error, DatabaseUnavailable):
+        return ApiError(503, "unavailable", str(error), {"Retry-After": "1"})
+    if isinstance(error, SubengineError):
+        return ApiError(400, "bad_request", str(error))
+    raise error
+
+
+def _time(text: str, what: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        raise _bad(f"{what} is not an RFC 3339 time: {text[:64]!r}") from None
+    if parsed.tzinfo is None:
+        raise _bad(f"{what} has no time zone: {text[:64]!r}")
+    return parsed
+
+
+def _flag(value: str | None, what: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0"):
+        return False
+    raise _bad(f"{what} must be true or false, not {value[:32]!r}")
+
+
+def _number(value: str | None, what: str, low: float, high: float, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise _bad(f"{what} must be a number, not {value[:32]!r}") from None
+    if not low <= number <= high:  # NaN fails too
+        raise _bad(f"{what} must be from {low:g} to {high:g}, not {value[:32]!r}")
+    return number
+
+
+def _whole(value: str | None, what: str, low: int, high: int, default: int) -> int:
+    if value is None:
+        return default
+    if not value.isdigit() or not low <= int(value) <= high:
+        raise _bad(f"{what} must be a whole number from {low} to {high}, not {value[:32]!r}")
+    return int(value)
+
+
+def _names(values: list[str], what: str, validate: Any) -> frozenset[str] | None:
+    if not values:
+        return None
+    try:
+        return frozenset(validate(value) for value in values)
+    except InvalidInput as error:
+        raise _bad(f"{what}: {error}") from None
+
+
+@dataclass(eq=False)
+class Gateway:
+    """The state of one gateway application: its engines, hub and configuration."""
+
+    config: GatewayConfig
+    engine: AsyncEngine
+    read_engine: AsyncEngine
+    own_engines: bool
+    hub: Hub = field(init=False)
+    closing: asyncio.Event = field(init=False)
+    listen_connects: int = 0
+
+    def __post_init__(self) -> None:
+        self.hub = Hub(self.engine, self.read_engine, self.config.poll_interval, self._resynced)
+        self.closing = asyncio.Event()
+
+    def _resynced(self) -> None:
+        self.listen_connects += 1
+
+    def close_streams(self) -> None:
+        """End every open event stream and long-poll now (each says why), so that a
+        server shutting down does not wait for them."""
+        self.closing.set()
+
+    async def close(self) -> None:
+        self.closing.set()
+        await self.hub.close()
+        if self.own_engines:
+            await self.engine.close()
+            if self.read_engine is not self.engine:
+                await self.read_engine.close()
+
+    # starting points
+
+    async def start_of(self, stream: str, request: Request) -> StreamPosition:
+        """Where a read of `stream` starts: `after` (a cursor, `beginning` or `now`) or
+        `since` (a time); an SSE request's Last-Event-ID wins over both."""
+        params = request.query_params
+        last_event_id = request.headers.get("last-event-id")
+        if last_event_id:
+            return _single(GatewayCursor.decode(last_event_id), stream)
+        after, since = params.get("after"), params.get("since")
+        if after is not None and since is not None:
+            raise _bad("give either after or since, not both")
+        return await self.resolve(stream, after, since)
+
+    async def resolve(self, stream: str, after: str | None, since: str | None) -> StreamPosition:
+        if since is not None:
+            epoch, positions = await self.read_engine.positions_since(stream, _time(since, "since"))
+            return StreamPosition(epoch, tuple(positions))
+        if after is None or after == "beginning":
+            found = await self.read_engine.epochs_and_heads([stream])
+            if stream not in found:
+                raise StreamNotFound(stream)
+            return StreamPosition(found[stream][0], ())
+        if after == "now":
+            found = await self.read_engine.epochs_and_heads([stream])
+            if stream not in found or found[stream][1] is None:
+                raise StreamNotFound(stream)
+            epoch, heads = found[stream]
+            return StreamPosition(epoch, tuple(heads or ()))
+        return _single(GatewayCursor.decode(after), stream)
+
+
+def _single(cursor: GatewayCursor, stream: str) -> StreamPosition:
+    if set(cursor.streams) != {stream}:
+        raise ApiError(400, "bad_cursor", f"the cursor is not one of stream {stream!r}")
+    return cursor.streams[stream]
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+def _selection(request: Request, stream: str) -> Selection:
+    params = request.query_params
+    return Selection(
+        stream,
+        keys=_names(params.getlist("key"), "key", validate_key),
+        types=_names(params.getlist("type"), "type", validate_type),
+        include_data=_flag(params.get("include_data"), "include_data", True),
+    )
+
+
+def _stream_name(request: Request) -> str:
+    name = request.path_params["stream"]
+    try:
+        return validate_stream_name(name)
+    except InvalidInput as error:
+        raise _bad(str(error), "bad_stream_name") from None
+
+
+# endpoints
+
+
+async def list_streams(request: Request) -> Response:
+    gateway = _gateway(request)
+    streams = await gateway.engine.streams()
+    return json_response(
+        {
+            "streams": [
+                {"name": s.name, "partitions": s.partitions, "epoch": s.epoch} for s in streams
+            ]
+        }
+    )
+
+
+async def show_stream(request: Request) -> Response:
+    gateway = _gateway(request)
+    stream = _stream_name(request)
+    found = await gateway.read_engine.stream(stream)
+    states = await gateway.read_engine.partitions(stream)
+    heads = tuple(state.head for state in states)
+    now = GatewayCursor({stream: StreamPosition(found.epoch, heads)})
+    return json_response(
+        {
+            "name": found.name,
+            "epoch": found.epoch,
+            "retention": found.retention,
+            "partitions": [
+                {
+                    "partition": state.partition,
+                    "head": state.head,
+                    "head_time": None if state.head_time is None else state.head_time.isoformat(),
+                    "floor": state.floor,
+                }
+                for state in states
+            ],
+            "cursor": now.encode(),
+        }
+    )
+
+
+async def read_events(request: Request) -> Response | EventStreamResponse:
+    gateway = _gateway(request)
+    stream = _stream_name(request)
+    live = request.query_params.get("live")
+    if live not in (None, "long-poll", "sse"):
+        raise _bad(f"live must be long-poll or sse, not {live[:32]!r}")
+    selection = _selection(request, stream)
+    if live == "sse":
+        heartbeat = _number(request.query_params.get("heartbeat"), "heartbeat", 1, 60, 15)
+        start = await gateway.start_of(stream, request)
+        return await _event_stream(gateway, {stream: selection}, {stream: start}, heartbeat)
+    limit = _whole(
+        request.query_params.get("limit"),
+        "limit",
+        1,
+        gateway.config.max_page_limit,
+        gateway.config.page_limit,
+    )
+    if request.headers.get("last-event-id"):
+        raise _bad("Last-Event-ID is for live=sse; give the cursor as after=")
+    start = await gateway.start_of(stream, request)
+    reader = Reader(gateway.hub, {stream: selection}, {stream: start})
+    if live is None:
+        return await _page_response(reader, stream, limit)
+    wait = _number(
+        request.query_params.get("wait"),
+        "wait",
+        0,
+        gateway.config.max_wait,
+        gateway.config.default_wait,
+    )
+    return await _long_poll(gateway, reader, stream, limit, wait)
+
+
+async def _page_response(reader: Reader, stream: str, limit: int) -> Response:
+    events, tombstones, up_to_date = await reader.page(stream, limit)
+    return _page(reader, events, tombstones, up_to_date)
+
+
+def _page(
+    reader: Reader, events: list[str], tombstones: list[dict[str, Any]], up_to_date: bool
+) -> Response:
+    cursor = reader.cursor.encode()
+    resets = [json.loads(frame.data) for frame in reader.take_frames() if frame.kind == "reset"]
+    body = (
+        f'{{"events":[{",".join(events)}],"tombstones":{dumps(tombstones)},'
+        f'"resets":{dumps(resets)},"cursor":{dumps(cursor)},'
+        f'"up_to_date":{"true" if up_to_date else "false"}}}'
+    )
+    return json_response(
+        body,
+        headers={CURSOR_HEADER: cursor, UP_TO_DATE_HEADER: "true" if up_to_date else "false"},
+    )
+
+
+async def _long_poll(
+    gateway: Gateway, reader: Reader, stream: str, limit: int, wait: float
+) -> Response:
+    """A page as soon as anything after the cursor exists, or 204 when `wait` ends."""
+    deadline = time.monotonic() + wait
+    watcher = await _watcher(gateway, reader.selections)
+    gateway.hub.add(watcher)
+    try:
+        while True:
+            events, tombstones, up_to_date = await reader.page(stream, limit)
+            if events or tombstones or reader.frames_out:
+                return _page(reader, events, tombstones, up_to_date)
+            left = deadline - time.monotonic()
+            if left <= 0 or gateway.closing.is_set():
+                break
+            if up_to_date:
+                watcher.take()
+                closing = asyncio.ensure_future(gateway.closing.wait())
+                woken = asyncio.ensure_future(watcher.event.wait())
+                try:
+                    await asyncio.wait(
+                        {woken, closing}, timeout=left, return_when="FIRST_COMPLETED"
+                    )
+                finally:
+                    woken.cancel()
+                    closing.cancel()
+    finally:
+        gateway.hub.remove(watcher)
+    cursor = reader.cursor.encode()
+    return Response(
+        status_code=204,
+        headers={"Cache-Control": NO_STORE, CURSOR_HEADER: cursor, UP_TO_DATE_HEADER: "true"},
+    )
+
+
+async def _watcher(gateway: Gateway, selections: dict[str, Selection]) -> Watcher:
+    """A watcher of the partitions the selections read (those of their keys, if any)."""
+    found = await gateway.read_engine.epochs_and_heads(list(selections))
+    for name in selections:
+        if name not in found or found[name][1] is None:
+            raise StreamNotFound(name)
+    return Watcher(
+        {
+            name: selection.partitions(len(found[name][1] or ()))
+            for name, selection in selections.items()
+        }
+    )
+
+
+async def _event_stream(
+    gateway: Gateway,
+    selections: dict[str, Selection],
+    start: dict[str, StreamPosition],
+    heartbeat: float,
+) -> EventStreamResponse:
+    watcher = await _watcher(gateway, selections)
+    return EventStreamResponse(gateway, selections, start, heartbeat, watcher)
+
+
+class EventStreamResponse:
+    """An SSE response of one stream or a watch: catch up by pages, say `caught-up`,
+    then follow the hub's wake-ups, with heartbeats, until the client leaves, the
+    stream's lifetime ends, or the server shuts down."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        selections: dict[str, Selection],
+        start: dict[str, StreamPosition],
+        heartbeat: float,
+        watcher: Watcher,
+    ) -> None:
+        self.gateway = gateway
+        self.selections = selections
+        self.start = start
+        self.heartbeat = heartbeat
+        self.watcher = watcher
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gateway, config = self.gateway, self.gateway.config
+        stream = EventStream(receive, send, gateway.closing, config.write_timeout)
+        reader = Reader(gateway.hub, self.selections, self.start)
+        lifetime = config.stream_lifetime * random.uniform(0.9, 1.1)
+        ends = time.monotonic() + lifetime
+        watcher = self.watcher
+        gateway.hub.add(watcher)
+        try:
+            await stream.start(
+                [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", NO_STORE.encode()),
+                    (b"x-accel-buffering", b"no"),
+                ]
+            )
+            await stream.write("retry: 1000\n\n")
+            await self._run(stream, reader, watcher, ends)
+        except Gone:
+            pass
+        except Blocked:
+            # the socket takes nothing: a last word if it can, then close
+            try:
+                await asyncio.wait_for(
+                    send(
+                        {
+                            "type": "http.response.body",
+                            "body": _error_frame("slow", "the client reads too slowly").encode(),
+                            "more_body": True,
+                        }
+                    ),
+                    0.1,
+                )
+            except Exception:
+                pass
+        finally:
+            gateway.hub.remove(watcher)
+            await stream.end()
+
+    async def _send_frames(self, stream: EventStream, reader: Reader) -> None:
+        for frame in reader.take_frames():
+            await stream.write(frame_text(frame.kind, frame.data, frame.cursor))
+
+    async def _catch_up(self, stream: EventStream, reader: Reader) -> None:
+        limit = self.gateway.config.max_page_limit
+        pending = set(self.selections)
+        while pending:
+            for name in sorted(pending):
+                if await reader.catch_up_frames(name, limit):
+                    pending.discard(name)
+                await self._send_frames(stream, reader)
+
+    async def _run(
+        self, stream: EventStream, reader: Reader, watcher: Watcher, ends: float
+    ) -> None:
+        try:
+            await self._catch_up(stream, reader)
+        except StreamNotFound as error:
+            await stream.write(_error_frame("stream_not_found", str(error)))
+            return
+        await stream.write(frame_text("caught-up", "{}", reader.cursor.encode()))
+        quiet_since = time.monotonic()
+        pending: set[tuple[str, int]] = set()
+        while True:
+            changed, resync = watcher.take()
+            try:
+                if resync:
+                    await self._catch_up(stream, reader)
+                    pending.clear()
+                pending |= reader.behind(changed)
+                while pending:
+                    name, partition = pending.pop()
+                    if await reader.live_frames(name, partition):
+                        pending.add((name, partition))
+                    frames = reader.take_frames()
+                    for frame in frames:
+                        await stream.write(frame_text(frame.kind, frame.data, frame.cursor))
+                    if frames:
+                        quiet_since = time.monotonic()
+                    if stream.closing:
+                        break
+            except StreamNotFound as error:
+                await stream.write(_error_frame("stream_not_found", str(error)))
+                return
+            now = time.monotonic()
+            if stream.closing:
+                await stream.write(_error_frame("shutdown", "the server is shutting down"))
+                return
+            if now >= ends:
+                await stream.write(
+                    _error_frame("rotate", "the stream's lifetime ended: resume by cursor")
+                )
+                return
+            beat_at = quiet_since + self.heartbeat
+            if now >= beat_at:
+                await stream.write(": hb\n\n")
+                quiet_since = now
+                continue
+            await stream.wait(watcher.event, min(beat_at, ends) - now)
+
+
+def _error_frame(code: str, message: str) -> str:
+    return frame_text("error", dumps({"code": code, "message": message}), None)
+
+
+# watches
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+async def create_watch(request: Request) -> Response:
+    gateway = _gateway(request)
+    body = await _json_body(request, gateway.config.max_body_bytes)
+    if not isinstance(body, dict) or not isinstance(body.get("streams"), dict):
+        raise _bad('expected {"streams": {"<stream>": {...}, ...}}')
+    streams = body["streams"]
+    if not streams:
+        raise _bad("a watch needs at least one stream")
+    if len(streams) > gateway.config.max_streams_per_watch:
+        raise ApiError(
+            429,
+            "too_many_streams",
+            f"a watch has at most {gateway.config.max_streams_per_watch} streams",
+            {"Retry-After": "60"},
+        )
+    unknown = set(body) - {"streams", "heartbeat"}
+    if unknown:
+        raise _bad(f"unknown field {sorted(unknown)[0]!r}")
+    heartbeat = body.get("heartbeat", 15)
+    if not isinstance(heartbeat, int | float) or not 1 <= heartbeat <= 60:
+        raise _bad("heartbeat must be a number of seconds from 1 to 60")
+    spec = []
+    positions: dict[str, StreamPosition] = {}
+    for name, options in streams.items():
+        try:
+            validate_stream_name(name)
+        except InvalidInput as error:
+            raise _bad(str(error), "bad_stream_name") from None
+        if not isinstance(options, dict):
+            raise _bad(f"the options of stream {name!r} must be an object")
+        unknown = set(options) - {"after", "since", "key", "type", "include_data"}
+        if unknown:
+            raise _bad(f"unknown option {sorted(unknown)[0]!r} for stream {name!r}")
+        keys = _list_option(options, "key", name, validate_key)
+        types = _list_option(options, "type", name, validate_type)
+        include_data = options.get("include_data", True)
+        if not isinstance(include_data, bool):
+            raise _bad(f"include_data of stream {name!r} must be true or false")
+        after, since = options.get("after"), options.get("since")
+        if after is not None and since is not None:
+            raise _bad(f"give stream {name!r} either after or since, not both")
+        if not isinstance(after, str | None) or not isinstance(since, str | None):
+            raise _bad(f"after and since of stream {name!r} must be strings")
+        positions[name] = await gateway.resolve(name, after, since)
+        spec.append([name, keys, types, include_data])
+    expires = int(time.time() + gateway.config.watch_ttl)
+    payload = {
+        "x": expires,
+        "h": heartbeat,
+        "s": spec,
+        "c": GatewayCursor(positions).encode(),
+    }
+    wid = await _sign(gateway, payload)
+    return json_response(
+        {
+            "wid": wid,
+            "url": f"/v1/watch/{wid}",
+            "cursor": payload["c"],
+            "expires_at": datetime.fromtimestamp(expires).astimezone().isoformat(),
+        },
+        201,
+    )
+
+
+def _list_option(options: dict[str, Any], what: str, stream: str, validate: Any) -> Any:
+    value = options.get(what)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise _bad(f"{what} of stream {stream!r} must be a non-empty list of strings")
+    try:
+        return sorted({validate(item) for item in value})
+    except InvalidInput as error:
+        raise _bad(f"{what} of stream {stream!r}: {error}") from None
+
+
+async def _signing_key(gateway: Gateway) -> bytes:
+    secret: bytes = await gateway.engine.signing_secret("watch")
+    return secret
+
+
+async def _sign(gateway: Gateway, payload: dict[str, Any]) -> str:
+    body = _b64(json.dumps(payload, separators=(",", ":")).encode())
+    mac = hmac.new(await _signing_key(gateway), body.encode(), hashlib.sha256).digest()
+    return f"w1.{body}.{_b64(mac)}"
+
+
+async def _verify(gateway: Gateway, wid: str) -> dict[str, Any]:
+    parts = wid.split(".")
+    if len(parts) != 3 or parts[0] != "w1" or len(wid) > 32_768:
+        raise ApiError(404, "watch_not_found", "no such watch (malformed id)")
+    _, body, mac = parts
+    expected = hmac.new(await _signing_key(gateway), body.encode(), hashlib.sha256).digest()
+    try:
+        given = _unb64(mac)
+        payload = json.loads(_unb64(body))
+    except ValueError:
+        raise ApiError(404, "watch_not_found", "no such watch (malformed id)") from None
+    if not hmac.compare_digest(expected, given):
+        raise ApiError(404, "watch_not_found", "no such watch (bad signature)")
+    if not isinstance(payload, dict) or payload.get("x", 0) < time.time():
+        raise ApiError(410, "watch_expired", "the watch has expired: create a new one")
+    return payload
+
+
+async def open_watch(request: Request) -> Response | EventStreamResponse:
+    gateway = _gateway(request)
+    payload = await _verify(gateway, request.path_params["wid"])
+    selections = {
+        name: Selection(
+            name,
+            None if keys is None else frozenset(keys),
+            None if types is None else frozenset(types),
+            include_data,
+        )
+        for name, keys, types, include_data in payload["s"]
+    }
+    last_event_id = request.headers.get("last-event-id") or request.query_params.get("after")
+    cursor = GatewayCursor.decode(last_event_id or payload["c"])
+    if set(cursor.streams) != set(selections):
+        raise ApiError(400, "bad_cursor", "the cursor does not name the watch's streams")
+    return await _event_stream(gateway, selections, dict(cursor.streams), payload["h"])
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):
+        raise _bad("the body is not JSON") from None
+
+
+# health and errors
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    gateway = _gateway(request)
+    try:
+        await asyncio.wait_for(gateway.read_engine.streams(), 5)
+    except Exception:
+        return json_response({"status": "unavailable"}, 503, {"Retry-After": "1"})
+    return json_response({"status": "ready"})
+
+
+def _endpoint(handler: Any) -> Any:
+    """`handler` with the gateway's errors answered as JSON."""
+
+    async def endpoint(request: Request) -> Any:
+        try:
+            return await handler(request)
+        except Exception as error:
+            return error_response(_translated(error))
+
+    endpoint.__name__ = handler.__name__
+    return endpoint
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(404, "not_found", f"no such endpoint: {request.url.path}"))
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(
+        ApiError(405, "method_not_allowed", f"{request.method} is not allowed here")
+    )
+
+
+def create_app(
+    config: GatewayConfig | None = None,
+    *,
+    end_streams_on_signals: bool = False,
+    engine: AsyncEngine | None = None,
+    read_engine: AsyncEngine | None = None,
+    dsn: str | None = None,
+    read_dsn: str | None = None,
+    settings: Settings | None = None,
+) -> Starlette:
+    """The gateway as an ASGI application, to serve with uvicorn (`subengine serve`) or to
+    mount in an application of one's own. Give it an `AsyncEngine` (and one for reads,
+    e.g. on a streaming replica), or a DSN and settings to make its own.
+
+    A server shutting down should first call `close_all_streams()` (or the gateway's
+    `close_streams`), or it waits on open event streams; `end_streams_on_signals` does
+    that on SIGINT and SIGTERM, before the server's own handler runs."""
+    config = config or GatewayConfig()
+    owned = engine is None
+    primary = engine or AsyncEngine(dsn, settings=settings)
+    if read_engine is None:
+        read_engine = AsyncEngine(read_dsn, settings=settings) if read_dsn else primary
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        gateway = Gateway(config, primary, read_engine, owned)
+        app.state.gateway = gateway
+        _open_gateways.add(gateway)
+        restore = _chain_signals() if end_streams_on_signals else {}
+        try:
+            yield
+        finally:
+            for number, handler in restore.items():
+                signal.signal(number, handler)
+            _open_gateways.discard(gateway)
+            await gateway.close()
+
+    routes = [
+        Route("/healthz", _endpoint(healthz)),
+        Route("/readyz", _endpoint(readyz)),
+        Route("/v1/streams", _endpoint(list_streams)),
+        Route("/v1/streams/{stream}", _endpoint(show_stream)),
+        Route("/v1/streams/{stream}/events", _endpoint(read_events)),
+        Route("/v1/watch", _endpoint(create_watch), methods=["POST"]),
+        Route("/v1/watch/{wid}", _endpoint(open_watch)),
+    ]
+    middleware = []
+    if config.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
+                expose_headers=[CURSOR_HEADER, UP_TO_DATE_HEADER],
+            )
+        )
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={404: _not_found, 405: _not_allowed},
+    )
+
+
+# the gateways open in this process, which `subengine serve` tells to end their streams
+# when the server shuts down
+_open_gateways: set[Gateway] = set()
+
+
+def close_all_streams() -> None:
+    """End the open event streams and long-polls of every gateway of this process."""
+    for gateway in list(_open_gateways):
+        gateway.close_streams()
+
+
+def _chain_signals() -> dict[int, Any]:
+    """Make SIGINT and SIGTERM end the open streams, then do what they did before (the
+    server's shutdown). Returns the handlers to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    loop = asyncio.get_running_loop()
+    restore: dict[int, Any] = {}
+    for number in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(number)
+        if not callable(previous):
+            continue
+
+        def chained(signum: int, frame: Any, previous: Any = previous) -> None:
+            loop.call_soon_threadsafe(close_all_streams)
+            previous(signum, frame)
+
+        restore[number] = previous
+        signal.signal(number, chained)
+    return restore

@@ -1,0 +1,326 @@
+"""The hub of a gateway process: one LISTEN connection, wake-ups per partition, shared reads.
+
+Push only wakes (DESIGN.md, the gateway's first principle). A notification says that a
+partition's head moved; the hub wakes only the watchers of that (stream, partition), and
+each then reads after its own cursor. Reads go through `read`, which runs one query per
+(stream, partition, position) however many watchers stand there, and encodes each event
+once for all of them. A head poll of every watched stream, every `poll_interval` seconds
+and whenever the listener (re)connects, is the safety net for lost notifications.
+
+A watcher holds no events: only which partitions changed since it last looked. A slow
+client therefore never makes the hub queue anything for it; it reads more at once when
+it gets round to it (coalescing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from subengine._async_engine import AsyncEngine
+from subengine._errors import DatabaseUnavailable
+from subengine._events import Event, Tombstone
+from subengine._listener import TaskInbox
+
+log = logging.getLogger("subengine.gateway")
+
+# How many events one shared read of a partition returns at most.
+READ_LIMIT = 200
+# How many finished shared reads are kept for watchers that arrive a little later, and
+# for how long.
+_CACHED_READS = 2048
+_CACHED_SECONDS = 2.0
+
+
+def event_json(event: Event, include_data: bool) -> str:
+    """An event as the gateway sends it (docs/gateway.md, "Events")."""
+    body: dict[str, Any] = {
+        "stream": event.stream,
+        "partition": event.partition,
+        "position": event.position,
+        "id": str(event.id),
+        "key": event.key,
+        "key_version": event.key_version,
+        "type": event.type,
+        "metadata": event.metadata,
+        "occurred_at": event.occurred_at.isoformat(),
+        "recorded_at": event.recorded_at.isoformat(),
+    }
+    if include_data:
+        body["data"] = event.data
+    return dumps(body)
+
+
+def tombstone_body(tombstone: Tombstone) -> dict[str, Any]:
+    return {
+        "stream": tombstone.stream,
+        "partition": tombstone.partition,
+        "gap_from": tombstone.gap_from,
+        "gap_to": tombstone.gap_to,
+        "floor": tombstone.floor,
+        "reason": tombstone.reason,
+    }
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(eq=False)
+class SharedRead:
+    """One read of a partition after a position, shared by every watcher standing there:
+    its items, the head known when it was asked for, and each event's JSON, made once."""
+
+    stream: str
+    partition: int
+    after: int
+    head: int
+    items: list[Event | Tombstone] = field(default_factory=list)
+    finished: float = 0.0
+    _encoded: dict[tuple[int, bool], str] = field(default_factory=dict)
+
+    def encoded(self, index: int, include_data: bool) -> str:
+        key = (index, include_data)
+        text = self._encoded.get(key)
+        if text is None:
+            item = self.items[index]
+            assert isinstance(item, Event)
+            text = self._encoded[key] = event_json(item, include_data)
+        return text
+
+
+class Watcher:
+    """One client's wake-ups: the (stream, partition) pairs whose head moved since it last
+    looked, and whether to look at everything again (a resync or an epoch change)."""
+
+    def __init__(self, partitions: dict[str, frozenset[int] | None]) -> None:
+        # per stream, the partitions it reads (None: all)
+        self.partitions = partitions
+        self.changed: set[tuple[str, int]] = set()
+        self.resync = False
+        self.event = asyncio.Event()
+
+    def wants(self, stream: str, partition: int) -> bool:
+        wanted = self.partitions.get(stream)
+        return wanted is None or partition in wanted
+
+    def wake(self, stream: str, partition: int) -> None:
+        self.changed.add((stream, partition))
+        self.event.set()
+
+    def wake_all(self) -> None:
+        self.resync = True
+        self.event.set()
+
+    def take(self) -> tuple[set[tuple[str, int]], bool]:
+        changed, resync = self.changed, self.resync
+        self.changed, self.resync = set(), False
+        self.event.clear()
+        return changed, resync
+
+
+@dataclass(eq=False)
+class _Feed:
+    """What the hub knows of one watched stream."""
+
+    stream: str
+    inbox: TaskInbox
+    watchers: set[Watcher] = field(default_factory=set)
+    epoch: int | None = None
+    heads: list[int] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+
+class Hub:
+    """Wake-ups and shared reads for every watcher of a gateway process.
+
+    `listen_engine` owns the LISTEN connection (notifications exist on the primary only);
+    `read_engine` serves the reads (the primary, or a streaming replica).
+    """
+
+    def __init__(
+        self,
+        listen_engine: AsyncEngine,
+        read_engine: AsyncEngine,
+        poll_interval: float,
+        on_resync: Any = None,
+    ) -> None:
+        self.listen_engine = listen_engine
+        self.read_engine = read_engine
+        self.poll_interval = poll_interval
+        self._feeds: dict[str, _Feed] = {}
+        self._reads: OrderedDict[tuple[str, int, int], asyncio.Future[SharedRead]] = OrderedDict()
+        self._poller: asyncio.Task[None] | None = None
+        self._poll_now = asyncio.Event()
+        self._closed = False
+        self._on_resync = on_resync
+        self.reads = 0  # queries run by `read` (for the metrics and the benchmark)
+
+    # watchers
+
+    def add(self, watcher: Watcher) -> None:
+        """Wake `watcher` from now on when a partition it reads moves."""
+        if self._closed:
+            raise DatabaseUnavailable("the gateway is shutting down")
+        for stream in watcher.partitions:
+            feed = self._feeds.get(stream)
+            if feed is None:
+                inbox = self.listen_engine._listener.register(stream)
+                feed = self._feeds[stream] = _Feed(stream, inbox)
+                feed.task = asyncio.get_running_loop().create_task(
+                    self._follow(feed), name=f"subengine-gateway-feed-{stream}"
+                )
+            feed.watchers.add(watcher)
+            if feed.epoch is None:
+                self._poll_now.set()
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(
+                self._poll(), name="subengine-gateway-head-poll"
+            )
+
+    def remove(self, watcher: Watcher) -> None:
+        for stream in watcher.partitions:
+            feed = self._feeds.get(stream)
+            if feed is None:
+                continue
+            feed.watchers.discard(watcher)
+            if not feed.watchers:
+                del self._feeds[stream]
+                self.listen_engine._listener.unregister(feed.inbox)
+                if feed.task is not None:
+                    feed.task.cancel()
+
+    def head(self, stream: str, partition: int) -> int:
+        """The highest head of the partition the hub has heard of (0: none yet)."""
+        feed = self._feeds.get(stream)
+        if feed is None or partition >= len(feed.heads):
+            return 0
+        return feed.heads[partition]
+
+    def watched(self) -> int:
+        return sum(len(feed.watchers) for feed in self._feeds.values())
+
+    async def _follow(self, feed: _Feed) -> None:
+        """Hand the notifications of one stream to the watchers of their partitions."""
+        while True:
+            await feed.inbox.wait(3600.0)
+            heads, resync = feed.inbox.take()
+            if feed.inbox.closed:
+                for watcher in list(feed.watchers):
+                    watcher.wake_all()
+                return
+            if resync:
+                if self._on_resync is not None:
+                    self._on_resync()
+                self._wake_poller()
+            for partition, head in heads.items():
+                self._learn(feed, partition, head)
+
+    def _learn(self, feed: _Feed, partition: int, head: int) -> None:
+        if partition >= len(feed.heads):
+            feed.heads.extend([0] * (partition + 1 - len(feed.heads)))
+        if head <= feed.heads[partition]:
+            return
+        feed.heads[partition] = head
+        for watcher in feed.watchers:
+            if watcher.wants(feed.stream, partition):
+                watcher.wake(feed.stream, partition)
+
+    def _wake_poller(self) -> None:
+        self._poll_now.set()
+
+    async def _poll(self) -> None:
+        """The safety net: read the heads (and epochs) of every watched stream."""
+        while not self._closed:
+            streams = list(self._feeds)
+            if streams:
+                try:
+                    found = await self.read_engine.epochs_and_heads(streams)
+                except Exception as error:  # the next poll tries again
+                    log.warning("gateway head poll failed: %s", error)
+                    found = None
+                if found is not None:
+                    self._learn_all(streams, found)
+            self._poll_now.clear()
+            try:
+                await asyncio.wait_for(self._poll_now.wait(), self.poll_interval)
+            except TimeoutError:
+                pass
+
+    def _learn_all(
+        self, streams: list[str], found: dict[str, tuple[int, list[int] | None]]
+    ) -> None:
+        for stream in streams:
+            feed = self._feeds.get(stream)
+            if feed is None:
+                continue
+            epoch, heads = found.get(stream, (None, None))
+            if epoch != feed.epoch or heads is None:
+                # first seen, created anew, deleted or being deleted: every watcher looks
+                # again
+                for watcher in feed.watchers:
+                    watcher.wake_all()
+                feed.epoch = epoch
+                feed.heads = list(heads or [])
+                continue
+            for partition, head in enumerate(heads):
+                self._learn(feed, partition, head)
+
+    # shared reads
+
+    async def read(self, stream: str, partition: int, after: int) -> SharedRead:
+        """The events of a partition after `after` (up to READ_LIMIT), read once for every
+        watcher that asks for the same (stream, partition, position) meanwhile."""
+        key = (stream, partition, after)
+        future = self._reads.get(key)
+        now = time.monotonic()
+        if future is not None and future.done():
+            if future.exception() is None and now - future.result().finished < _CACHED_SECONDS:
+                return future.result()
+            del self._reads[key]
+            future = None
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._reads[key] = future
+            while len(self._reads) > _CACHED_READS:
+                oldest_key, oldest = next(iter(self._reads.items()))
+                if not oldest.done():
+                    break
+                del self._reads[oldest_key]
+            shared = SharedRead(stream, partition, after, self.head(stream, partition))
+            self.reads += 1
+            try:
+                shared.items = await self.read_engine.read(stream, partition, after, READ_LIMIT)
+            except BaseException as error:
+                if self._reads.get(key) is future:
+                    del self._reads[key]
+                if isinstance(error, Exception):
+                    future.set_exception(error)
+                    future.exception()  # retrieved: the waiters see it, if any
+                else:
+                    future.cancel()
+                raise
+            shared.finished = time.monotonic()
+            future.set_result(shared)
+            return shared
+        return await asyncio.shield(future)
+
+    async def close(self) -> None:
+        """Stop polling and following; every watcher is woken to notice."""
+        self._closed = True
+        tasks = [feed.task for feed in self._feeds.values() if feed.task is not None]
+        for feed in list(self._feeds.values()):
+            for watcher in list(feed.watchers):
+                watcher.wake_all()
+            self.listen_engine._listener.unregister(feed.inbox)
+        self._feeds.clear()
+        if self._poller is not None:
+            tasks.append(self._poller)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,226 @@
+"""Reading for one client: its selections, its cursor, and the frames it is sent.
+
+The same bookkeeping serves a pull, a long-poll, an SSE stream and a watch: catch up
+with pages read by cursor (`Reader.page`, one snapshot per page) until every stream is
+up to date, then, for SSE, read only the partitions the hub says moved, through the
+hub's shared reads. A position at or below the cursor is never sent (the cursor only
+moves forward), and a read that starts below a partition's floor gets its tombstone
+first, so nothing is skipped silently (DESIGN.md, the gateway's principles 1 and 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from subengine._events import Event, Tombstone, partition_for
+from subengine._read import Page
+from subengine.gateway._cursor import GatewayCursor, StreamPosition
+from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, event_json, tombstone_body
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """What a client reads of one stream: its keys and types (None: all) and whether
+    events carry their data."""
+
+    stream: str
+    keys: frozenset[str] | None = None
+    types: frozenset[str] | None = None
+    include_data: bool = True
+
+    def keeps(self, event: Event) -> bool:
+        return (self.keys is None or event.key in self.keys) and (
+            self.types is None or event.type in self.types
+        )
+
+    def partitions(self, count: int | None) -> frozenset[int] | None:
+        """The partitions its keys live in (None: every partition)."""
+        if self.keys is None or count is None:
+            return None
+        return frozenset(partition_for(key, count) for key in self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One SSE message: its event name, its JSON data, and the whole cursor after it
+    (None: a frame that carries no `id:`)."""
+
+    kind: str
+    data: str
+    cursor: str | None
+
+
+class Reset(Exception):
+    """A stream of the cursor was deleted and created again (its epoch changed)."""
+
+
+@dataclass
+class Reader:
+    """One client's selections and cursor over the hub."""
+
+    hub: Hub
+    selections: dict[str, Selection]
+    start: dict[str, StreamPosition]
+    frames_out: list[Frame] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.epochs = {stream: at.epoch for stream, at in self.start.items()}
+        # per stream, the last position delivered of every partition (empty: the
+        # beginning of every partition, until the first page says how many there are)
+        self.marks = {stream: list(at.positions) for stream, at in self.start.items()}
+
+    @property
+    def cursor(self) -> GatewayCursor:
+        return GatewayCursor(
+            {
+                stream: StreamPosition(self.epochs[stream], tuple(marks))
+                for stream, marks in self.marks.items()
+            }
+        )
+
+    def position(self, stream: str, partition: int) -> int:
+        marks = self.marks[stream]
+        return marks[partition] if partition < len(marks) else 0
+
+    def _advance(self, stream: str, partition: int, position: int) -> None:
+        marks = self.marks[stream]
+        if position > marks[partition]:
+            marks[partition] = position
+
+    def _emit(self, kind: str, body: Any | str) -> None:
+        data = body if isinstance(body, str) else dumps(body)
+        self.frames_out.append(Frame(kind, data, self.cursor.encode()))
+
+    def take_frames(self) -> list[Frame]:
+        frames, self.frames_out = self.frames_out, []
+        return frames
+
+    # catching up by cursor
+
+    async def _read_page(self, stream: str, limit: int) -> Page:
+        """A page of `stream` after the cursor. A changed epoch emits a `reset` frame and
+        reads the stream again from its beginning. The cursor then names every
+        partition."""
+        page = await self.hub.read_engine.read_page(stream, self.marks[stream], limit)
+        if page.epoch != self.epochs[stream]:
+            self._reset(stream, self.epochs[stream], page.epoch)
+            page = await self.hub.read_engine.read_page(stream, (), limit)
+        if not self.marks[stream]:
+            self.marks[stream] = [0] * len(page.heads)
+        return page
+
+    async def page(self, stream: str, limit: int) -> tuple[list[str], list[dict[str, Any]], bool]:
+        """One page of `stream` after the cursor: the kept events' JSON, the tombstones,
+        and whether the stream is now read up to its heads. Moves the cursor."""
+        return self._take_page(await self._read_page(stream, limit))
+
+    def _reset(self, stream: str, previous: int, epoch: int) -> None:
+        self.epochs[stream] = epoch
+        self.marks[stream] = []
+        self._emit(
+            "reset",
+            {
+                "stream": stream,
+                "previous_epoch": previous,
+                "epoch": epoch,
+                "reason": "the stream was deleted and created again",
+            },
+        )
+
+    def _take_page(self, page: Page) -> tuple[list[str], list[dict[str, Any]], bool]:
+        stream = page.stream
+        selection = self.selections[stream]
+        tombstones = []
+        for tombstone in page.tombstones:
+            self._advance(stream, tombstone.partition, tombstone.gap_to)
+            tombstones.append(tombstone_body(tombstone))
+        events = []
+        for event in page.events:
+            self._advance(stream, event.partition, event.position)
+            if selection.keeps(event):
+                events.append(event_json(event, selection.include_data))
+        return events, tombstones, self._up_to_date(page)
+
+    def _up_to_date(self, page: Page) -> bool:
+        marks = self.marks[page.stream]
+        return all(mark >= head for mark, head in zip(marks, page.heads, strict=True))
+
+    async def catch_up_frames(self, stream: str, limit: int) -> bool:
+        """Read one page of `stream` and emit it as frames (a tombstone frame per gap,
+        an events frame per partition); whether the stream is up to date."""
+        page = await self._read_page(stream, limit)
+        for tombstone in page.tombstones:
+            self._advance(stream, tombstone.partition, tombstone.gap_to)
+            self._emit("tombstone", tombstone_body(tombstone))
+        by_partition: dict[int, list[Event]] = {}
+        for event in page.events:
+            by_partition.setdefault(event.partition, []).append(event)
+        selection = self.selections[stream]
+        for partition, events in by_partition.items():
+            kept = [
+                event_json(event, selection.include_data)
+                for event in events
+                if selection.keeps(event)
+            ]
+            self._advance(stream, partition, events[-1].position)
+            if kept:
+                self._emit_events(
+                    stream,
+                    partition,
+                    events[0].position,
+                    events[-1].position,
+                    page.heads[partition],
+                    kept,
+                )
+        return self._up_to_date(page)
+
+    def _emit_events(
+        self, stream: str, partition: int, first: int, last: int, head: int, events: list[str]
+    ) -> None:
+        data = (
+            f'{{"stream":{dumps(stream)},"partition":{partition},"first":{first},'
+            f'"last":{last},"head":{max(head, last)},"events":[{",".join(events)}]}}'
+        )
+        self._emit("events", data)
+
+    # live, through the hub
+
+    def behind(self, changed: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Of `changed`, the partitions whose head the hub knows is past the cursor."""
+        return {
+            (stream, partition)
+            for stream, partition in changed
+            if stream in self.marks
+            and self.hub.head(stream, partition) > self.position(stream, partition)
+        }
+
+    async def live_frames(self, stream: str, partition: int) -> bool:
+        """Read one partition after the cursor through the hub's shared read and emit its
+        frames; whether more may follow at once (the read was full, or the hub knows of
+        a later head)."""
+        shared: SharedRead = await self.hub.read(
+            stream, partition, self.position(stream, partition)
+        )
+        selection = self.selections[stream]
+        kept: list[str] = []
+        first = last = None
+        for index, item in enumerate(shared.items):
+            if isinstance(item, Tombstone):
+                self._advance(stream, partition, item.gap_to)
+                self._emit("tombstone", tombstone_body(item))
+                continue
+            if first is None:
+                first = item.position
+            last = item.position
+            if selection.keeps(item):
+                kept.append(shared.encoded(index, selection.include_data))
+        if last is not None:
+            assert first is not None
+            self._advance(stream, partition, last)
+            if kept:
+                head = max(shared.head, self.hub.head(stream, partition))
+                self._emit_events(stream, partition, first, last, head, kept)
+        known = self.hub.head(stream, partition)
+        return len(shared.items) >= READ_LIMIT or known > self.position(stream, partition)

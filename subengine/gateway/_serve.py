@@ -1,0 +1,68 @@
+"""Running the gateway with uvicorn: `subengine serve`.
+
+Each server process builds its application from the environment (`app_from_environment`),
+so that `--workers N` runs N processes sharing one listening socket. On shutdown the
+server first ends every open event stream (each says why: `error` frame `shutdown`), so it
+never waits on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import uvicorn
+from starlette.applications import Starlette
+
+from subengine._settings import Settings
+from subengine.gateway._app import GatewayConfig, create_app
+
+CONFIG_ENVIRONMENT = "SUBENGINE_GATEWAY_CONFIG"
+# A cursor of many partitions travels in a header (Last-Event-ID) and in URLs.
+_MAX_HEAD_BYTES = 64 * 1024
+
+
+def app_from_environment() -> Starlette:
+    """The application of one server process, configured by `serve` through the
+    environment."""
+    given = json.loads(os.environ.get(CONFIG_ENVIRONMENT, "{}"))
+    read_dsn = given.pop("read_dsn", None)
+    config = GatewayConfig(**{**given, "cors_origins": tuple(given.get("cors_origins", ()))})
+    return create_app(
+        config, end_streams_on_signals=True, settings=Settings.from_env(), read_dsn=read_dsn
+    )
+
+
+def serve(
+    config: GatewayConfig,
+    *,
+    dsn: str,
+    schema: str,
+    host: str,
+    port: int,
+    workers: int,
+    read_dsn: str | None,
+    log_level: str,
+    access_log: bool,
+) -> None:
+    """Serve until SIGINT or SIGTERM. `dsn` is the resolved DSN of the database (the
+    embedded server's too), handed to every server process."""
+    os.environ["SUBENGINE_DSN"] = dsn
+    os.environ["SUBENGINE_SCHEMA"] = schema
+    os.environ[CONFIG_ENVIRONMENT] = json.dumps(
+        {**dataclasses.asdict(config), "read_dsn": read_dsn}
+    )
+    uvicorn.run(
+        "subengine.gateway._serve:app_from_environment",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=5,
+        h11_max_incomplete_event_size=_MAX_HEAD_BYTES,
+        proxy_headers=False,
+        server_header=False,
+    )
