@@ -34,6 +34,7 @@ from helpers import (  # noqa: F401  (re-exported for tests that still import fr
     README,
     REPLICATION_TIMEOUT,
     SESSION_TAG,
+    GatewayProcess,
     Proxy,
     Replication,
     postgres_runner,
@@ -184,6 +185,13 @@ def cli_env(dsn: str, tmp_path: Path) -> dict[str, str]:
     env.update(SUBENGINE_DSN=dsn, SUBENGINE_HOME=str(tmp_path / "home"))
     env.pop("SUBENGINE_SCHEMA", None)
     return env
+
+
+@pytest.fixture
+def gateway(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]:
+    """`subengine serve` on the test database, as a real process on a loopback port."""
+    with GatewayProcess(cli_env, "--heartbeat", "1", tmp=tmp_path) as process:
+        yield process
 
 
 @pytest.fixture

@@ -9,10 +9,12 @@ Fixtures live in conftest.py; plain functions and classes live here, imported by
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -616,3 +618,86 @@ def wait_replayed(primary_dsn: str, replica_dsn: str, timeout: float = 30.0) -> 
             return caught_up is not None and bool(caught_up[0])
 
         wait_for(replayed, f"the replica to replay the primary's WAL up to {target}", timeout)
+class GatewayProcess:
+    """`subengine serve` as a real process on a free loopback port; `url` is its base URL.
+    Stopped with SIGTERM (then SIGKILL) on exit; `output()` is what it printed."""
+
+    def __init__(self, env: dict[str, str], *args: str, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"gateway-{self.port}.log"
+        self._env = env
+        self._args = args
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> GatewayProcess:
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [subengine_command(), "serve", "--port", str(self.port), *self._args],
+                env=self._env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        wait_for(self._ready, f"the gateway on port {self.port}", timeout=30)
+        return self
+
+    def _ready(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError(f"the gateway exited: {self.output()}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                return s.recv(64).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+                raise AssertionError("the gateway did not stop on SIGTERM") from None
+        return self.process.returncode
+
+    def __enter__(self) -> GatewayProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class SseFrame(NamedTuple):
+    """One server-sent event as a client sees it (a comment has kind ':' and no data)."""
+
+    kind: str
+    data: Any
+    id: str | None
+
+
+def sse_frames(lines: Iterator[str]) -> Iterator[SseFrame]:
+    """The frames of an event stream, from its lines (httpx's `iter_lines`)."""
+    kind, data, frame_id = "message", [], None
+    for line in lines:
+        if line == "":
+            if data:
+                yield SseFrame(kind, json.loads("\n".join(data)), frame_id)
+            kind, data, frame_id = "message", [], None
+        elif line.startswith(":"):
+            yield SseFrame(":", None, None)
+        else:
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if name == "event":
+                kind = value
+            elif name == "data":
+                data.append(value)
+            elif name == "id":
+                frame_id = value

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 
 import uvicorn
 from starlette.applications import Starlette
@@ -53,16 +54,31 @@ def serve(
     os.environ[CONFIG_ENVIRONMENT] = json.dumps(
         {**dataclasses.asdict(config), "read_dsn": read_dsn}
     )
-    uvicorn.run(
-        "subengine.gateway._serve:app_from_environment",
-        factory=True,
-        host=host,
-        port=port,
-        workers=workers,
-        log_level=log_level,
-        access_log=access_log,
-        timeout_graceful_shutdown=5,
-        h11_max_incomplete_event_size=_MAX_HEAD_BYTES,
-        proxy_headers=False,
-        server_header=False,
-    )
+    # uvicorn raises the signal that stopped it again once it has shut down; a graceful
+    # stop is a success here, as it is for `subengine worker`
+    stopped = {number: signal.signal(number, _stopped) for number in _STOP_SIGNALS}
+    try:
+        uvicorn.run(
+            "subengine.gateway._serve:app_from_environment",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level=log_level,
+            access_log=access_log,
+            timeout_graceful_shutdown=5,
+            h11_max_incomplete_event_size=_MAX_HEAD_BYTES,
+            proxy_headers=False,
+            server_header=False,
+        )
+    finally:
+        for number, handler in stopped.items():
+            signal.signal(number, handler)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stopped(signum: int, frame: object) -> None:
+    """What the stop signals do once uvicorn has shut down: nothing more."""
+
