@@ -76,7 +76,7 @@ def serve(
     from subengine.gateway._serve import serve as run
 
     engine = context.engine()
-    if not _loopback(host) and not any(key.revoked_at is None for key in engine.api_keys()):
+    if not _loopback(host) and not engine.any_active_api_key():
         raise CommandError(
             f"refusing to listen on {host}: no API key exists, so anyone could read every "
             "stream; create one with 'subengine gateway key create' or listen on 127.0.0.1"

@@ -618,6 +618,8 @@ def wait_replayed(primary_dsn: str, replica_dsn: str, timeout: float = 30.0) -> 
             return caught_up is not None and bool(caught_up[0])
 
         wait_for(replayed, f"the replica to replay the primary's WAL up to {target}", timeout)
+
+
 class GatewayProcess:
     """`subengine serve` as a real process on a free loopback port; `url` is its base URL.
     Stopped with SIGTERM (then SIGKILL) on exit; `output()` is what it printed."""
@@ -684,12 +686,14 @@ class SseFrame(NamedTuple):
 
 def sse_frames(lines: Iterator[str]) -> Iterator[SseFrame]:
     """The frames of an event stream, from its lines (httpx's `iter_lines`)."""
-    kind, data, frame_id = "message", [], None
+    kind: str = "message"
+    frame_id: str | None = None
+    data: list[str] = []
     for line in lines:
         if line == "":
             if data:
                 yield SseFrame(kind, json.loads("\n".join(data)), frame_id)
-            kind, data, frame_id = "message", [], None
+            kind, frame_id, data = "message", None, []
         elif line.startswith(":"):
             yield SseFrame(":", None, None)
         else:

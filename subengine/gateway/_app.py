@@ -42,6 +42,7 @@ from subengine._errors import (
 )
 from subengine._names import validate_key, validate_stream_name, validate_type
 from subengine._settings import Settings
+from subengine.gateway._auth import ANONYMOUS, Authenticator, Denied, Principal
 from subengine.gateway._cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine.gateway._hub import Hub, Watcher, dumps
 from subengine.gateway._reading import Reader, Selection
@@ -50,6 +51,17 @@ from subengine.gateway._sse import Blocked, EventStream, Gone, frame_text
 log = logging.getLogger("subengine.gateway")
 
 NO_STORE = "no-store"
+# How often (at most; and at every heartbeat) an open event stream checks that its key
+# still may read its streams.
+KEY_CHECK_SECONDS = 10.0
+# An event stream whose read failed (PostgreSQL out of reach) tries again after this
+# long, doubled up to the longest.
+_FIRST_RETRY_SECONDS = 0.1
+_LONGEST_RETRY_SECONDS = 5.0
+# A partition whose read found less than its known head is read again after this long,
+# doubled up to the longest.
+_FIRST_STALL_SECONDS = 0.005
+_LONGEST_STALL_SECONDS = 0.5
 CURSOR_HEADER = "Subengine-Cursor"
 UP_TO_DATE_HEADER = "Subengine-Up-To-Date"
 
@@ -118,6 +130,9 @@ def _bad(message: str, code: str = "bad_request") -> ApiError:
 def _translated(error: Exception) -> ApiError:
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, Denied):
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+        return ApiError(error.status, error.code, error.message, headers)
     if isinstance(error, InvalidCursor):
         return ApiError(400, "bad_cursor", str(error))
     if isinstance(error, StreamNotFound):
@@ -191,11 +206,13 @@ class Gateway:
     read_engine: AsyncEngine
     own_engines: bool
     hub: Hub = field(init=False)
+    auth: Authenticator = field(init=False)
     closing: asyncio.Event = field(init=False)
     listen_connects: int = 0
 
     def __post_init__(self) -> None:
         self.hub = Hub(self.engine, self.read_engine, self.config.poll_interval, self._resynced)
+        self.auth = Authenticator(self.engine)
         self.closing = asyncio.Event()
 
     def _resynced(self) -> None:
@@ -280,7 +297,10 @@ def _stream_name(request: Request) -> str:
 
 async def list_streams(request: Request) -> Response:
     gateway = _gateway(request)
-    streams = await gateway.engine.streams()
+    principal = await gateway.auth.principal(request)
+    if principal.key is not None and "read" not in principal.key.scopes:
+        raise Denied(403, "forbidden", "this key may not read streams")
+    streams = [s for s in await gateway.engine.streams() if principal.may(s.name, "read")]
     return json_response(
         {
             "streams": [
@@ -293,6 +313,7 @@ async def list_streams(request: Request) -> Response:
 async def show_stream(request: Request) -> Response:
     gateway = _gateway(request)
     stream = _stream_name(request)
+    (await gateway.auth.principal(request)).require(stream, "read")
     found = await gateway.read_engine.stream(stream)
     states = await gateway.read_engine.partitions(stream)
     heads = tuple(state.head for state in states)
@@ -319,6 +340,8 @@ async def show_stream(request: Request) -> Response:
 async def read_events(request: Request) -> Response | EventStreamResponse:
     gateway = _gateway(request)
     stream = _stream_name(request)
+    principal = await gateway.auth.principal(request)
+    principal.require(stream, "read")
     live = request.query_params.get("live")
     if live not in (None, "long-poll", "sse"):
         raise _bad(f"live must be long-poll or sse, not {live[:32]!r}")
@@ -326,7 +349,9 @@ async def read_events(request: Request) -> Response | EventStreamResponse:
     if live == "sse":
         heartbeat = _number(request.query_params.get("heartbeat"), "heartbeat", 1, 60, 15)
         start = await gateway.start_of(stream, request)
-        return await _event_stream(gateway, {stream: selection}, {stream: start}, heartbeat)
+        return await _event_stream(
+            gateway, {stream: selection}, {stream: start}, heartbeat, principal
+        )
     limit = _whole(
         request.query_params.get("limit"),
         "limit",
@@ -425,9 +450,10 @@ async def _event_stream(
     selections: dict[str, Selection],
     start: dict[str, StreamPosition],
     heartbeat: float,
+    principal: Principal,
 ) -> EventStreamResponse:
     watcher = await _watcher(gateway, selections)
-    return EventStreamResponse(gateway, selections, start, heartbeat, watcher)
+    return EventStreamResponse(gateway, selections, start, heartbeat, watcher, principal)
 
 
 class EventStreamResponse:
@@ -442,7 +468,9 @@ class EventStreamResponse:
         start: dict[str, StreamPosition],
         heartbeat: float,
         watcher: Watcher,
+        principal: Principal,
     ) -> None:
+        self.principal = principal
         self.gateway = gateway
         self.selections = selections
         self.start = start
@@ -504,35 +532,56 @@ class EventStreamResponse:
     async def _run(
         self, stream: EventStream, reader: Reader, watcher: Watcher, ends: float
     ) -> None:
-        try:
-            await self._catch_up(stream, reader)
-        except StreamNotFound as error:
-            await stream.write(_error_frame("stream_not_found", str(error)))
-            return
-        await stream.write(frame_text("caught-up", "{}", reader.cursor.encode()))
-        quiet_since = time.monotonic()
+        caught_up = False
+        quiet_since = checked = time.monotonic()
         pending: set[tuple[str, int]] = set()
+        # partitions whose head is known to be ahead of what a read found (a replica
+        # that has yet to replay it): read again after `stall`, doubled up to the longest
+        stalled: set[tuple[str, int]] = set()
+        stall = _FIRST_STALL_SECONDS
+        delay = _FIRST_RETRY_SECONDS
+        watcher.wake_all()  # the first round catches up
         while True:
             changed, resync = watcher.take()
             try:
                 if resync:
-                    await self._catch_up(stream, reader)
                     pending.clear()
+                    await self._catch_up(stream, reader)
+                    if not caught_up:
+                        caught_up = True
+                        await stream.write(frame_text("caught-up", "{}", reader.cursor.encode()))
+                        quiet_since = time.monotonic()
                 pending |= reader.behind(changed)
-                while pending:
+                while pending and not stream.closing:
                     name, partition = pending.pop()
-                    if await reader.live_frames(name, partition):
-                        pending.add((name, partition))
+                    more, moved = await reader.live_frames(name, partition)
+                    if more:
+                        (pending if moved else stalled).add((name, partition))
                     frames = reader.take_frames()
                     for frame in frames:
                         await stream.write(frame_text(frame.kind, frame.data, frame.cursor))
                     if frames:
                         quiet_since = time.monotonic()
-                    if stream.closing:
-                        break
+                now = time.monotonic()
+                if now >= checked + min(KEY_CHECK_SECONDS, self.heartbeat):
+                    checked = now
+                    if not await self._still_allowed():
+                        await stream.write(
+                            _error_frame("forbidden", "the API key was revoked or lost its rights")
+                        )
+                        return
+                delay = _FIRST_RETRY_SECONDS
             except StreamNotFound as error:
                 await stream.write(_error_frame("stream_not_found", str(error)))
                 return
+            except DatabaseUnavailable as error:
+                # the stream stays open: look at everything again once PostgreSQL answers
+                log.warning("gateway read failed, retrying in %.1fs: %s", delay, error)
+                watcher.wake_all()
+                await stream.wait(asyncio.Event(), delay)
+                delay = min(2 * delay, _LONGEST_RETRY_SECONDS)
+                if not stream.closing:
+                    continue
             now = time.monotonic()
             if stream.closing:
                 await stream.write(_error_frame("shutdown", "the server is shutting down"))
@@ -547,7 +596,21 @@ class EventStreamResponse:
                 await stream.write(": hb\n\n")
                 quiet_since = now
                 continue
+            if stalled:
+                await stream.wait(watcher.event, min(beat_at, ends, now + stall) - now)
+                pending |= stalled
+                stalled.clear()
+                stall = min(2 * stall, _LONGEST_STALL_SECONDS)
+                continue
+            stall = _FIRST_STALL_SECONDS
             await stream.wait(watcher.event, min(beat_at, ends) - now)
+
+    async def _still_allowed(self) -> bool:
+        key = self.principal.key
+        if key is None:
+            return not await self.gateway.auth.required()
+        current = await self.gateway.auth.key_by_id(key.id)
+        return current is not None and all(current.allows(name, "read") for name in self.selections)
 
 
 def _error_frame(code: str, message: str) -> str:
@@ -567,6 +630,7 @@ def _unb64(text: str) -> bytes:
 
 async def create_watch(request: Request) -> Response:
     gateway = _gateway(request)
+    principal = await gateway.auth.principal(request)
     body = await _json_body(request, gateway.config.max_body_bytes)
     if not isinstance(body, dict) or not isinstance(body.get("streams"), dict):
         raise _bad('expected {"streams": {"<stream>": {...}, ...}}')
@@ -593,6 +657,7 @@ async def create_watch(request: Request) -> Response:
             validate_stream_name(name)
         except InvalidInput as error:
             raise _bad(str(error), "bad_stream_name") from None
+        principal.require(name, "read")
         if not isinstance(options, dict):
             raise _bad(f"the options of stream {name!r} must be an object")
         unknown = set(options) - {"after", "since", "key", "type", "include_data"}
@@ -612,6 +677,7 @@ async def create_watch(request: Request) -> Response:
         spec.append([name, keys, types, include_data])
     expires = int(time.time() + gateway.config.watch_ttl)
     payload = {
+        "k": None if principal.key is None else principal.key.id,
         "x": expires,
         "h": heartbeat,
         "s": spec,
@@ -684,11 +750,38 @@ async def open_watch(request: Request) -> Response | EventStreamResponse:
         )
         for name, keys, types, include_data in payload["s"]
     }
+    principal = await _watch_principal(gateway, request, payload.get("k"))
+    for name in selections:
+        principal.require(name, "read")
     last_event_id = request.headers.get("last-event-id") or request.query_params.get("after")
     cursor = GatewayCursor.decode(last_event_id or payload["c"])
     if set(cursor.streams) != set(selections):
         raise ApiError(400, "bad_cursor", "the cursor does not name the watch's streams")
-    return await _event_stream(gateway, selections, dict(cursor.streams), payload["h"])
+    return await _event_stream(gateway, selections, dict(cursor.streams), payload["h"], principal)
+
+
+async def _watch_principal(gateway: Gateway, request: Request, key_id: Any) -> Principal:
+    """Who reads a watch: the key that created it, still active. The watch id stands
+    for it (a browser's EventSource cannot send a header); a key sent along must be
+    that one."""
+    if request.headers.get("authorization") is not None:
+        principal = await gateway.auth.principal(request)
+        if principal.id != (key_id or ANONYMOUS):
+            raise Denied(403, "forbidden", "this watch was created with another key")
+        return principal
+    if key_id is None:
+        if await gateway.auth.required():
+            raise Denied(
+                401,
+                "unauthorized",
+                "this watch was created without a key, and the "
+                "gateway now needs one: create a new watch",
+            )
+        return Principal(None)
+    key = await gateway.auth.key_by_id(str(key_id))
+    if key is None:
+        raise Denied(403, "forbidden", "the key that created this watch was revoked")
+    return Principal(key)
 
 
 async def _json_body(request: Request, limit: int) -> Any:

@@ -84,6 +84,13 @@ class SharedRead:
     finished: float = 0.0
     _encoded: dict[tuple[int, bool], str] = field(default_factory=dict)
 
+    def reaches(self, head: int) -> bool:
+        """Whether this read still answers a reader at `after`: it was full, or it got
+        to `head`."""
+        if len(self.items) >= READ_LIMIT:
+            return True
+        return bool(self.items) and self.items[-1].position >= head
+
     def encoded(self, index: int, include_data: bool) -> str:
         key = (index, include_data)
         text = self._encoded.get(key)
@@ -280,7 +287,13 @@ class Hub:
         future = self._reads.get(key)
         now = time.monotonic()
         if future is not None and future.done():
-            if future.exception() is None and now - future.result().finished < _CACHED_SECONDS:
+            # a finished read serves later watchers while it is fresh and still reaches
+            # the head known now (or was full); otherwise it is read again
+            if (
+                future.exception() is None
+                and now - future.result().finished < _CACHED_SECONDS
+                and future.result().reaches(self.head(stream, partition))
+            ):
                 return future.result()
             del self._reads[key]
             future = None

@@ -196,10 +196,12 @@ class Reader:
             and self.hub.head(stream, partition) > self.position(stream, partition)
         }
 
-    async def live_frames(self, stream: str, partition: int) -> bool:
+    async def live_frames(self, stream: str, partition: int) -> tuple[bool, bool]:
         """Read one partition after the cursor through the hub's shared read and emit its
-        frames; whether more may follow at once (the read was full, or the hub knows of
-        a later head)."""
+        frames. Returns whether more may follow (the read was full, or the hub knows of a
+        later head) and whether the cursor moved (it does not while a replica has yet to
+        replay what the primary notified)."""
+        before = self.position(stream, partition)
         shared: SharedRead = await self.hub.read(
             stream, partition, self.position(stream, partition)
         )
@@ -223,4 +225,5 @@ class Reader:
                 head = max(shared.head, self.hub.head(stream, partition))
                 self._emit_events(stream, partition, first, last, head, kept)
         known = self.hub.head(stream, partition)
-        return len(shared.items) >= READ_LIMIT or known > self.position(stream, partition)
+        after = self.position(stream, partition)
+        return len(shared.items) >= READ_LIMIT or known > after, after > before

@@ -81,4 +81,3 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def _stopped(signum: int, frame: object) -> None:
     """What the stop signals do once uvicorn has shut down: nothing more."""
-
