@@ -21,13 +21,14 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Self
 from urllib.parse import urlsplit
 
 import psycopg
@@ -311,7 +312,7 @@ class Proxy:
         self.lock = threading.Lock()
         self.silent = False
 
-    def __enter__(self) -> Proxy:
+    def __enter__(self) -> Self:
         self.listener.listen()
         threading.Thread(target=self._accept, daemon=True).start()
         return self
@@ -621,11 +622,12 @@ def wait_replayed(primary_dsn: str, replica_dsn: str, timeout: float = 30.0) -> 
 
 
 class GatewayProcess:
-    """`subengine serve` as a real process on a free loopback port; `url` is its base URL.
-    Stopped with SIGTERM (then SIGKILL) on exit; `output()` is what it printed."""
+    """`subengine serve` as a real process on a loopback port (`port`, or a free one);
+    `url` is its base URL. Stopped with SIGTERM (then SIGKILL) on exit; `kill()` stops it
+    as a crash would; `output()` is what it printed."""
 
-    def __init__(self, env: dict[str, str], *args: str, tmp: Path) -> None:
-        self.port = free_port()
+    def __init__(self, env: dict[str, str], *args: str, tmp: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"gateway-{self.port}.log"
         self._env = env
@@ -633,7 +635,7 @@ class GatewayProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> GatewayProcess:
-        with self.log.open("wb") as log:
+        with self.log.open("ab") as log:
             self.process = subprocess.Popen(
                 [subengine_command(), "serve", "--port", str(self.port), *self._args],
                 env=self._env,
@@ -656,6 +658,12 @@ class GatewayProcess:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no last word on its open streams."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(10)
 
     def stop(self, timeout: float = 30) -> int:
         assert self.process is not None
@@ -705,3 +713,57 @@ def sse_frames(lines: Iterator[str]) -> Iterator[SseFrame]:
                 data.append(value)
             elif name == "id":
                 frame_id = value
+
+
+class GatewayProxy(Proxy):
+    """A TCP proxy in front of the gateway at `url` that fails as networks fail event
+    streams: `freeze()` stops forwarding on every connection open now (new ones still
+    flow), as a middlebox that silently drops a connection would; with `cut_sse_after`,
+    every connection that asks for an event stream is closed that many seconds after
+    asking. `url` is the gateway through the proxy; `connections` counts accepted ones."""
+
+    def __init__(self, url: str, cut_sse_after: float | None = None) -> None:
+        target = urllib.parse.urlsplit(url)
+        super().__init__(f"postgresql://{target.hostname}:{target.port}")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cut_sse_after = cut_sse_after
+        self.frozen: set[socket.socket] = set()
+        self.connections = 0
+
+    def freeze(self) -> None:
+        with self.lock:
+            self.frozen.update(self.sockets[1:])
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = self._connect()
+            with self.lock:
+                self.sockets += [client, server]
+                self.connections += 1
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._forward, args=(a, b), daemon=True).start()
+
+    def _forward(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                if source in self.frozen:
+                    continue
+                if self.cut_sse_after is not None and b"live=sse" in data.split(b"\r\n", 1)[0]:
+                    threading.Timer(self.cut_sse_after, _shut, (source, sink)).start()
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _shut(source, sink)
+
+
+def _shut(*sockets: socket.socket) -> None:
+    for s in sockets:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

@@ -1,0 +1,278 @@
+"""The Python client against a real gateway process: every event exactly once across
+catch-up and live, through a crash of the gateway, a connection that goes silent and
+event streams that a network keeps cutting; gaps and re-created streams as items; a
+refusal as an error naming the gateway's code.
+
+Every wait is bounded; no test asserts on how long anything took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import PASSWORD, GatewayProcess, GatewayProxy, free_port, wait_for
+
+import subengine
+from subengine.client import (
+    AsyncReader,
+    Event,
+    GatewayError,
+    Item,
+    Reader,
+    Reconnect,
+    Reset,
+    Tombstone,
+)
+
+# one bound for every wait in these tests
+TIMEOUT = 60.0
+# reconnect at once, so that a test waits on what it tests and not on backoff
+QUICK = Reconnect(delay=0.05, max_delay=0.5)
+
+
+def append(engine: subengine.Engine, stream: str, count: int, start: int = 0) -> None:
+    engine.append(
+        stream,
+        [subengine.NewEvent(f"k{n % 7}", "created", {"n": n}) for n in range(start, start + count)],
+    )
+
+
+def numbers(items: Sequence[Item]) -> list[int]:
+    return [item.data["n"] for item in items if isinstance(item, Event)]
+
+
+def assert_exactly_once(items: list[Item], count: int) -> None:
+    """`items` are the events 0 … count-1, each once, each partition in order."""
+    events = [item for item in items if isinstance(item, Event)]
+    assert sorted(numbers(events)) == list(range(count))
+    for partition in {event.partition for event in events}:
+        positions = [event.position for event in events if event.partition == partition]
+        assert positions == list(range(1, len(positions) + 1))
+
+
+class Collector:
+    """A Reader iterated in a thread: `items` and the cursor after each (`cursors`)."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+        self.items: list[Item] = []
+        self.cursors: list[str | None] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            for item in self.reader:
+                self.items.append(item)
+                self.cursors.append(self.reader.cursor)
+        except BaseException as error:
+            self.error = error
+
+    def events(self) -> list[Event]:
+        return [item for item in self.items if isinstance(item, Event)]
+
+    def wait(self, condition: Callable[[], object], what: str) -> None:
+        def done() -> object:
+            if self.error is not None:
+                raise AssertionError(f"the reader failed: {self.error!r}")
+            return condition()
+
+        wait_for(done, what, timeout=TIMEOUT)
+
+
+@contextmanager
+def collecting(reader: Reader) -> Iterator[Collector]:
+    collector = Collector(reader)
+    collector.thread.start()
+    try:
+        yield collector
+    finally:
+        reader.stop()
+        collector.thread.join(TIMEOUT)
+        reader.close()
+    assert not collector.thread.is_alive(), "the reader did not stop"
+    assert collector.error is None, collector.error
+
+
+def read_to_end(url: str, stream: str, **options: Any) -> tuple[list[Item], str | None]:
+    """Everything a reader that does not follow reads, and its cursor at the end."""
+    with Reader(url, stream, follow=False, **options) as reader:
+        items = list(reader)
+        return items, reader.cursor
+
+
+def test_every_event_once_across_catch_up_and_live(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    append(engine, orders, 30)
+    reader = Reader(gateway.url, orders, page_limit=7, heartbeat=1, reconnect=QUICK)
+    with collecting(reader) as collector:
+        collector.wait(lambda: len(collector.events()) == 30, "the catch-up")
+        collector.wait(lambda: reader.mode == "sse", "the reader to go live")
+        for start in range(30, 50, 5):
+            append(engine, orders, 5, start=start)
+        collector.wait(lambda: len(collector.events()) >= 50, "the live events")
+    assert_exactly_once(collector.items, 50)
+    # its last cursor resumes after everything it delivered
+    rest, _ = read_to_end(gateway.url, orders, after=collector.cursors[-1])
+    assert rest == []
+
+
+def test_the_cursor_after_each_item_resumes_right_after_it(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    append(engine, orders, 40)
+    options: dict[str, Any] = {"keys": ["k1", "k2", "k5"], "page_limit": 4}
+    items, _ = read_to_end(gateway.url, orders, **options)
+    assert sorted(numbers(items)) == [n for n in range(40) if n % 7 in (1, 2, 5)]
+    with Reader(gateway.url, orders, follow=False, **options) as reader:
+        cursors = [reader.cursor for _ in reader]
+    for index, cursor in enumerate(cursors):
+        rest, _ = read_to_end(gateway.url, orders, after=cursor, **options)
+        assert numbers(rest) == numbers(items[index + 1 :])
+
+
+def test_a_crashed_gateway_restarted_on_its_port_loses_and_repeats_nothing(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    port = free_port()
+    first = GatewayProcess(cli_env, "--heartbeat", "1", tmp=tmp_path, port=port).start()
+    second: GatewayProcess | None = None
+    appended = threading.Event()
+
+    def appender() -> None:
+        for start in range(0, 200, 2):
+            append(engine, orders, 2, start=start)
+            time.sleep(0.02)
+        appended.set()
+
+    reader = Reader(first.url, orders, heartbeat=1, reconnect=QUICK)
+    try:
+        with collecting(reader) as collector:
+            writing = threading.Thread(target=appender, daemon=True)
+            writing.start()
+            collector.wait(lambda: len(collector.events()) >= 40, "events before the crash")
+            first.kill()
+            wait_for(appended.is_set, "the appends", timeout=TIMEOUT)
+            second = GatewayProcess(cli_env, "--heartbeat", "1", tmp=tmp_path, port=port).start()
+            collector.wait(lambda: len(collector.events()) >= 200, "every event")
+            writing.join(TIMEOUT)
+        assert_exactly_once(collector.items, 200)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_gaps_surface_as_tombstones_before_later_events(
+    engine: subengine.Engine, gateway: GatewayProcess
+) -> None:
+    engine.create_stream("feed", 1, retention=subengine.Retention(max_events=5))
+    engine.append("feed", [subengine.NewEvent("k", "t", {"n": n}) for n in range(12)])
+    start, cursor = read_to_end(gateway.url, "feed", page_limit=2)
+    assert numbers(start) == list(range(12))
+    engine.append("feed", [subengine.NewEvent("k", "t", {"n": n}) for n in range(12, 20)])
+    engine.run_retention()
+    items, _ = read_to_end(gateway.url, "feed", after=cursor)
+    assert items[0] == Tombstone("feed", 0, 13, 15, 16, "retention")
+    assert numbers(items[1:]) == list(range(15, 20))
+
+
+def test_a_re_created_stream_surfaces_as_a_reset(
+    engine: subengine.Engine, gateway: GatewayProcess
+) -> None:
+    engine.create_stream("temp", 2)
+    engine.append("temp", [subengine.NewEvent("a", "t", {"n": 0})])
+    before, cursor = read_to_end(gateway.url, "temp")
+    assert numbers(before) == [0]
+    old_epoch = engine.stream("temp").epoch
+    engine.delete_stream("temp")
+    engine.create_stream("temp", 2)
+    engine.append("temp", [subengine.NewEvent("b", "t", {"n": 1})])
+    items, _ = read_to_end(gateway.url, "temp", after=cursor)
+    assert items[0] == Reset(
+        "temp", old_epoch, engine.stream("temp").epoch, "the stream was deleted and created again"
+    )
+    assert numbers(items[1:]) == [1]
+
+
+def test_a_silent_connection_is_left_after_twice_the_heartbeat(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    with GatewayProxy(gateway.url) as proxy:
+        reader = Reader(proxy.url, orders, heartbeat=1, reconnect=QUICK)
+        with collecting(reader) as collector:
+            collector.wait(lambda: reader.mode == "sse" and proxy.connections, "going live")
+            append(engine, orders, 1)
+            collector.wait(lambda: len(collector.events()) == 1, "the first live event")
+            connections = proxy.connections
+            proxy.freeze()  # the open connection now carries nothing, heartbeats neither
+            append(engine, orders, 1, start=1)
+            collector.wait(lambda: len(collector.events()) == 2, "the event after the silence")
+        assert proxy.connections > connections
+    assert_exactly_once(collector.items, 2)
+
+
+def test_event_streams_cut_young_fall_back_to_long_poll(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    append(engine, orders, 3)
+    with GatewayProxy(gateway.url, cut_sse_after=0.2) as proxy:
+        fallback = Reconnect(delay=0.05, max_delay=0.2, short_connection=5, short_connections=3)
+        reader = Reader(proxy.url, orders, heartbeat=1, long_poll_wait=2, reconnect=fallback)
+        with collecting(reader) as collector:
+            collector.wait(lambda: reader.mode == "long-poll", "the fallback to long-poll")
+            append(engine, orders, 4, start=3)
+            collector.wait(lambda: len(collector.events()) == 7, "events by long-poll")
+            assert reader.mode == "long-poll"
+    assert_exactly_once(collector.items, 7)
+
+
+def test_a_refusal_raises_the_gateways_code_and_never_the_api_key(
+    orders: str, gateway: GatewayProcess
+) -> None:
+    with (
+        Reader(gateway.url, "nope", api_key=PASSWORD) as reader,
+        pytest.raises(GatewayError) as refused,
+    ):
+        next(iter(reader))
+    assert (refused.value.status, refused.value.code) == (404, "stream_not_found")
+    assert "nope" in refused.value.message
+    assert PASSWORD not in str(refused.value) and PASSWORD not in repr(refused.value)
+    with (
+        Reader(gateway.url, orders, after="c1.!!") as reader,
+        pytest.raises(GatewayError, match="bad_cursor"),
+    ):
+        next(iter(reader))
+
+
+def test_the_async_reader_catches_up_then_follows(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    append(engine, orders, 12)
+
+    async def read() -> tuple[list[Item], str | None]:
+        items: list[Item] = []
+        async with AsyncReader(
+            gateway.url, orders, page_limit=5, heartbeat=1, reconnect=QUICK
+        ) as reader:
+            async for item in reader:
+                items.append(item)
+                if len(items) == 12:
+                    assert reader.up_to_date or reader.mode == "pages"
+                    await asyncio.to_thread(append, engine, orders, 6, 12)
+                if len(items) == 18:
+                    break
+            return items, reader.cursor
+
+    items, cursor = asyncio.run(asyncio.wait_for(read(), TIMEOUT))
+    assert_exactly_once(items, 18)
+    rest, _ = read_to_end(gateway.url, orders, after=cursor)
+    assert rest == []
