@@ -67,6 +67,25 @@ LAYERS: dict[str, int] = {
         ],
         5,
     ),
+    # the HTTP gateway and its Python client (the client shares the gateway's cursor codec)
+    **dict.fromkeys(
+        [
+            "gateway.__init__",
+            "gateway._app",
+            "gateway._cursor",
+            "gateway._hub",
+            "gateway._reading",
+            "gateway._serve",
+            "gateway._sse",
+            "client.__init__",
+            "client._async",
+            "client._core",
+            "client._errors",
+            "client._items",
+            "client._sync",
+        ],
+        5,
+    ),
 }
 SQL_EXECUTORS = frozenset({"execute", "executemany", "copy", "send_query"})
 
@@ -89,7 +108,7 @@ def _resolve(name: str) -> str | None:
     if not name.startswith("subengine."):
         return None
     inner = name.removeprefix("subengine.")
-    return f"{inner}.__init__" if inner in {"spark"} else inner
+    return f"{inner}.__init__" if inner in {"spark", "gateway", "client"} else inner
 
 
 def imports(tree: ast.Module, known: set[str]) -> set[str]:
