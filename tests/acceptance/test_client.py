@@ -9,6 +9,7 @@ Every wait is bounded; no test asserts on how long anything took.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -16,8 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
-from helpers import PASSWORD, GatewayProcess, GatewayProxy, free_port, wait_for
+from helpers import PASSWORD, ROOT, GatewayProcess, GatewayProxy, free_port, wait_for
 
 import subengine
 from subengine.client import (
@@ -276,3 +278,40 @@ def test_the_async_reader_catches_up_then_follows(
     assert_exactly_once(items, 18)
     rest, _ = read_to_end(gateway.url, orders, after=cursor)
     assert rest == []
+
+
+def test_the_documented_example_keeps_totals_exactly_once(
+    engine: subengine.Engine,
+    orders: str,
+    gateway: GatewayProcess,
+    dsn: str,
+    sql: psycopg.Connection[Any],
+) -> None:
+    page = (ROOT / "docs" / "gateway-client.md").read_text()
+    for statement in re.findall(r"```sql\n(.*?)```", page, flags=re.DOTALL):
+        sql.execute(statement)
+    namespace: dict[str, Any] = {}
+    for block in re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL):
+        exec(compile(block, "docs/gateway-client.md", "exec"), namespace)
+
+    def place(start: int, totals: list[int]) -> None:
+        engine.append(
+            orders,
+            [
+                subengine.NewEvent(
+                    f"order-{start + n}", "OrderPlaced", {"customer": "c", "total": t}
+                )
+                for n, t in enumerate(totals)
+            ],
+        )
+        engine.append(orders, [subengine.NewEvent("x", "OrderShipped", {"total": 1000})])
+
+    place(0, [1, 2, 3])
+    namespace["run"](gateway.url, dsn, follow=False)
+    place(3, [10, 20])
+    namespace["run"](gateway.url, dsn, follow=False)  # resumes by the stored cursor
+    assert sql.execute("SELECT customer, total FROM totals").fetchall() == [("c", 36)]
+    [saved] = sql.execute("SELECT cursor FROM reader_cursors").fetchone() or [None]
+    place(5, [100])
+    totals, after = asyncio.run(asyncio.wait_for(namespace["latest"](gateway.url, saved), TIMEOUT))
+    assert totals == [100] and after is not None
