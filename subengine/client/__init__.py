@@ -1,12 +1,13 @@
 """The Python client of the gateway (DESIGN.md, "The gateway"; docs/gateway-client.md).
 
 `Reader` (threads) and `AsyncReader` (asyncio) read one stream exactly once across
-catch-up and live, resuming by the cursor the caller stores with its own state.
+catch-up and live, resuming by the cursor the caller stores with its own state;
+`Reader.watch` and `AsyncReader.watch` read several streams at once.
 """
 
 from subengine._events import Tombstone
 from subengine.client._async import AsyncReader
-from subengine.client._core import Reconnect
+from subengine.client._core import Reconnect, StreamOptions
 from subengine.client._errors import GatewayError
 from subengine.client._items import Event, Item, Reset
 from subengine.client._sync import Reader
@@ -19,5 +20,6 @@ __all__ = [
     "Reader",
     "Reconnect",
     "Reset",
+    "StreamOptions",
     "Tombstone",
 ]

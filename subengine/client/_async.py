@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from contextlib import aclosing
 from datetime import datetime
 from types import TracebackType
@@ -20,7 +20,9 @@ from subengine.client._core import (
     Reconnect,
     Resume,
     SseParser,
+    StreamOptions,
     Unavailable,
+    WatchCore,
     selection_of,
 )
 from subengine.client._items import Item
@@ -65,7 +67,7 @@ class AsyncReader:
         reconnect: Reconnect | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        self._core = ReadCore(
+        core = ReadCore(
             stream,
             selection_of(keys, types, include_data),
             after=after,
@@ -77,6 +79,41 @@ class AsyncReader:
             timeout=timeout,
             reconnect=reconnect or Reconnect(),
         )
+        self._setup(core, base_url, follow, client)
+
+    @classmethod
+    def watch(
+        cls,
+        base_url: str,
+        streams: Mapping[str, StreamOptions],
+        *,
+        after: str | None = None,
+        api_key: str | None = None,
+        heartbeat: float = 15.0,
+        timeout: float = 30.0,
+        reconnect: Reconnect | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> AsyncReader:
+        """A reader of several streams at once, on one connection (a watch): each
+        stream from its `StreamOptions`, or all from `after`, the cursor of an earlier
+        watch of the same streams. Items and cursor are as for one stream; the gateway
+        catches a watch up itself, and a watch has no long-poll to fall back to."""
+        core = WatchCore(
+            streams,
+            after=after,
+            api_key=api_key,
+            heartbeat=heartbeat,
+            timeout=timeout,
+            reconnect=reconnect or Reconnect(),
+        )
+        reader = cls.__new__(cls)
+        reader._setup(core, base_url, True, client)
+        return reader
+
+    def _setup(
+        self, core: ReadCore, base_url: str, follow: bool, client: httpx.AsyncClient | None
+    ) -> None:
+        self._core = core
         self._base_url = base_url.rstrip("/")
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient()
@@ -128,6 +165,9 @@ class AsyncReader:
                 return
             call = core.next_call(time.monotonic())
             try:
+                if call.create is not None:
+                    await self._create(call)
+                    continue
                 items = self._follow(call) if call.mode == "sse" else self._pull(call)
                 # closed at once when the caller stops iterating, so that its connection
                 # does not wait for the garbage collector
@@ -151,6 +191,16 @@ class AsyncReader:
                 await asyncio.wait_for(self._stop.wait(), delay)
             except TimeoutError:
                 pass
+
+    async def _create(self, call: Call) -> None:
+        response = await self._client.post(
+            self._base_url + call.path,
+            json=call.create,
+            headers=call.headers,
+            timeout=self._timeout(call),
+        )
+        self._core.check(response.status_code, response.headers, response.content)
+        self._core.created(response.json())
 
     def _timeout(self, call: Call) -> httpx.Timeout:
         return httpx.Timeout(self._core.timeout, read=call.read_timeout)

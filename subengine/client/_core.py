@@ -110,6 +110,8 @@ class Call:
     params: tuple[tuple[str, str], ...]
     headers: dict[str, str]
     read_timeout: float
+    # a watch to create first (POST /v1/watch with this body)
+    create: dict[str, Any] | None = None
 
 
 class Resume(Exception):
@@ -246,10 +248,16 @@ class ReadCore:
             if mode == "long-poll":
                 params += [("live", "long-poll"), ("wait", f"{self.long_poll_wait:g}")]
                 read_timeout = self.long_poll_wait + self.timeout
+        path = f"/v1/streams/{quote(self.stream, safe='')}/events"
+        return Call(mode, path, tuple(params), self._authorized(headers), read_timeout)
+
+    def _authorized(self, headers: dict[str, str]) -> dict[str, str]:
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        path = f"/v1/streams/{quote(self.stream, safe='')}/events"
-        return Call(mode, path, tuple(params), headers, read_timeout)
+        return headers
+
+    def created(self, body: Mapping[str, Any]) -> None:
+        raise TypeError("only a watch is created")
 
     # what answers mean
 
@@ -402,6 +410,103 @@ def _cursors_after_each(
         delivered.append((item, text))
     delivered.append((items[-1], cursor_text))
     return delivered
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    """What a watch reads of one of its streams: where it starts (`after`: a cursor of
+    this stream, "beginning" or "now"; or `since`: a time) and its filters."""
+
+    after: str | None = None
+    since: str | datetime | None = None
+    keys: tuple[str, ...] | list[str] = ()
+    types: tuple[str, ...] | list[str] = ()
+    include_data: bool = True
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"include_data": self.include_data}
+        if self.since is not None:
+            body["since"] = (
+                self.since.isoformat() if isinstance(self.since, datetime) else self.since
+            )
+        elif self.after is not None:
+            body["after"] = self.after
+        if self.keys:
+            body["key"] = list(self.keys)
+        if self.types:
+            body["type"] = list(self.types)
+        return body
+
+
+class WatchCore(ReadCore):
+    """A reader's state for a watch of several streams: it creates the watch (POST
+    /v1/watch), then follows its event stream, which catches up by itself; a watch
+    that expired or is unknown is created again from the cursor."""
+
+    def __init__(
+        self,
+        streams: Mapping[str, StreamOptions],
+        *,
+        after: str | None,
+        api_key: str | None,
+        heartbeat: float,
+        timeout: float,
+        reconnect: Reconnect,
+    ) -> None:
+        if not streams:
+            raise ValueError("a watch needs at least one stream")
+        super().__init__(
+            "",
+            Selection(),
+            after=after,
+            since=None,
+            api_key=api_key,
+            heartbeat=heartbeat,
+            page_limit=None,
+            long_poll_wait=0.0,
+            timeout=timeout,
+            reconnect=reconnect,
+        )
+        self.streams = dict(streams)
+        self.wid: str | None = None
+
+    def mode(self, now: float) -> Mode:
+        return "sse"
+
+    def next_call(self, now: float) -> Call:
+        if self.wid is None:
+            headers = self._authorized({"Accept": "application/json"})
+            return Call("sse", "/v1/watch", (), headers, self.timeout, self._body())
+        headers = {"Accept": "text/event-stream"}
+        if self.cursor is not None:
+            headers["Last-Event-ID"] = self.cursor
+        path = f"/v1/watch/{quote(self.wid, safe='')}"
+        return Call("sse", path, (), self._authorized(headers), 2 * self.heartbeat)
+
+    def _body(self) -> dict[str, Any]:
+        streams = {name: options.body() for name, options in self.streams.items()}
+        if self.cursor is not None:
+            # again from where the reader stands: each stream from its part of the cursor
+            known = GatewayCursor.decode(self.cursor).streams
+            for name, body in streams.items():
+                body.pop("since", None)
+                if name in known:
+                    body["after"] = GatewayCursor({name: known[name]}).encode()
+        return {"streams": streams, "heartbeat": self.heartbeat}
+
+    def created(self, body: Mapping[str, Any]) -> None:
+        """The gateway created the watch: its id, and its cursor if the reader had none."""
+        self.wid = str(body["wid"])
+        if self.cursor is None:
+            self._batch(str(body["cursor"]), [])
+
+    def check(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        if status in (404, 410) and self.wid is not None:
+            refusal = self.refused(status, body)
+            if refusal.code in ("watch_not_found", "watch_expired"):
+                self.wid = None  # create it again, from the cursor
+                raise Unavailable(status, None)
+        super().check(status, headers, body)
 
 
 @dataclass(frozen=True, slots=True)

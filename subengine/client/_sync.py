@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
 from types import TracebackType
 
@@ -19,7 +19,9 @@ from subengine.client._core import (
     Reconnect,
     Resume,
     SseParser,
+    StreamOptions,
     Unavailable,
+    WatchCore,
     selection_of,
 )
 from subengine.client._items import Item
@@ -64,7 +66,7 @@ class Reader:
         reconnect: Reconnect | None = None,
         client: httpx.Client | None = None,
     ) -> None:
-        self._core = ReadCore(
+        core = ReadCore(
             stream,
             selection_of(keys, types, include_data),
             after=after,
@@ -76,6 +78,41 @@ class Reader:
             timeout=timeout,
             reconnect=reconnect or Reconnect(),
         )
+        self._setup(core, base_url, follow, client)
+
+    @classmethod
+    def watch(
+        cls,
+        base_url: str,
+        streams: Mapping[str, StreamOptions],
+        *,
+        after: str | None = None,
+        api_key: str | None = None,
+        heartbeat: float = 15.0,
+        timeout: float = 30.0,
+        reconnect: Reconnect | None = None,
+        client: httpx.Client | None = None,
+    ) -> Reader:
+        """A reader of several streams at once, on one connection (a watch): each
+        stream from its `StreamOptions`, or all from `after`, the cursor of an earlier
+        watch of the same streams. Items and cursor are as for one stream; the gateway
+        catches a watch up itself, and a watch has no long-poll to fall back to."""
+        core = WatchCore(
+            streams,
+            after=after,
+            api_key=api_key,
+            heartbeat=heartbeat,
+            timeout=timeout,
+            reconnect=reconnect or Reconnect(),
+        )
+        reader = cls.__new__(cls)
+        reader._setup(core, base_url, True, client)
+        return reader
+
+    def _setup(
+        self, core: ReadCore, base_url: str, follow: bool, client: httpx.Client | None
+    ) -> None:
+        self._core = core
         self._base_url = base_url.rstrip("/")
         self._owns_client = client is None
         self._client = client or httpx.Client()
@@ -126,6 +163,9 @@ class Reader:
                 return
             call = core.next_call(time.monotonic())
             try:
+                if call.create is not None:
+                    self._create(call)
+                    continue
                 if call.mode == "sse":
                     yield from self._follow(call)
                 else:
@@ -144,6 +184,16 @@ class Reader:
                 delay = core.failed()
                 log.warning("reading %s failed (%r); again in %.1fs", call.path, error, delay)
             self._stop.wait(delay)
+
+    def _create(self, call: Call) -> None:
+        response = self._client.post(
+            self._base_url + call.path,
+            json=call.create,
+            headers=call.headers,
+            timeout=self._timeout(call),
+        )
+        self._core.check(response.status_code, response.headers, response.content)
+        self._core.created(response.json())
 
     def _timeout(self, call: Call) -> httpx.Timeout:
         return httpx.Timeout(self._core.timeout, read=call.read_timeout)

@@ -19,9 +19,11 @@ from typing import Any
 
 import psycopg
 import pytest
+import uvicorn
 from helpers import PASSWORD, ROOT, GatewayProcess, GatewayProxy, free_port, wait_for
 
 import subengine
+from subengine import AsyncEngine
 from subengine.client import (
     AsyncReader,
     Event,
@@ -30,8 +32,10 @@ from subengine.client import (
     Reader,
     Reconnect,
     Reset,
+    StreamOptions,
     Tombstone,
 )
+from subengine.gateway import GatewayConfig, close_all_streams, create_app
 
 # one bound for every wait in these tests
 TIMEOUT = 60.0
@@ -315,3 +319,75 @@ def test_the_documented_example_keeps_totals_exactly_once(
     place(5, [100])
     totals, after = asyncio.run(asyncio.wait_for(namespace["latest"](gateway.url, saved), TIMEOUT))
     assert totals == [100] and after is not None
+
+
+@contextmanager
+def watching_gateway(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The gateway application under uvicorn in a thread of this process, whose engine
+    has a watch-signing secret (serve's engine has none yet), so that watches work."""
+
+    async def signing_secret(self: AsyncEngine, purpose: str) -> bytes:
+        return b"a test secret for " + purpose.encode()
+
+    monkeypatch.setattr(AsyncEngine, "signing_secret", signing_secret, raising=False)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            lambda: create_app(GatewayConfig(heartbeat=1), dsn=dsn),
+            factory=True,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, "the gateway in a thread", timeout=TIMEOUT)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        close_all_streams()
+        server.should_exit = True
+        thread.join(TIMEOUT)
+
+
+def test_a_watch_reads_several_streams_once_and_resumes_by_its_cursor(
+    engine: subengine.Engine, orders: str, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.create_stream("payments", 2)
+
+    def pay(start: int, count: int) -> None:
+        engine.append(
+            "payments",
+            [
+                subengine.NewEvent(f"p{n}", "paid" if n % 2 else "refunded", {"n": n})
+                for n in range(start, start + count)
+            ],
+        )
+
+    append(engine, orders, 10)
+    pay(0, 10)
+    streams = {
+        "orders": StreamOptions(after="beginning"),
+        "payments": StreamOptions(after="beginning", types=["paid"]),
+    }
+    with watching_gateway(dsn, monkeypatch) as url:
+        reader = Reader.watch(url, streams, heartbeat=1, reconnect=QUICK)
+        with collecting(reader) as collector:
+            collector.wait(lambda: len(collector.events()) == 15, "the catch-up")
+            append(engine, orders, 5, start=10)
+            pay(10, 4)
+            collector.wait(lambda: len(collector.events()) == 22, "the live events")
+        by_stream = {
+            name: [event for event in collector.events() if event.stream == name]
+            for name in ("orders", "payments")
+        }
+        assert_exactly_once(list(by_stream["orders"]), 15)
+        assert sorted(numbers(by_stream["payments"])) == [1, 3, 5, 7, 9, 11, 13]
+        cursor = collector.cursors[-1]
+        assert cursor is not None
+        pay(14, 2)
+        resumed = Reader.watch(url, streams, after=cursor, heartbeat=1, reconnect=QUICK)
+        with collecting(resumed) as again:
+            again.wait(lambda: len(again.events()) == 1, "the event after the cursor")
+        assert numbers(again.items) == [15]
