@@ -245,13 +245,16 @@ def test_a_refusal_raises_the_gateways_code_and_never_the_api_key(
     orders: str, gateway: GatewayProcess
 ) -> None:
     with (
-        Reader(gateway.url, "nope", api_key=PASSWORD) as reader,
+        Reader(gateway.url, orders, api_key=PASSWORD) as reader,
         pytest.raises(GatewayError) as refused,
     ):
         next(iter(reader))
+    assert (refused.value.status, refused.value.code) == (401, "unauthorized")
+    assert PASSWORD not in str(refused.value) and PASSWORD not in repr(refused.value)
+    with Reader(gateway.url, "nope") as reader, pytest.raises(GatewayError) as refused:
+        next(iter(reader))
     assert (refused.value.status, refused.value.code) == (404, "stream_not_found")
     assert "nope" in refused.value.message
-    assert PASSWORD not in str(refused.value) and PASSWORD not in repr(refused.value)
     with (
         Reader(gateway.url, orders, after="c1.!!") as reader,
         pytest.raises(GatewayError, match="bad_cursor"),

@@ -72,6 +72,7 @@ LAYERS: dict[str, int] = {
         [
             "gateway.__init__",
             "gateway._app",
+            "gateway._auth",
             "gateway._cursor",
             "gateway._hub",
             "gateway._reading",
