@@ -20,6 +20,7 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 from subengine._events import Tombstone
+from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine.client._errors import GatewayError
 from subengine.client._items import (
     Event,
@@ -29,7 +30,6 @@ from subengine.client._items import (
     reset_from_json,
     tombstone_from_json,
 )
-from subengine.gateway._cursor import GatewayCursor, InvalidCursor, StreamPosition
 
 CURSOR_HEADER = "Subengine-Cursor"
 # error frames after which the reader resumes by cursor (docs/gateway.md, "Errors")

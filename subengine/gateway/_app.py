@@ -40,10 +40,10 @@ from subengine._errors import (
     StreamNotFound,
     SubengineError,
 )
+from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine._names import validate_key, validate_stream_name, validate_type
 from subengine._settings import Settings
 from subengine.gateway._auth import ANONYMOUS, Authenticator, Denied, Principal
-from subengine.gateway._cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine.gateway._hub import Hub, Watcher, dumps
 from subengine.gateway._reading import Reader, Selection
 from subengine.gateway._sse import Blocked, EventStream, Gone, frame_text

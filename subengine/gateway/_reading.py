@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from subengine._events import Event, Tombstone, partition_for
+from subengine._gateway_cursor import GatewayCursor, StreamPosition
 from subengine._read import Page
-from subengine.gateway._cursor import GatewayCursor, StreamPosition
 from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, event_json, tombstone_body
 
 

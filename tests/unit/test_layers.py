@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
             "_settings",
             "_logging",
             "_cursor",
+            "_gateway_cursor",
         ],
         0,
     ),
@@ -67,13 +68,12 @@ LAYERS: dict[str, int] = {
         ],
         5,
     ),
-    # the HTTP gateway and its Python client (the client shares the gateway's cursor codec)
+    # the HTTP gateway and its Python client (both use the cursor of _gateway_cursor)
     **dict.fromkeys(
         [
             "gateway.__init__",
             "gateway._app",
             "gateway._auth",
-            "gateway._cursor",
             "gateway._hub",
             "gateway._reading",
             "gateway._serve",

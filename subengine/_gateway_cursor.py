@@ -1,5 +1,6 @@
 """The gateway's cursor: the whole state of an outside reader (DESIGN.md, the gateway's
-second principle), for one stream or every stream of a watch.
+second principle), for one stream or every stream of a watch. Vocabulary: the gateway
+writes it and the Python client reads it, so it needs neither.
 
 Per stream: its epoch (so a cursor of a deleted and re-created stream is noticed) and,
 per partition, the last position delivered (or passed over by a filter). Its text is
