@@ -47,7 +47,7 @@ def _describe(key: subengine.ApiKey) -> str:
 
 @click.group()
 def gateway() -> None:
-    """The HTTP gateway's API keys (see docs/gateway-keys.md)."""
+    """The HTTP gateway's API keys (see docs/gateway.md, "API keys")."""
 
 
 @gateway.group()

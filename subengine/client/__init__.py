@@ -1,4 +1,4 @@
-"""The Python client of the gateway (DESIGN.md, "The gateway"; docs/gateway-client.md).
+"""The Python client of the gateway (DESIGN.md, "The gateway"; docs/gateway.md).
 
 `Reader` (threads) and `AsyncReader` (asyncio) read one stream exactly once across
 catch-up and live, resuming by the cursor the caller stores with its own state;

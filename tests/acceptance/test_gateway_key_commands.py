@@ -189,12 +189,12 @@ def test_no_error_echoes_a_token(
 def test_every_command_of_the_keys_page_runs(
     cli_env: dict[str, str], engine: subengine.Engine
 ) -> None:
-    page = (ROOT / "docs" / "gateway-keys.md").read_text()
+    page = (ROOT / "docs" / "gateway.md").read_text()
     commands = [
         shlex.split(line)
         for block in re.findall(r"```sh\n(.*?)```", page, flags=re.DOTALL)
         for line in block.splitlines()
-        if line.startswith("subengine ")
+        if line.startswith("subengine gateway key ")
     ]
     assert len(commands) == 6
     shown_id = commands[-1][-1]  # the page revokes a key by an id of its example
