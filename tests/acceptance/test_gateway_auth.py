@@ -1,0 +1,109 @@
+"""API keys at the gateway, over real HTTP: 401 without a usable key, 403 outside a key's
+scopes and stream patterns (on every endpoint and inside a watch), a watch usable by its
+id alone while its key lives, and a revoked key ending an open event stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from helpers import GatewayProcess, sse_frames
+
+import subengine
+
+TIMEOUT = httpx.Timeout(30.0)
+
+
+@pytest.fixture
+def keys(engine: subengine.Engine, orders: str) -> dict[str, Any]:
+    engine.create_stream("payments", 2)
+    engine.append(orders, [subengine.NewEvent("a", "t", {"n": 1})])
+    _, reader = engine.create_api_key(["read"], ["orders*"], name="reader")
+    _, writer = engine.create_api_key(["append"], ["*"], name="writer")
+    return {"reader": reader, "writer": writer}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_without_a_usable_key_every_endpoint_answers_401(
+    keys: dict[str, Any], gateway: GatewayProcess
+) -> None:
+    for headers in ({}, bearer("sek_000000000000_" + "A" * 43), {"Authorization": "Basic x"}):
+        for path in ("/v1/streams", "/v1/streams/orders", "/v1/streams/orders/events"):
+            answer = httpx.get(gateway.url + path, headers=headers, timeout=TIMEOUT)
+            assert answer.status_code == 401, (path, headers)
+            assert answer.json()["error"]["code"] == "unauthorized"
+            assert answer.headers["WWW-Authenticate"] == "Bearer"
+    # health needs no key
+    assert httpx.get(f"{gateway.url}/healthz", timeout=TIMEOUT).status_code == 200
+
+
+def test_scopes_and_stream_patterns_are_enforced(
+    keys: dict[str, Any], gateway: GatewayProcess
+) -> None:
+    reader = bearer(keys["reader"])
+    listed = httpx.get(f"{gateway.url}/v1/streams", headers=reader, timeout=TIMEOUT).json()
+    assert [s["name"] for s in listed["streams"]] == ["orders"]
+    page = httpx.get(f"{gateway.url}/v1/streams/orders/events", headers=reader, timeout=TIMEOUT)
+    assert page.status_code == 200 and len(page.json()["events"]) == 1
+    for path in ("/v1/streams/payments", "/v1/streams/payments/events"):
+        answer = httpx.get(gateway.url + path, headers=reader, timeout=TIMEOUT)
+        assert answer.status_code == 403 and answer.json()["error"]["code"] == "forbidden"
+    # the append-only key may not read
+    answer = httpx.get(
+        f"{gateway.url}/v1/streams/orders/events", headers=bearer(keys["writer"]), timeout=TIMEOUT
+    )
+    assert answer.status_code == 403
+    # nor may a reader watch a stream outside its patterns
+    answer = httpx.post(
+        f"{gateway.url}/v1/watch",
+        headers=reader,
+        json={"streams": {"orders": {}, "payments": {}}},
+        timeout=TIMEOUT,
+    )
+    assert answer.status_code == 403 and "payments" in answer.json()["error"]["message"]
+
+
+def test_a_watch_is_read_by_its_id_until_its_key_is_revoked(
+    engine: subengine.Engine, keys: dict[str, Any], gateway: GatewayProcess
+) -> None:
+    created = httpx.post(
+        f"{gateway.url}/v1/watch",
+        headers=bearer(keys["reader"]),
+        json={"streams": {"orders": {"after": "beginning"}}, "heartbeat": 1},
+        timeout=TIMEOUT,
+    )
+    assert created.status_code == 201, created.text
+    url = gateway.url + created.json()["url"]
+    # another key may not use it
+    _, other = engine.create_api_key(["read"], ["*"], name="other")
+    assert httpx.get(url, headers=bearer(other), timeout=TIMEOUT).status_code == 403
+    # without a header (a browser's EventSource), the id stands for its key
+    with httpx.stream("GET", url, timeout=TIMEOUT) as response:
+        assert response.status_code == 200
+        frames = sse_frames(response.iter_lines())
+        kinds = []
+        for frame in frames:
+            kinds.append(frame.kind)
+            if frame.kind == "caught-up":
+                engine.revoke_api_key(next(k.id for k in engine.api_keys() if k.name == "reader"))
+            if frame.kind == "error":
+                assert frame.data["code"] == "forbidden"
+                break
+    assert kinds[0] == "events" and "caught-up" in kinds and kinds[-1] == "error"
+    assert httpx.get(url, timeout=TIMEOUT).status_code == 403
+
+
+def test_tokens_never_reach_the_gateways_output(
+    keys: dict[str, Any], gateway: GatewayProcess
+) -> None:
+    for token in keys.values():
+        httpx.get(f"{gateway.url}/v1/streams", headers=bearer(token), timeout=TIMEOUT)
+        httpx.get(f"{gateway.url}/v1/streams/x/events", headers=bearer(token), timeout=TIMEOUT)
+    output = gateway.output()
+    for token in keys.values():
+        assert token not in output
+        assert token.split("_")[2] not in output
