@@ -1,7 +1,8 @@
 """Reading events from JSON Lines for `subengine append --file`.
 
-One JSON object per line with "key", "type" and "data", and optionally "metadata", "id"
-(a UUID) and "occurred_at" (ISO 8601 with a time zone), in UTF-8; lines end at "\n" only.
+One JSON object per line, in UTF-8, as `subengine.NewEvent.from_json` reads it ("key",
+"type" and "data", and optionally "metadata", "id" and "occurred_at", an RFC 3339 time
+with a zone); lines end at "\n" only.
 Blank lines are skipped. Any bad line fails the whole file before anything is written, and
 the error names its line.
 """
@@ -9,11 +10,8 @@ the error names its line.
 from __future__ import annotations
 
 import sys
-import uuid
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -21,8 +19,6 @@ import subengine
 
 from . import _json
 
-REQUIRED = ("key", "type", "data")
-OPTIONAL = ("metadata", "id", "occurred_at")
 JSON_WHITESPACE = " \t\r\n"
 
 
@@ -36,44 +32,6 @@ class EventsFile(list[subengine.NewEvent]):
 
     def line_of(self, index: int) -> int:
         return self.line_numbers[index]
-
-
-def _event(fields: object) -> subengine.NewEvent:
-    if not isinstance(fields, dict):
-        raise ValueError(f"expected a JSON object, got {type(fields).__name__}")
-    missing = [name for name in REQUIRED if name not in fields]
-    if missing:
-        raise ValueError(f"missing {', '.join(repr(name) for name in missing)}")
-    unknown = sorted(set(fields) - set(REQUIRED) - set(OPTIONAL))
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(map(_json.shown, unknown))}")
-    event_id = _text(fields, "id")
-    occurred_at = _text(fields, "occurred_at")
-    try:
-        parsed_id = None if event_id is None else uuid.UUID(event_id)
-    except ValueError:
-        raise ValueError(f"id {_json.shown(event_id or '')} is not a UUID") from None
-    try:
-        parsed_time = None if occurred_at is None else datetime.fromisoformat(occurred_at)
-    except ValueError:
-        raise ValueError(
-            f"occurred_at {_json.shown(occurred_at or '')} is not an ISO 8601 time"
-        ) from None
-    return subengine.NewEvent(
-        key=fields["key"],
-        type=fields["type"],
-        data=fields["data"],
-        metadata=fields.get("metadata"),
-        id=parsed_id,
-        occurred_at=parsed_time,
-    )
-
-
-def _text(fields: dict[str, Any], name: str) -> str | None:
-    value = fields.get(name)
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"{name} must be a string, not {type(value).__name__}")
-    return value
 
 
 def _lines(data: bytes) -> Iterator[tuple[int, str]]:
@@ -109,7 +67,7 @@ def read_events_file(path: Path) -> EventsFile:
             if not line.strip(JSON_WHITESPACE):
                 continue
             try:
-                events.append(_event(_json.parse(line)))
+                events.append(subengine.NewEvent.from_json(_json.parse(line)))
             except ValueError as error:
                 raise ValueError(f"line {number}: {error}") from None
             events.line_numbers.append(number)

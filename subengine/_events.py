@@ -2,19 +2,32 @@
 
 `partition_for` is the documented partition function; the SQL function
 `partition_for(key, partitions)` in the schema computes the same value.
+`NewEvent.from_json` is the one rule for an event given as a JSON object (a JSON Lines
+file of `subengine append --file`, the gateway's `POST .../events`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from subengine._errors import InvalidInput
+from subengine._names import shown_value
+
 _SIGN_MASK = (1 << 63) - 1
+
+# The fields of an event as a JSON object: required, then optional.
+EVENT_FIELDS = ("key", "type", "data")
+OPTIONAL_EVENT_FIELDS = ("metadata", "id", "occurred_at")
+# RFC 3339's date-time: a full time with seconds and a zone; fromisoformat alone would
+# also take a date, a time without seconds or no zone at all.
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})")
 
 
 def partition_for(key: str, partitions: int) -> int:
@@ -52,6 +65,64 @@ class NewEvent:
     metadata: dict[str, Any] | None = None
     id: uuid.UUID | None = None
     occurred_at: datetime | None = None
+
+    @classmethod
+    def from_json(cls, fields: object) -> NewEvent:
+        """The event of a JSON object with "key", "type" and "data", and optionally
+        "metadata" (an object), "id" (a UUID) and "occurred_at" (an RFC 3339 time with a
+        zone, such as "2026-01-02T03:04:05Z"). Raises InvalidInput naming the field; the
+        key, type, data and metadata themselves are checked by the append."""
+        if not isinstance(fields, dict):
+            raise InvalidInput(f"expected a JSON object, got {_json_kind(fields)}")
+        missing = [name for name in EVENT_FIELDS if name not in fields]
+        if missing:
+            raise InvalidInput(f"missing {', '.join(repr(name) for name in missing)}")
+        unknown = sorted(set(fields) - set(EVENT_FIELDS) - set(OPTIONAL_EVENT_FIELDS))
+        if unknown:
+            raise InvalidInput(f"unknown field(s) {', '.join(map(shown_value, unknown))}")
+        event_id = _text(fields, "id")
+        occurred_at = _text(fields, "occurred_at")
+        return cls(
+            key=fields["key"],
+            type=fields["type"],
+            data=fields["data"],
+            metadata=fields.get("metadata"),
+            id=None if event_id is None else _uuid(event_id),
+            occurred_at=None if occurred_at is None else _rfc3339(occurred_at),
+        )
+
+
+def _json_kind(value: object) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return names.get(type(value), "a number")
+
+
+def _text(fields: dict[str, Any], name: str) -> str | None:
+    value = fields.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidInput(f"{name} must be a string, not {_json_kind(value)}")
+    return value
+
+
+def _uuid(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise InvalidInput(f"id {shown_value(text)} is not a UUID") from None
+
+
+def _rfc3339(text: str) -> datetime:
+    if _RFC3339.fullmatch(text) is None:
+        raise InvalidInput(
+            f"occurred_at {shown_value(text)} is not an RFC 3339 time with a zone "
+            "(such as 2026-01-02T03:04:05Z)"
+        )
+    try:
+        return datetime.fromisoformat(text.upper())
+    except ValueError:  # a month 13, a second 60
+        raise InvalidInput(f"occurred_at {shown_value(text)} is not a valid time") from None
 
 
 @dataclass(frozen=True, slots=True)
