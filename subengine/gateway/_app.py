@@ -35,11 +35,15 @@ from starlette.types import Receive, Scope, Send
 from subengine._async_engine import AsyncEngine
 from subengine._errors import (
     DatabaseUnavailable,
+    EventIdConflict,
+    InvalidEvent,
     InvalidInput,
     PartitionNotFound,
     StreamNotFound,
     SubengineError,
+    WrongExpectedVersion,
 )
+from subengine._events import NewEvent
 from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine._names import validate_key, validate_stream_name, validate_type
 from subengine._settings import Settings
@@ -139,6 +143,12 @@ def _translated(error: Exception) -> ApiError:
         return ApiError(404, "stream_not_found", str(error))
     if isinstance(error, PartitionNotFound):
         return ApiError(404, "partition_not_found", str(error))
+    if isinstance(error, WrongExpectedVersion):
+        return ApiError(409, "wrong_expected_version", str(error))
+    if isinstance(error, EventIdConflict):
+        return ApiError(409, "event_id_conflict", str(error))
+    if isinstance(error, InvalidEvent):
+        return ApiError(400, "bad_event", str(error))
     if isinstance(error, InvalidInput):
         return ApiError(400, "bad_request", str(error))
     if isinstance(error, DatabaseUnavailable):
@@ -617,6 +627,63 @@ def _error_frame(code: str, message: str) -> str:
     return frame_text("error", dumps({"code": code, "message": message}), None)
 
 
+# appends
+
+
+async def append_events(request: Request) -> Response:
+    """Append a JSON array of events, or `{"events": [...], "expected_version": ...}`, in
+    one transaction: 201 when any event was stored now, 200 when every one was stored
+    before (a retry), with where each event is."""
+    gateway = _gateway(request)
+    stream = _stream_name(request)
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        # a browser sends a cross-origin POST of another type without asking first (no
+        # CORS preflight); a write must not be one
+        raise ApiError(
+            415, "unsupported_media_type", "send the events as Content-Type: application/json"
+        )
+    body = await _json_body(request, gateway.config.max_body_bytes)
+    given, expected_version = _append_request(body)
+    events = []
+    for index, fields in enumerate(given):
+        try:
+            events.append(NewEvent.from_json(fields))
+        except InvalidInput as error:
+            raise ApiError(400, "bad_event", f"event {index}: {error}") from None
+    stored = await gateway.engine.append(stream, events, expected_version)
+    appended = [
+        {
+            "partition": a.partition,
+            "position": a.position,
+            "id": str(a.id),
+            "key_version": a.key_version,
+            "duplicate": a.duplicate,
+        }
+        for a in stored
+    ]
+    every_one_stored_before = all(a.duplicate for a in stored)
+    return json_response({"appended": appended}, 200 if every_one_stored_before else 201)
+
+
+def _append_request(body: Any) -> tuple[list[Any], Any]:
+    """The events and expected version of an append's body (checked by the engine)."""
+    if isinstance(body, list):
+        events, expected_version = body, None
+    elif isinstance(body, dict):
+        unknown = set(body) - {"events", "expected_version"}
+        if unknown:
+            raise _bad(f"unknown field {sorted(unknown)[0]!r}")
+        if not isinstance(body.get("events"), list):
+            raise _bad('expected {"events": [...], "expected_version": ...}')
+        events, expected_version = body["events"], body.get("expected_version")
+    else:
+        raise _bad('expected an array of events or {"events": [...]}')
+    if not events:
+        raise _bad("the append holds no event")
+    return events, expected_version
+
+
 # watches
 
 
@@ -883,6 +950,7 @@ def create_app(
         Route("/v1/streams", _endpoint(list_streams)),
         Route("/v1/streams/{stream}", _endpoint(show_stream)),
         Route("/v1/streams/{stream}/events", _endpoint(read_events)),
+        Route("/v1/streams/{stream}/events", _endpoint(append_events), methods=["POST"]),
         Route("/v1/watch", _endpoint(create_watch), methods=["POST"]),
         Route("/v1/watch/{wid}", _endpoint(open_watch)),
     ]
