@@ -357,7 +357,9 @@ async def read_events(request: Request) -> Response | EventStreamResponse:
         raise _bad(f"live must be long-poll or sse, not {live[:32]!r}")
     selection = _selection(request, stream)
     if live == "sse":
-        heartbeat = _number(request.query_params.get("heartbeat"), "heartbeat", 1, 60, 15)
+        heartbeat = _number(
+            request.query_params.get("heartbeat"), "heartbeat", 1, 60, gateway.config.heartbeat
+        )
         start = await gateway.start_of(stream, request)
         return await _event_stream(
             gateway, {stream: selection}, {stream: start}, heartbeat, principal
@@ -714,7 +716,7 @@ async def create_watch(request: Request) -> Response:
     unknown = set(body) - {"streams", "heartbeat"}
     if unknown:
         raise _bad(f"unknown field {sorted(unknown)[0]!r}")
-    heartbeat = body.get("heartbeat", 15)
+    heartbeat = body.get("heartbeat", gateway.config.heartbeat)
     if not isinstance(heartbeat, int | float) or not 1 <= heartbeat <= 60:
         raise _bad("heartbeat must be a number of seconds from 1 to 60")
     spec = []
