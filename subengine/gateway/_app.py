@@ -18,12 +18,13 @@ import random
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -48,7 +49,16 @@ from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPositi
 from subengine._names import validate_key, validate_stream_name, validate_type
 from subengine._settings import Settings
 from subengine.gateway._auth import ANONYMOUS, Authenticator, Denied, Principal
+from subengine.gateway._connections import (
+    LONG_POLL,
+    PULL,
+    SSE,
+    WATCH,
+    Connections,
+    Slot,
+)
 from subengine.gateway._hub import Hub, Watcher, dumps
+from subengine.gateway._metrics import GatewayMetrics
 from subengine.gateway._reading import Reader, Selection
 from subengine.gateway._sse import Blocked, EventStream, Gone, frame_text
 
@@ -218,12 +228,16 @@ class Gateway:
     hub: Hub = field(init=False)
     auth: Authenticator = field(init=False)
     closing: asyncio.Event = field(init=False)
+    connections: Connections = field(init=False)
+    metrics: GatewayMetrics = field(init=False)
     listen_connects: int = 0
 
     def __post_init__(self) -> None:
         self.hub = Hub(self.engine, self.read_engine, self.config.poll_interval, self._resynced)
         self.auth = Authenticator(self.engine)
         self.closing = asyncio.Event()
+        self.connections = Connections()
+        self.metrics = GatewayMetrics(self.connections, self.hub, lambda: self.listen_connects)
 
     def _resynced(self) -> None:
         self.listen_connects += 1
@@ -360,10 +374,12 @@ async def read_events(request: Request) -> Response | EventStreamResponse:
         heartbeat = _number(
             request.query_params.get("heartbeat"), "heartbeat", 1, 60, gateway.config.heartbeat
         )
-        start = await gateway.start_of(stream, request)
-        return await _event_stream(
-            gateway, {stream: selection}, {stream: start}, heartbeat, principal
-        )
+        slot = gateway.connections.admit(SSE, principal.id)
+        with _released_on_error(slot):
+            start = await gateway.start_of(stream, request)
+            return await _event_stream(
+                gateway, {stream: selection}, {stream: start}, heartbeat, principal, slot
+            )
     limit = _whole(
         request.query_params.get("limit"),
         "limit",
@@ -373,23 +389,28 @@ async def read_events(request: Request) -> Response | EventStreamResponse:
     )
     if request.headers.get("last-event-id"):
         raise _bad("Last-Event-ID is for live=sse; give the cursor as after=")
-    start = await gateway.start_of(stream, request)
-    reader = Reader(gateway.hub, {stream: selection}, {stream: start})
-    if live is None:
-        return await _page_response(reader, stream, limit)
-    wait = _number(
-        request.query_params.get("wait"),
-        "wait",
-        0,
-        gateway.config.max_wait,
-        gateway.config.default_wait,
-    )
-    return await _long_poll(gateway, reader, stream, limit, wait)
-
-
-async def _page_response(reader: Reader, stream: str, limit: int) -> Response:
-    events, tombstones, up_to_date = await reader.page(stream, limit)
-    return _page(reader, events, tombstones, up_to_date)
+    wait = 0.0
+    if live == "long-poll":
+        wait = _number(
+            request.query_params.get("wait"),
+            "wait",
+            0,
+            gateway.config.max_wait,
+            gateway.config.default_wait,
+        )
+    slot = gateway.connections.admit(PULL if live is None else LONG_POLL, principal.id)
+    try:
+        start = await gateway.start_of(stream, request)
+        reader = Reader(gateway.hub, {stream: selection}, {stream: start})
+        if live is None:
+            events, tombstones, up_to_date = await reader.page(stream, limit)
+            answer = _page(reader, events, tombstones, up_to_date)
+        else:
+            answer = await _long_poll(gateway, reader, stream, limit, wait)
+    finally:
+        slot.release()
+    gateway.metrics.sent(slot.kind, None, len(answer.body))
+    return answer
 
 
 def _page(
@@ -427,11 +448,13 @@ async def _long_poll(
                 watcher.take()
                 closing = asyncio.ensure_future(gateway.closing.wait())
                 woken = asyncio.ensure_future(watcher.event.wait())
+                gateway.metrics.long_polls_waiting.inc()
                 try:
                     await asyncio.wait(
                         {woken, closing}, timeout=left, return_when="FIRST_COMPLETED"
                     )
                 finally:
+                    gateway.metrics.long_polls_waiting.dec()
                     woken.cancel()
                     closing.cancel()
     finally:
@@ -457,15 +480,27 @@ async def _watcher(gateway: Gateway, selections: dict[str, Selection]) -> Watche
     )
 
 
+@contextmanager
+def _released_on_error(slot: Slot) -> Iterator[None]:
+    """Give `slot` back if what follows fails before a response takes it over."""
+    try:
+        yield
+    except BaseException:
+        slot.release()
+        raise
+
+
 async def _event_stream(
     gateway: Gateway,
     selections: dict[str, Selection],
     start: dict[str, StreamPosition],
     heartbeat: float,
     principal: Principal,
+    slot: Slot,
 ) -> EventStreamResponse:
+    """The event stream of `selections`, which holds `slot` until it ends."""
     watcher = await _watcher(gateway, selections)
-    return EventStreamResponse(gateway, selections, start, heartbeat, watcher, principal)
+    return EventStreamResponse(gateway, selections, start, heartbeat, watcher, principal, slot)
 
 
 class EventStreamResponse:
@@ -481,6 +516,7 @@ class EventStreamResponse:
         heartbeat: float,
         watcher: Watcher,
         principal: Principal,
+        slot: Slot,
     ) -> None:
         self.principal = principal
         self.gateway = gateway
@@ -488,6 +524,7 @@ class EventStreamResponse:
         self.start = start
         self.heartbeat = heartbeat
         self.watcher = watcher
+        self.slot = slot  # released when the response ends, however it ends
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway, config = self.gateway, self.gateway.config
@@ -496,8 +533,8 @@ class EventStreamResponse:
         lifetime = config.stream_lifetime * random.uniform(0.9, 1.1)
         ends = time.monotonic() + lifetime
         watcher = self.watcher
-        gateway.hub.add(watcher)
         try:
+            gateway.hub.add(watcher)
             await stream.start(
                 [
                     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -505,7 +542,7 @@ class EventStreamResponse:
                     (b"x-accel-buffering", b"no"),
                 ]
             )
-            await stream.write("retry: 1000\n\n")
+            await self._write(stream, None, "retry: 1000\n\n")
             await self._run(stream, reader, watcher, ends)
         except Gone:
             pass
@@ -525,12 +562,21 @@ class EventStreamResponse:
             except Exception:
                 pass
         finally:
+            self.slot.release()
             gateway.hub.remove(watcher)
             await stream.end()
 
-    async def _send_frames(self, stream: EventStream, reader: Reader) -> None:
-        for frame in reader.take_frames():
-            await stream.write(frame_text(frame.kind, frame.data, frame.cursor))
+    async def _write(self, stream: EventStream, frame_type: str | None, text: str) -> None:
+        sent_before = stream.bytes_sent
+        await stream.write(text)
+        self.gateway.metrics.sent(self.slot.kind, frame_type, stream.bytes_sent - sent_before)
+
+    async def _send_frames(self, stream: EventStream, reader: Reader) -> bool:
+        """Send the frames the reader made; whether there were any."""
+        frames = reader.take_frames()
+        for frame in frames:
+            await self._write(stream, frame.kind, frame_text(frame.kind, frame.data, frame.cursor))
+        return bool(frames)
 
     async def _catch_up(self, stream: EventStream, reader: Reader) -> None:
         limit = self.gateway.config.max_page_limit
@@ -561,18 +607,22 @@ class EventStreamResponse:
                     await self._catch_up(stream, reader)
                     if not caught_up:
                         caught_up = True
-                        await stream.write(frame_text("caught-up", "{}", reader.cursor.encode()))
+                        await self._write(
+                            stream,
+                            "caught-up",
+                            frame_text("caught-up", "{}", reader.cursor.encode()),
+                        )
                         quiet_since = time.monotonic()
-                pending |= reader.behind(changed)
+                behind = reader.behind(changed)
+                if behind:
+                    self.gateway.metrics.watcher_lag.observe(reader.lag(behind))
+                pending |= behind
                 while pending and not stream.closing:
                     name, partition = pending.pop()
                     more, moved = await reader.live_frames(name, partition)
                     if more:
                         (pending if moved else stalled).add((name, partition))
-                    frames = reader.take_frames()
-                    for frame in frames:
-                        await stream.write(frame_text(frame.kind, frame.data, frame.cursor))
-                    if frames:
+                    if await self._send_frames(stream, reader):
                         quiet_since = time.monotonic()
                 now = time.monotonic()
                 if now >= checked + min(KEY_CHECK_SECONDS, self.heartbeat):
@@ -584,7 +634,7 @@ class EventStreamResponse:
                         return
                 delay = _FIRST_RETRY_SECONDS
             except StreamNotFound as error:
-                await stream.write(_error_frame("stream_not_found", str(error)))
+                await self._write(stream, "error", _error_frame("stream_not_found", str(error)))
                 return
             except DatabaseUnavailable as error:
                 # the stream stays open: look at everything again once PostgreSQL answers
@@ -596,16 +646,20 @@ class EventStreamResponse:
                     continue
             now = time.monotonic()
             if stream.closing:
-                await stream.write(_error_frame("shutdown", "the server is shutting down"))
+                await self._write(
+                    stream, "error", _error_frame("shutdown", "the server is shutting down")
+                )
                 return
             if now >= ends:
-                await stream.write(
-                    _error_frame("rotate", "the stream's lifetime ended: resume by cursor")
+                await self._write(
+                    stream,
+                    "error",
+                    _error_frame("rotate", "the stream's lifetime ended: resume by cursor"),
                 )
                 return
             beat_at = quiet_since + self.heartbeat
             if now >= beat_at:
-                await stream.write(": hb\n\n")
+                await self._write(stream, "heartbeat", ": hb\n\n")
                 quiet_since = now
                 continue
             if stalled:
@@ -826,7 +880,11 @@ async def open_watch(request: Request) -> Response | EventStreamResponse:
     cursor = GatewayCursor.decode(last_event_id or payload["c"])
     if set(cursor.streams) != set(selections):
         raise ApiError(400, "bad_cursor", "the cursor does not name the watch's streams")
-    return await _event_stream(gateway, selections, dict(cursor.streams), payload["h"], principal)
+    slot = gateway.connections.admit(WATCH, principal.id)
+    with _released_on_error(slot):
+        return await _event_stream(
+            gateway, selections, dict(cursor.streams), payload["h"], principal, slot
+        )
 
 
 async def _watch_principal(gateway: Gateway, request: Request, key_id: Any) -> Principal:
@@ -875,6 +933,16 @@ async def _json_body(request: Request, limit: int) -> Any:
 
 async def healthz(request: Request) -> Response:
     return json_response({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    """The gateway's metrics in Prometheus' text format (docs/gateway.md, "Metrics")."""
+    gateway = _gateway(request)
+    return Response(
+        generate_latest(gateway.metrics.registry),
+        media_type=CONTENT_TYPE_LATEST,
+        headers={"Cache-Control": NO_STORE},
+    )
 
 
 async def readyz(request: Request) -> Response:
@@ -949,6 +1017,7 @@ def create_app(
     routes = [
         Route("/healthz", _endpoint(healthz)),
         Route("/readyz", _endpoint(readyz)),
+        Route("/metrics", _endpoint(metrics)),
         Route("/v1/streams", _endpoint(list_streams)),
         Route("/v1/streams/{stream}", _endpoint(show_stream)),
         Route("/v1/streams/{stream}/events", _endpoint(read_events)),

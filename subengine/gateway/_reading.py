@@ -196,6 +196,13 @@ class Reader:
             and self.hub.head(stream, partition) > self.position(stream, partition)
         }
 
+    def lag(self, partitions: Iterable[tuple[str, int]]) -> int:
+        """Events between the cursor and the heads the hub knows, in `partitions`."""
+        return sum(
+            max(self.hub.head(stream, partition) - self.position(stream, partition), 0)
+            for stream, partition in partitions
+        )
+
     async def live_frames(self, stream: str, partition: int) -> tuple[bool, bool]:
         """Read one partition after the cursor through the hub's shared read and emit its
         frames. Returns whether more may follow (the read was full, or the hub knows of a

@@ -1,0 +1,109 @@
+"""What a gateway process counts, served at `/metrics` in Prometheus' text format.
+
+Every gateway application has a registry of its own (never prometheus_client's global
+one), so two gateways mounted in one process keep separate counts. What the gateway
+counts anyway (open connections, the hub's reads and watchers, LISTEN resyncs) is read
+when scraped, not copied; a scrape never touches the database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from subengine.gateway._connections import KINDS, Connections
+
+if TYPE_CHECKING:
+    from subengine.gateway._hub import Hub
+
+# The SSE frames a gateway sends (a heartbeat is a comment line).
+FRAME_TYPES = ("events", "tombstone", "reset", "caught-up", "error", "heartbeat")
+_LAG_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000, 10_000, 100_000)
+
+
+class _StateCollector(Collector):
+    """The gateway's own counts, read at scrape time."""
+
+    def __init__(
+        self, connections: Connections, hub: Hub, listen_connects: Callable[[], int]
+    ) -> None:
+        self._connections = connections
+        self._hub = hub
+        self._listen_connects = listen_connects
+
+    def collect(self) -> Iterator[Metric]:
+        open_now = GaugeMetricFamily(
+            "subengine_gateway_connections",
+            "Requests being served, by kind: pull (a page), long_poll, sse (an event "
+            "stream of one stream) and watch (an event stream of a watch).",
+            labels=["kind"],
+        )
+        for kind in KINDS:
+            open_now.add_metric([kind], self._connections.by_kind[kind])
+        yield open_now
+        yield CounterMetricFamily(
+            "subengine_gateway_hub_reads",
+            "Reads of a partition the hub ran for live clients: one per (stream, "
+            "partition, position) however many clients stand there.",
+            value=self._hub.reads,
+        )
+        yield GaugeMetricFamily(
+            "subengine_gateway_watchers",
+            "Long-polls and event streams the hub wakes (one per stream each follows).",
+            value=self._hub.watched(),
+        )
+        yield CounterMetricFamily(
+            "subengine_gateway_listen_connects",
+            "Resyncs of the hub after the LISTEN connection (re)connected: one per "
+            "followed stream per connect. A rise while nothing restarted means the "
+            "connection to PostgreSQL was lost.",
+            value=self._listen_connects(),
+        )
+
+
+class GatewayMetrics:
+    """The registry of one gateway application and the series it updates as it serves."""
+
+    def __init__(
+        self, connections: Connections, hub: Hub, listen_connects: Callable[[], int]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.frames_sent = Counter(
+            "subengine_gateway_frames_sent",
+            "SSE frames sent, by type (heartbeat: a comment line).",
+            ["type"],
+            registry=self.registry,
+        )
+        for frame_type in FRAME_TYPES:
+            self.frames_sent.labels(frame_type)
+        self.bytes_sent = Counter(
+            "subengine_gateway_bytes_sent",
+            "Bytes of event pages and event streams sent, by kind of connection.",
+            ["kind"],
+            registry=self.registry,
+        )
+        for kind in KINDS:
+            self.bytes_sent.labels(kind)
+        self.long_polls_waiting = Gauge(
+            "subengine_gateway_long_polls_waiting",
+            "Long-polls up to date and waiting for an append (or their timeout).",
+            registry=self.registry,
+        )
+        self.watcher_lag = Histogram(
+            "subengine_gateway_watcher_lag_events",
+            "When an event stream wakes: the events between its cursor and the heads the "
+            "hub knows, in the partitions that moved.",
+            buckets=_LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_StateCollector(connections, hub, listen_connects))
+
+    def sent(self, kind: str, frame_type: str | None, size: int) -> None:
+        """`size` bytes sent on a connection of `kind`; a frame of `frame_type`, if any."""
+        if frame_type is not None:
+            self.frames_sent.labels(frame_type).inc()
+        self.bytes_sent.labels(kind).inc(size)
