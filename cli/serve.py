@@ -58,6 +58,36 @@ def _loopback(host: str) -> bool:
     type=click.FloatRange(1, 86400),
     help="Seconds (±10%) before the server closes an event stream; clients resume by cursor.",
 )
+@click.option(
+    "--max-connections-per-key",
+    default=100,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Open long-polls and event streams one API key may hold per server process; "
+    "more are answered 429 with Retry-After.",
+)
+@click.option(
+    "--max-event-streams",
+    default=10_000,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Open event streams (SSE and watches) per server process; more are answered 429 "
+    "with Retry-After.",
+)
+@click.option(
+    "--max-streams-per-watch",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Streams one watch may follow; more are answered 400.",
+)
+@click.option(
+    "--max-body-bytes",
+    default=1 << 20,
+    show_default=True,
+    type=click.IntRange(1024, 64 << 20),
+    help="Largest request body (an append, a watch); larger ones are answered 413.",
+)
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @pass_context
 def serve(
@@ -69,6 +99,10 @@ def serve(
     cors_origins: tuple[str, ...],
     heartbeat: float,
     stream_lifetime: float,
+    max_connections_per_key: int,
+    max_event_streams: int,
+    max_streams_per_watch: int,
+    max_body_bytes: int,
     access_log: bool,
 ) -> None:
     """Serve streams over HTTP: pull, long-poll, server-sent events and watches."""
@@ -86,7 +120,13 @@ def serve(
     except OSError as error:
         raise CommandError(f"cannot listen on {host}: {error.strerror}") from None
     config = GatewayConfig(
-        heartbeat=heartbeat, stream_lifetime=stream_lifetime, cors_origins=cors_origins
+        heartbeat=heartbeat,
+        stream_lifetime=stream_lifetime,
+        cors_origins=cors_origins,
+        max_connections_per_key=max_connections_per_key,
+        max_event_streams=max_event_streams,
+        max_streams_per_watch=max_streams_per_watch,
+        max_body_bytes=max_body_bytes,
     )
     run(
         config,

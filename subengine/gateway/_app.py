@@ -54,6 +54,7 @@ from subengine.gateway._connections import (
     PULL,
     SSE,
     WATCH,
+    Busy,
     Connections,
     Slot,
 )
@@ -102,8 +103,16 @@ class GatewayConfig:
     write_timeout: float = 30.0
     # seconds a watch id stays valid
     watch_ttl: float = 86_400.0
+    # limits (docs/gateway.md, "Limits"); the connection limits are per process
     max_streams_per_watch: int = 16
     max_body_bytes: int = 1 << 20
+    # open long-polls and event streams of one principal (API key)
+    max_connections_per_key: int = 100
+    # open event streams (SSE of a stream, and watches)
+    max_event_streams: int = 10_000
+    # seconds a client refused by a connection limit is asked to wait (Retry-After: this
+    # to twice this, at random, so that refused clients do not all come back at once)
+    retry_after: int = 5
     cors_origins: tuple[str, ...] = ()
 
 
@@ -147,6 +156,8 @@ def _translated(error: Exception) -> ApiError:
     if isinstance(error, Denied):
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
         return ApiError(error.status, error.code, error.message, headers)
+    if isinstance(error, Busy):
+        return ApiError(429, error.code, error.message, {"Retry-After": str(error.retry_after)})
     if isinstance(error, InvalidCursor):
         return ApiError(400, "bad_cursor", str(error))
     if isinstance(error, StreamNotFound):
@@ -236,7 +247,11 @@ class Gateway:
         self.hub = Hub(self.engine, self.read_engine, self.config.poll_interval, self._resynced)
         self.auth = Authenticator(self.engine)
         self.closing = asyncio.Event()
-        self.connections = Connections()
+        self.connections = Connections(
+            self.config.max_connections_per_key,
+            self.config.max_event_streams,
+            self.config.retry_after,
+        )
         self.metrics = GatewayMetrics(self.connections, self.hub, lambda: self.listen_connects)
 
     def _resynced(self) -> None:
@@ -761,11 +776,11 @@ async def create_watch(request: Request) -> Response:
     if not streams:
         raise _bad("a watch needs at least one stream")
     if len(streams) > gateway.config.max_streams_per_watch:
-        raise ApiError(
-            429,
+        # not 429: the same request would never succeed, so nothing invites a retry
+        raise _bad(
+            f"a watch has at most {gateway.config.max_streams_per_watch} streams; "
+            "split these into several watches",
             "too_many_streams",
-            f"a watch has at most {gateway.config.max_streams_per_watch} streams",
-            {"Retry-After": "60"},
         )
     unknown = set(body) - {"streams", "heartbeat"}
     if unknown:

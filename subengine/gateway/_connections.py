@@ -1,21 +1,39 @@
-"""The open connections of a gateway process, by kind and by principal.
+"""The open connections of a gateway process, by kind and by principal, and its limits.
 
 Every pull, long-poll and event stream holds a `Slot` while it is served; the counts are
-what `/metrics` shows. They are per process: `--workers N` runs N sets of counts.
+what `/metrics` shows and what the limits check (DESIGN.md, the gateway's safety: limits
+answered with 429 and Retry-After). Limits are per process: `--workers N` multiplies them.
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass
 
 # What a connection is: a page, a long-poll, an event stream of one stream, a watch.
 PULL, LONG_POLL, SSE, WATCH = "pull", "long_poll", "sse", "watch"
 KINDS = (PULL, LONG_POLL, SSE, WATCH)
-# Connections that stay open, counted per principal.
+# Connections that stay open: a principal may hold `max_per_principal` of them.
 HELD_OPEN = frozenset({LONG_POLL, SSE, WATCH})
+# Event streams: the process holds at most `max_event_streams` of them.
+EVENT_STREAMS = frozenset({SSE, WATCH})
 # Until API keys identify callers, everyone is this one principal.
 ANONYMOUS = "anonymous"
+
+
+# The limits, by the error code of a refusal.
+LIMITS = ("too_many_connections", "too_many_event_streams")
+
+
+class Busy(Exception):
+    """A limit is reached: answer 429, asking to come back after `retry_after` seconds."""
+
+    def __init__(self, code: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
 
 
 @dataclass(eq=False)
@@ -35,18 +53,43 @@ class Slot:
 
 
 class Connections:
-    """Counts of open connections."""
+    """Counts of open connections, and the limits on them."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_per_principal: int, max_event_streams: int, retry_after: int) -> None:
+        self.max_per_principal = max_per_principal
+        self.max_event_streams = max_event_streams
+        self.retry_after = retry_after
         self.by_kind: Counter[str] = Counter({kind: 0 for kind in KINDS})
         self.by_principal: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter({code: 0 for code in LIMITS})
 
     def admit(self, kind: str, principal: str) -> Slot:
-        """A slot for a new connection of `kind` by `principal`."""
+        """A slot for a new connection of `kind` by `principal`; raises Busy when a limit
+        is reached."""
+        if kind in HELD_OPEN and self.by_principal[principal] >= self.max_per_principal:
+            self._refuse(
+                "too_many_connections",
+                f"this key holds {self.max_per_principal} open long-polls and event streams, "
+                "the most allowed per gateway process; close one or retry later",
+            )
+        if kind in EVENT_STREAMS and self.event_streams() >= self.max_event_streams:
+            self._refuse(
+                "too_many_event_streams",
+                f"this gateway process serves {self.max_event_streams} event streams, its "
+                "most; retry later (another gateway process may have room)",
+            )
         self.by_kind[kind] += 1
         if kind in HELD_OPEN:
             self.by_principal[principal] += 1
         return Slot(self, kind, principal)
+
+    def event_streams(self) -> int:
+        return sum(self.by_kind[kind] for kind in EVENT_STREAMS)
+
+    def _refuse(self, code: str, message: str) -> None:
+        self.rejected[code] += 1
+        # spread out the retries of many clients refused at once
+        raise Busy(code, message, random.randint(self.retry_after, 2 * self.retry_after))
 
     def _release(self, slot: Slot) -> None:
         self.by_kind[slot.kind] -= 1

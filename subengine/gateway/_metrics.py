@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from subengine.gateway._connections import KINDS, Connections
+from subengine.gateway._connections import KINDS, LIMITS, Connections
 
 if TYPE_CHECKING:
     from subengine.gateway._hub import Hub
@@ -45,6 +45,16 @@ class _StateCollector(Collector):
         for kind in KINDS:
             open_now.add_metric([kind], self._connections.by_kind[kind])
         yield open_now
+        rejected = CounterMetricFamily(
+            "subengine_gateway_rejected",
+            "Requests answered 429, by the limit they met: too_many_connections (open "
+            "long-polls and event streams of one key) or too_many_event_streams (of the "
+            "process).",
+            labels=["limit"],
+        )
+        for code in LIMITS:
+            rejected.add_metric([code], self._connections.rejected[code])
+        yield rejected
         yield CounterMetricFamily(
             "subengine_gateway_hub_reads",
             "Reads of a partition the hub ran for live clients: one per (stream, "

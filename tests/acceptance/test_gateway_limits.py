@@ -1,0 +1,160 @@
+"""The gateway's limits on a real `subengine serve` process: open connections per key and
+event streams per process answered 429 with Retry-After, a place freed when a connection
+ends, and the limits on a watch's streams and a body's size answered 400 and 413."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers import GatewayProcess, run_subengine, scrape, sse_frames, value, wait_for
+
+import subengine
+from subengine.gateway import GatewayConfig
+
+TIMEOUT = httpx.Timeout(30.0)
+RETRY_AFTER = GatewayConfig().retry_after
+
+
+@pytest.fixture
+def small(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]:
+    """A gateway that allows two open connections per key and one event stream."""
+    args = ["--heartbeat", "1", "--max-connections-per-key", "2", "--max-event-streams", "1"]
+    args += ["--max-streams-per-watch", "2", "--max-body-bytes", "2048"]
+    with GatewayProcess(cli_env, *args, tmp=tmp_path) as process:
+        yield process
+
+
+class Held:
+    """A long-poll or an event stream of 'orders', held open in a thread until `close()`."""
+
+    def __init__(self, gateway: GatewayProcess, live: str) -> None:
+        self.url = f"{gateway.url}/v1/streams/orders/events"
+        self.live = live
+        self.status: int | None = None
+        self.open = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        params = {"live": self.live, "after": "now", "wait": "30"}
+        with httpx.stream("GET", self.url, params=params, timeout=TIMEOUT) as response:
+            self.status = response.status_code
+            self.open.set()
+            for _ in sse_frames(response.iter_lines()):
+                if self._stop.is_set():
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def connections(gateway: GatewayProcess, kind: str) -> float | None:
+    return value(scrape(gateway.port), "subengine_gateway_connections", kind=kind)
+
+
+def refused(answer: httpx.Response, code: str) -> None:
+    assert answer.status_code == 429, answer.text
+    assert answer.headers["Cache-Control"] == "no-store"
+    assert RETRY_AFTER <= int(answer.headers["Retry-After"]) <= 2 * RETRY_AFTER
+    error = answer.json()["error"]
+    assert error["code"] == code and error["message"]
+
+
+def test_a_key_holds_a_bounded_number_of_open_connections(
+    engine: subengine.Engine, orders: str, small: GatewayProcess
+) -> None:
+    url = f"{small.url}/v1/streams/orders/events"
+    stream = Held(small, "sse")
+    poll = Held(small, "long-poll")
+    wait_for(lambda: connections(small, "long_poll") == 1 and connections(small, "sse") == 1)
+    third = httpx.get(url, params={"live": "long-poll", "wait": "1"}, timeout=TIMEOUT)
+    refused(third, "too_many_connections")
+    # a page is not held open: it is served
+    assert httpx.get(url, timeout=TIMEOUT).status_code == 200
+    # the long-poll answers, and its place is free again
+    engine.append("orders", [subengine.NewEvent("k", "T", {})])
+    poll.close()
+    wait_for(lambda: connections(small, "long_poll") == 0, "the long-poll to end")
+    again = httpx.get(
+        url, params={"live": "long-poll", "after": "now", "wait": "0.2"}, timeout=TIMEOUT
+    )
+    assert again.status_code == 204
+    stream.close()
+    samples = scrape(small.port)
+    assert value(samples, "subengine_gateway_rejected_total", limit="too_many_connections") == 1
+
+
+def test_a_process_serves_a_bounded_number_of_event_streams(
+    orders: str, small: GatewayProcess
+) -> None:
+    url = f"{small.url}/v1/streams/orders/events"
+    first = Held(small, "sse")
+    assert first.open.wait(10) and first.status == 200
+    second = httpx.get(url, params={"live": "sse"}, timeout=TIMEOUT)
+    refused(second, "too_many_event_streams")
+    first.close()
+    wait_for(lambda: connections(small, "sse") == 0, "the stream to end")
+    after = Held(small, "sse")
+    assert after.open.wait(10) and after.status == 200
+    after.close()
+    samples = scrape(small.port)
+    assert value(samples, "subengine_gateway_rejected_total", limit="too_many_event_streams") == 1
+
+
+def test_a_refused_stream_leaves_no_place_taken(orders: str, small: GatewayProcess) -> None:
+    """Streams refused for a bad cursor or an unknown stream give their place back."""
+    url = f"{small.url}/v1/streams"
+    for path, params in (("nope", {}), ("orders", {"after": "c1.!!"})):
+        answer = httpx.get(f"{url}/{path}/events", params={"live": "sse", **params})
+        assert answer.status_code in (400, 404)
+    samples = scrape(small.port)
+    assert value(samples, "subengine_gateway_connections", kind="sse") == 0
+    held = Held(small, "sse")
+    assert held.open.wait(10) and held.status == 200
+    held.close()
+
+
+def test_a_watch_of_too_many_streams_is_a_bad_request_not_a_retry(
+    small: GatewayProcess,
+) -> None:
+    body: dict[str, Any] = {"streams": {name: {} for name in ("a", "b", "c")}}
+    answer = httpx.post(f"{small.url}/v1/watch", json=body, timeout=TIMEOUT)
+    assert answer.status_code == 400
+    assert "Retry-After" not in answer.headers
+    assert answer.headers["Cache-Control"] == "no-store"
+    assert answer.json()["error"]["code"] == "too_many_streams"
+    assert "at most 2 streams" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/streams/orders/events", "/v1/watch"])
+def test_a_body_over_the_limit_is_413(orders: str, small: GatewayProcess, path: str) -> None:
+    events = [{"key": "k", "type": "T", "data": "x" * 1000} for _ in range(3)]
+    answer = httpx.post(f"{small.url}{path}", json=events, timeout=TIMEOUT)
+    assert answer.status_code == 413
+    assert answer.headers["Cache-Control"] == "no-store"
+    assert answer.json()["error"]["code"] == "too_large"
+    assert "2048 bytes" in answer.json()["error"]["message"]
+
+
+def test_serve_documents_each_limit_and_its_default(cli_env: dict[str, str]) -> None:
+    result = run_subengine(cli_env, "serve", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    defaults = GatewayConfig()
+    options: dict[str, Any] = {
+        "--max-connections-per-key": defaults.max_connections_per_key,
+        "--max-event-streams": defaults.max_event_streams,
+        "--max-streams-per-watch": defaults.max_streams_per_watch,
+        "--max-body-bytes": defaults.max_body_bytes,
+        "--heartbeat": defaults.heartbeat,
+    }
+    for option, default in options.items():
+        described = text.split(option, 1)[1].split(" --", 1)[0]
+        assert f"[default: {default};" in described, (option, described)
