@@ -98,7 +98,14 @@ def test_open_connections_are_counted_by_kind_until_they_close(
         )
     )
     poll.start()
-    wait_for(lambda: metric(gateway, "subengine_gateway_long_polls_waiting") == 1, timeout=10)
+    wait_for(
+        lambda: (
+            metric(gateway, "subengine_gateway_long_polls_waiting") == 1
+            and metric(gateway, "subengine_gateway_watchers") == 2
+        ),
+        "both to wait",
+        timeout=10,
+    )
     samples = scrape(gateway.port)
     assert value(samples, "subengine_gateway_connections", kind="sse") == 1
     assert value(samples, "subengine_gateway_connections", kind="long_poll") == 1
