@@ -5,10 +5,23 @@ Messages name the problem and, where there is one, the command or call that fixe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from subengine._events import Tombstone
+
+class Gap(Protocol):
+    """What an error says of a gap (a `subengine.Tombstone`; this module is below it)."""
+
+    @property
+    def stream(self) -> str: ...
+
+    @property
+    def partition(self) -> int: ...
+
+    @property
+    def gap_from(self) -> int: ...
+
+    @property
+    def gap_to(self) -> int: ...
 
 
 class SubengineError(Exception):
@@ -170,7 +183,7 @@ class StoppedAtGap(PositionsMissing):
     """Retention removed events a subscription had not handled (`gap`, a Tombstone),
     and its gap policy is `stop`: the partition stopped before them, in state `gap`."""
 
-    def __init__(self, subscription: str, gap: Tombstone) -> None:
+    def __init__(self, subscription: str, gap: Gap) -> None:
         super().__init__(subscription, gap.stream, gap.partition, gap.gap_from, gap.gap_to)
         span = (
             f"position {gap.gap_from}"

@@ -74,6 +74,8 @@ LAYERS: dict[str, int] = {
             "gateway.__init__",
             "gateway._app",
             "gateway._auth",
+            "gateway._connections",
+            "gateway._metrics",
             "gateway._hub",
             "gateway._reading",
             "gateway._serve",
