@@ -151,6 +151,8 @@ class _Inboxes:
         self._lock = threading.Lock()
         self._by_stream: dict[str, set[Inbox]] = {}
         self._closed = False
+        # how often the listener connected and began to LISTEN (for the metrics)
+        self.connects = 0
 
     def _add(self, inbox: Inbox) -> None:
         # under the lock
@@ -255,6 +257,7 @@ class Listener(_Inboxes):
             try:
                 with self._connect() as conn:
                     self._sql.run(conn, listen())
+                    self.connects += 1
                     delay = _FIRST_RECONNECT_SECONDS
                     # anything committed while no connection listened: pull again
                     self.resync_all()
@@ -319,6 +322,7 @@ class AsyncListener(_Inboxes):
             try:
                 async with await self._connect() as conn:
                     await self._sql.run_async(conn, listen())
+                    self.connects += 1
                     delay = _FIRST_RECONNECT_SECONDS
                     self.resync_all()
                     while self._needed():

@@ -241,10 +241,9 @@ class Gateway:
     closing: asyncio.Event = field(init=False)
     connections: Connections = field(init=False)
     metrics: GatewayMetrics = field(init=False)
-    listen_connects: int = 0
 
     def __post_init__(self) -> None:
-        self.hub = Hub(self.engine, self.read_engine, self.config.poll_interval, self._resynced)
+        self.hub = Hub(self.engine, self.read_engine, self.config.poll_interval)
         self.auth = Authenticator(self.engine)
         self.closing = asyncio.Event()
         self.connections = Connections(
@@ -252,10 +251,8 @@ class Gateway:
             self.config.max_event_streams,
             self.config.retry_after,
         )
-        self.metrics = GatewayMetrics(self.connections, self.hub, lambda: self.listen_connects)
-
-    def _resynced(self) -> None:
-        self.listen_connects += 1
+        listener = self.engine._listener
+        self.metrics = GatewayMetrics(self.connections, self.hub, lambda: listener.connects)
 
     def close_streams(self) -> None:
         """End every open event stream and long-poll now (each says why), so that a

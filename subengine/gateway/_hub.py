@@ -155,7 +155,6 @@ class Hub:
         listen_engine: AsyncEngine,
         read_engine: AsyncEngine,
         poll_interval: float,
-        on_resync: Any = None,
     ) -> None:
         self.listen_engine = listen_engine
         self.read_engine = read_engine
@@ -165,7 +164,6 @@ class Hub:
         self._poller: asyncio.Task[None] | None = None
         self._poll_now = asyncio.Event()
         self._closed = False
-        self._on_resync = on_resync
         self.reads = 0  # queries run by `read` (for the metrics and the benchmark)
 
     # watchers
@@ -222,8 +220,6 @@ class Hub:
                     watcher.wake_all()
                 return
             if resync:
-                if self._on_resync is not None:
-                    self._on_resync()
                 self._wake_poller()
             for partition, head in heads.items():
                 self._learn(feed, partition, head)
