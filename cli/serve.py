@@ -59,6 +59,14 @@ def _loopback(host: str) -> bool:
     help="Seconds (±10%) before the server closes an event stream; clients resume by cursor.",
 )
 @click.option(
+    "--slow-client-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 3600),
+    help="Seconds a client's socket may take nothing before its event stream is closed "
+    "(error slow); it resumes by cursor.",
+)
+@click.option(
     "--max-connections-per-key",
     default=100,
     show_default=True,
@@ -99,6 +107,7 @@ def serve(
     cors_origins: tuple[str, ...],
     heartbeat: float,
     stream_lifetime: float,
+    slow_client_timeout: float,
     max_connections_per_key: int,
     max_event_streams: int,
     max_streams_per_watch: int,
@@ -122,6 +131,7 @@ def serve(
     config = GatewayConfig(
         heartbeat=heartbeat,
         stream_lifetime=stream_lifetime,
+        write_timeout=slow_client_timeout,
         cors_origins=cors_origins,
         max_connections_per_key=max_connections_per_key,
         max_event_streams=max_event_streams,

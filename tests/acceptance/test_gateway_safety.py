@@ -1,0 +1,115 @@
+"""The gateway's guards, over real sockets: a client whose socket takes nothing is closed
+and holds nothing; CORS answers only configured origins; without a key, serve refuses
+any address but loopback; a watch made on one gateway process is served by another."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import httpx
+from helpers import GatewayProcess, run_subengine, sse_frames, wait_for
+
+import subengine
+
+TIMEOUT = httpx.Timeout(30.0)
+
+
+def sse_connections(gateway: GatewayProcess) -> float:
+    answer = httpx.get(f"{gateway.url}/metrics", timeout=TIMEOUT).text
+    for line in answer.splitlines():
+        if line.startswith('subengine_gateway_connections{kind="sse"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_whose_socket_takes_nothing_is_closed(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    # enough data that the server's writes block on a client that never reads
+    blob = "x" * 4000
+    for start in range(0, 3000, 500):
+        engine.append(
+            orders,
+            [subengine.NewEvent(f"k{n}", "t", {"blob": blob}) for n in range(start, start + 500)],
+        )
+    with GatewayProcess(cli_env, "--slow-client-timeout", "1", tmp=tmp_path) as gateway:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", gateway.port))
+        client.sendall(b"GET /v1/streams/orders/events?live=sse HTTP/1.1\r\nHost: x\r\n\r\n")
+        wait_for(lambda: sse_connections(gateway) == 1, "the stream to open", 30)
+        # the client reads nothing; the server gives up on it and frees its place
+        wait_for(lambda: sse_connections(gateway) == 0, "the slow client to be closed", 60)
+        client.settimeout(30)
+        received = 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            chunk = client.recv(1 << 16)
+            if not chunk:
+                break
+            received += len(chunk)
+        else:
+            raise AssertionError("the server never closed the slow client's connection")
+        client.close()
+        assert received < len(blob) * 3000  # it was cut off, not served to the end
+        # the gateway goes on serving others
+        page = httpx.get(f"{gateway.url}/v1/streams/orders/events?limit=1", timeout=TIMEOUT)
+        assert page.status_code == 200
+
+
+def test_cors_answers_only_configured_origins(
+    orders: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    url = "/v1/streams/orders/events"
+    with GatewayProcess(cli_env, tmp=tmp_path) as plain:
+        answer = httpx.get(plain.url + url, headers={"Origin": "https://app.example"})
+        assert "access-control-allow-origin" not in answer.headers
+    with GatewayProcess(cli_env, "--cors-origin", "https://app.example", tmp=tmp_path) as gateway:
+        allowed = httpx.get(gateway.url + url, headers={"Origin": "https://app.example"})
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+        assert "Subengine-Cursor" in allowed.headers["access-control-expose-headers"]
+        preflight = httpx.options(
+            gateway.url + url,
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "authorization,last-event-id",
+            },
+        )
+        assert preflight.status_code == 200
+        other = httpx.get(gateway.url + url, headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_without_a_key_serve_refuses_any_address_but_loopback(
+    cli_env: dict[str, str],
+) -> None:
+    refused = run_subengine(cli_env, "serve", "--host", "0.0.0.0", "--port", "0", timeout=60)
+    assert refused.returncode != 0
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "refusing to listen on 0.0.0.0" in lines[0], refused.stderr
+
+
+def test_a_watch_made_on_one_process_is_served_by_another(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    engine.append(orders, [subengine.NewEvent("a", "t", {"n": 0})])
+    with (
+        GatewayProcess(cli_env, tmp=tmp_path) as first,
+        GatewayProcess(cli_env, tmp=tmp_path) as second,
+    ):
+        made = httpx.post(
+            f"{first.url}/v1/watch", json={"streams": {"orders": {}}}, timeout=TIMEOUT
+        )
+        assert made.status_code == 201, made.text
+        with httpx.stream("GET", second.url + made.json()["url"], timeout=TIMEOUT) as answer:
+            assert answer.status_code == 200
+            frames = sse_frames(answer.iter_lines())
+            first_frame = next(f for f in frames if f.kind != ":")
+        assert [e["data"]["n"] for e in first_frame.data["events"]] == [0]
+        # a watch id changed by one character is refused
+        wid = made.json()["wid"]
+        forged = wid[:-2] + ("A" if wid[-2] != "A" else "B") + wid[-1]
+        assert httpx.get(f"{second.url}/v1/watch/{forged}", timeout=TIMEOUT).status_code == 404
