@@ -4,6 +4,7 @@ Python example. (docs/operations.md has its own test, test_docs.py.)"""
 from __future__ import annotations
 
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -11,9 +12,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
-from helpers import README, run_subengine, run_subengine_until, write_readme_app
+from helpers import (
+    README,
+    GatewayProcess,
+    run_subengine,
+    run_subengine_until,
+    wait_for,
+    write_readme_app,
+)
+
+import subengine
 
 TEXT = README.read_text()
 REFERENCE = "## The command line"
@@ -124,3 +135,43 @@ def test_the_readme_python_example_runs(
     printed = result.stdout.splitlines()
     assert [line.split()[3] for line in printed] == ["OrderPlaced", "OrderPaid"]
     assert sql.execute("SELECT balance FROM accounts").fetchone() == (70,)
+
+
+def test_the_readme_gateway_examples_run(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess, cli_env: dict[str, str]
+) -> None:
+    section = TEXT[TEXT.index("## The gateway") : TEXT.index("## Spark")]
+    [shell] = re.findall(r"```sh\n(.*?)```", section, flags=re.DOTALL)
+    [example] = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    engine.append(orders, [subengine.NewEvent(f"k{n}", "t", {"n": n}) for n in range(3)])
+    for url in re.findall(r"curl -sN? '(localhost:8800[^']*)'", shell):
+        address = url.replace("localhost:8800", gateway.url)
+        with httpx.stream("GET", address, timeout=30) as answer:
+            assert answer.status_code == 200, address
+    seen: list[Any] = []
+    cursors: list[str | None] = []
+
+    class Enough(Exception):
+        pass
+
+    def handle(item: Any) -> None:
+        seen.append(item)
+
+    def save(cursor: str | None) -> None:
+        cursors.append(cursor)
+        if len(seen) == 3:
+            raise Enough
+
+    namespace = {"stored_cursor": "beginning", "handle": handle, "save": save}
+    with pytest.raises(Enough):
+        exec(example.replace("http://127.0.0.1:8800", gateway.url), namespace)
+    assert sorted(item.data["n"] for item in seen) == [0, 1, 2]
+    assert cursors[-1] is not None and cursors[-1].startswith("c1.")
+    [create] = [line for line in shell.splitlines() if "gateway key create" in line]
+    created = run_subengine(cli_env, *shlex.split(create.split("#")[0])[1:])
+    assert created.returncode == 0, created.stderr
+    wait_for(
+        lambda: httpx.get(f"{gateway.url}/v1/streams/orders/events", timeout=30).status_code == 401,
+        "the gateway to ask for a key",
+        30,
+    )
