@@ -36,7 +36,7 @@ from subengine._errors import DatabaseUnavailable
 from subengine._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
 from subengine._gateway_keys import ApiKey
 from subengine._listener import AsyncListener
-from subengine._read import Page
+from subengine._read import Page, RawEvent
 from subengine._settings import Settings
 from subengine._sql import SQL, Db
 from subengine._stream_deletion import DeletedStream
@@ -230,6 +230,17 @@ class AsyncEngine:
         """Events of one partition after position `after`, in position order; first a
         `Tombstone` when retention removed positions after `after`."""
         query = _read.read_after(
+            stream, partition, after, self.settings.read_limit if limit is None else limit
+        )
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def read_json(
+        self, stream: str, partition: int, after: int = 0, limit: int | None = None
+    ) -> list[RawEvent | Tombstone]:
+        """`read`, with each event's data and metadata as their JSON text (`RawEvent`):
+        for relaying events without decoding them (the gateway)."""
+        query = _read.read_after_raw(
             stream, partition, after, self.settings.read_limit if limit is None else limit
         )
         async with self.connection() as conn:

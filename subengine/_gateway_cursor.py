@@ -24,6 +24,8 @@ from subengine._names import BIGINT_MAX, MAX_PARTITIONS, validate_stream_name
 
 _PREFIX = "c1."
 _RAW, _ZLIB = 0, 1
+# Shorter cursors gain little from compression, and it costs a call per frame.
+_WORTH_COMPRESSING = 96
 # A cursor's text is read from URLs and headers: refuse anything longer unread.
 MAX_CURSOR_TEXT = 16_384
 _MAX_DECODED = 1 << 20
@@ -62,8 +64,9 @@ class GatewayCursor:
             _varint(body, len(at.positions))
             for position in at.positions:
                 _varint(body, position)
-        packed = zlib.compress(bytes(body), 6)
-        payload = bytes([_ZLIB]) + packed if len(packed) < len(body) else bytes([_RAW]) + body
+        raw = bytes(body)
+        packed = zlib.compress(raw, 6) if len(raw) > _WORTH_COMPRESSING else raw
+        payload = bytes([_ZLIB]) + packed if len(packed) < len(raw) else bytes([_RAW]) + raw
         return _PREFIX + base64.urlsafe_b64encode(payload).rstrip(b"=").decode()
 
     def __str__(self) -> str:

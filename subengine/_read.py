@@ -7,10 +7,12 @@ ever skipped. Reads by time are for finding a starting point, not for catching u
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 from subengine._errors import (
     InvalidInput,
@@ -28,6 +30,8 @@ from subengine._names import (
 )
 from subengine._sql import Query, Result
 
+E = TypeVar("E", Event, "RawEvent")
+
 
 def _limit(limit: int) -> int:
     return validate_whole_number(limit, "limit", 1, BIGINT_MAX)
@@ -38,17 +42,75 @@ def _events(rows: list[Any]) -> list[Event]:
     return [Event(*row) for row in rows if row[0] is not None]
 
 
+class RawEvent(NamedTuple):
+    """A stored event whose data and metadata are still their JSON text: what the
+    gateway relays without decoding and encoding them again."""
+
+    id: uuid.UUID
+    stream: str
+    partition: int
+    position: int
+    key: str
+    key_version: int
+    type: str
+    data: str
+    metadata: str
+    occurred_at: datetime
+    recorded_at: datetime
+
+
+def _raw_events(rows: list[Any]) -> list[RawEvent]:
+    return [RawEvent(*row) for row in rows if row[0] is not None]
+
+
+def _decoded_events(rows: list[Any]) -> list[Event]:
+    """Events from rows whose data and metadata are JSON text."""
+    return [
+        Event(
+            raw.id,
+            raw.stream,
+            raw.partition,
+            raw.position,
+            raw.key,
+            raw.key_version,
+            raw.type,
+            json.loads(raw.data),
+            json.loads(raw.metadata),
+            raw.occurred_at,
+            raw.recorded_at,
+        )
+        for raw in _raw_events(rows)
+    ]
+
+
 def read_after(
     stream: str, partition: int, after: int, limit: int
 ) -> Query[list[Event | Tombstone]]:
     """Up to `limit` events of one partition after position `after`, in position order;
     first a tombstone when retention removed positions after `after` (DESIGN.md,
     "Retention and gaps"): the events then start at the floor."""
+    return _read_after(stream, partition, after, limit, _decoded_events)
+
+
+def read_after_raw(
+    stream: str, partition: int, after: int, limit: int
+) -> Query[list[RawEvent | Tombstone]]:
+    """`read_after`, with each event's data and metadata as their JSON text."""
+    return _read_after(stream, partition, after, limit, _raw_events)
+
+
+def _read_after(
+    stream: str,
+    partition: int,
+    after: int,
+    limit: int,
+    events: Callable[[list[Any]], Sequence[E]],
+) -> Query[list[E | Tombstone]]:
     validate_stream_name(stream)
     validate_whole_number(after, "after", 0, BIGINT_MAX)
     validate_whole_number(partition, "partition", -INTEGER_MAX, INTEGER_MAX)
 
-    def read(result: Result) -> list[Event | Tombstone]:
+    def read(result: Result) -> list[E | Tombstone]:
         if not result.rows:
             raise StreamNotFound(stream)
         partitions, floor = result.rows[0][:2]
@@ -56,10 +118,10 @@ def read_after(
             raise PartitionNotFound(stream, partition, partitions)
         if floor is None:  # its partitions are gone first: `stream delete` is under way
             raise StreamBeingDeleted(stream)
-        items: list[Event | Tombstone] = []
+        items: list[E | Tombstone] = []
         if after < floor - 1:
             items.append(Tombstone(stream, partition, after + 1, floor - 1, floor))
-        items.extend(_events([row[2:] for row in result.rows]))
+        items.extend(events([row[2:] for row in result.rows]))
         return items
 
     params = {"stream": stream, "partition": partition, "after": after, "limit": _limit(limit)}
@@ -101,7 +163,7 @@ class Page:
     heads: tuple[int, ...]
     floors: tuple[int, ...]
     tombstones: list[Tombstone]
-    events: list[Event]
+    events: list[RawEvent]
 
 
 def _positions(positions: Sequence[int], what: str) -> list[int]:
@@ -142,7 +204,7 @@ def read_page(stream: str, positions: Sequence[int], limit: int) -> Query[Page]:
             )
             if position < floor - 1
         ]
-        events = _events([row[4:] for row in result.rows])
+        events = _raw_events([row[4:] for row in result.rows])
         return Page(stream, epoch, tuple(heads), tuple(floors), tombstones, events)
 
     params = {"stream": stream, "positions": after, "limit": _limit(limit)}

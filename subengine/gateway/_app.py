@@ -239,6 +239,8 @@ class Gateway:
     hub: Hub = field(init=False)
     auth: Authenticator = field(init=False)
     closing: asyncio.Event = field(init=False)
+    # the event streams open now: the shutdown ends them, the watchdog checks their writes
+    open_streams: set[EventStream] = field(init=False)
     connections: Connections = field(init=False)
     metrics: GatewayMetrics = field(init=False)
 
@@ -246,6 +248,8 @@ class Gateway:
         self.hub = Hub(self.engine, self.read_engine, self.config.poll_interval)
         self.auth = Authenticator(self.engine)
         self.closing = asyncio.Event()
+        self.open_streams = set()
+        self._watchdog: asyncio.Task[None] | None = None
         self.connections = Connections(
             self.config.max_connections_per_key,
             self.config.max_event_streams,
@@ -258,9 +262,30 @@ class Gateway:
         """End every open event stream and long-poll now (each says why), so that a
         server shutting down does not wait for them."""
         self.closing.set()
+        for stream in list(self.open_streams):
+            stream.close()
+
+    def watch_writes(self) -> None:
+        """Make sure the watchdog of the open streams' writes runs."""
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(
+                self._check_writes(), name="subengine-gateway-write-watchdog"
+            )
+
+    async def _check_writes(self) -> None:
+        """About every second, end the writes blocked longer than the write timeout."""
+        period = min(1.0, self.config.write_timeout / 4)
+        loop = asyncio.get_running_loop()
+        while self.open_streams:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for stream in list(self.open_streams):
+                stream.check(now)
 
     async def close(self) -> None:
         self.closing.set()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await self.hub.close()
         if self.own_engines:
             await self.engine.close()
@@ -540,12 +565,16 @@ class EventStreamResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway, config = self.gateway, self.gateway.config
-        stream = EventStream(receive, send, gateway.closing, config.write_timeout)
+        watcher = self.watcher
+        stream = EventStream(receive, send, watcher.event, config.write_timeout)
         reader = Reader(gateway.hub, self.selections, self.start)
         lifetime = config.stream_lifetime * random.uniform(0.9, 1.1)
         ends = time.monotonic() + lifetime
-        watcher = self.watcher
+        gateway.open_streams.add(stream)
+        gateway.watch_writes()
         try:
+            if gateway.closing.is_set():
+                stream.close()
             gateway.hub.add(watcher)
             await stream.start(
                 [
@@ -574,6 +603,7 @@ class EventStreamResponse:
             except Exception:
                 pass
         finally:
+            gateway.open_streams.discard(stream)
             self.slot.release()
             gateway.hub.remove(watcher)
             await stream.end()
@@ -651,8 +681,9 @@ class EventStreamResponse:
             except DatabaseUnavailable as error:
                 # the stream stays open: look at everything again once PostgreSQL answers
                 log.warning("gateway read failed, retrying in %.1fs: %s", delay, error)
+                watcher.take()
+                await stream.wait(delay)  # woken early by the client leaving or a shutdown
                 watcher.wake_all()
-                await stream.wait(asyncio.Event(), delay)
                 delay = min(2 * delay, _LONGEST_RETRY_SECONDS)
                 if not stream.closing:
                     continue
@@ -675,13 +706,13 @@ class EventStreamResponse:
                 quiet_since = now
                 continue
             if stalled:
-                await stream.wait(watcher.event, min(beat_at, ends, now + stall) - now)
+                await stream.wait(min(beat_at, ends, now + stall) - now)
                 pending |= stalled
                 stalled.clear()
                 stall = min(2 * stall, _LONGEST_STALL_SECONDS)
                 continue
             stall = _FIRST_STALL_SECONDS
-            await stream.wait(watcher.event, min(beat_at, ends) - now)
+            await stream.wait(min(beat_at, ends) - now)
 
     async def _still_allowed(self) -> bool:
         key = self.principal.key

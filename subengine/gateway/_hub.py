@@ -24,8 +24,9 @@ from typing import Any
 
 from subengine._async_engine import AsyncEngine
 from subengine._errors import DatabaseUnavailable
-from subengine._events import Event, Tombstone
+from subengine._events import Tombstone
 from subengine._listener import TaskInbox
+from subengine._read import RawEvent
 
 log = logging.getLogger("subengine.gateway")
 
@@ -37,23 +38,17 @@ _CACHED_READS = 2048
 _CACHED_SECONDS = 2.0
 
 
-def event_json(event: Event, include_data: bool) -> str:
-    """An event as the gateway sends it (docs/gateway.md, "Events")."""
-    body: dict[str, Any] = {
-        "stream": event.stream,
-        "partition": event.partition,
-        "position": event.position,
-        "id": str(event.id),
-        "key": event.key,
-        "key_version": event.key_version,
-        "type": event.type,
-        "metadata": event.metadata,
-        "occurred_at": event.occurred_at.isoformat(),
-        "recorded_at": event.recorded_at.isoformat(),
-    }
-    if include_data:
-        body["data"] = event.data
-    return dumps(body)
+def event_json(event: RawEvent, include_data: bool) -> str:
+    """An event as the gateway sends it (docs/gateway.md, "Reading events"), its data and
+    metadata spliced in as the JSON text PostgreSQL gave."""
+    head = (
+        f'{{"stream":{dumps(event.stream)},"partition":{event.partition},'
+        f'"position":{event.position},"id":"{event.id}","key":{dumps(event.key)},'
+        f'"key_version":{event.key_version},"type":{dumps(event.type)},'
+        f'"metadata":{event.metadata},"occurred_at":"{event.occurred_at.isoformat()}",'
+        f'"recorded_at":"{event.recorded_at.isoformat()}"'
+    )
+    return f'{head},"data":{event.data}}}' if include_data else head + "}"
 
 
 def tombstone_body(tombstone: Tombstone) -> dict[str, Any]:
@@ -80,7 +75,7 @@ class SharedRead:
     partition: int
     after: int
     head: int
-    items: list[Event | Tombstone] = field(default_factory=list)
+    items: list[RawEvent | Tombstone] = field(default_factory=list)
     finished: float = 0.0
     _encoded: dict[tuple[int, bool], str] = field(default_factory=dict)
 
@@ -96,9 +91,41 @@ class SharedRead:
         text = self._encoded.get(key)
         if text is None:
             item = self.items[index]
-            assert isinstance(item, Event)
+            assert isinstance(item, RawEvent)
             text = self._encoded[key] = event_json(item, include_data)
         return text
+
+
+class Wake:
+    """A flag one coroutine waits on: `asyncio.Event` for a single waiter, without its
+    bookkeeping (a wake-up per watcher per notification is the gateway's hot path)."""
+
+    __slots__ = ("_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._set = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> None:
+        if self._set:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
 
 class Watcher:
@@ -110,7 +137,7 @@ class Watcher:
         self.partitions = partitions
         self.changed: set[tuple[str, int]] = set()
         self.resync = False
-        self.event = asyncio.Event()
+        self.event = Wake()
 
     def wants(self, stream: str, partition: int) -> bool:
         wanted = self.partitions.get(stream)
@@ -304,7 +331,9 @@ class Hub:
             shared = SharedRead(stream, partition, after, self.head(stream, partition))
             self.reads += 1
             try:
-                shared.items = await self.read_engine.read(stream, partition, after, READ_LIMIT)
+                shared.items = await self.read_engine.read_json(
+                    stream, partition, after, READ_LIMIT
+                )
             except BaseException as error:
                 if self._reads.get(key) is future:
                     del self._reads[key]

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from subengine._events import Event, Tombstone, partition_for
+from subengine._events import Tombstone, partition_for
 from subengine._gateway_cursor import GatewayCursor, StreamPosition
-from subengine._read import Page
+from subengine._read import Page, RawEvent
 from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, event_json, tombstone_body
 
 
@@ -30,7 +30,7 @@ class Selection:
     types: frozenset[str] | None = None
     include_data: bool = True
 
-    def keeps(self, event: Event) -> bool:
+    def keeps(self, event: RawEvent) -> bool:
         return (self.keys is None or event.key in self.keys) and (
             self.types is None or event.type in self.types
         )
@@ -154,7 +154,7 @@ class Reader:
         for tombstone in page.tombstones:
             self._advance(stream, tombstone.partition, tombstone.gap_to)
             self._emit("tombstone", tombstone_body(tombstone))
-        by_partition: dict[int, list[Event]] = {}
+        by_partition: dict[int, list[RawEvent]] = {}
         for event in page.events:
             by_partition.setdefault(event.partition, []).append(event)
         selection = self.selections[stream]

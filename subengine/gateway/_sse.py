@@ -5,6 +5,7 @@ response that ignores the disconnect writes to dead sockets and blocks shutdown)
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from starlette.types import Receive, Send
 
@@ -23,82 +24,104 @@ def frame_text(kind: str, data: str, cursor: str | None) -> str:
     return f"{head}event: {kind}\ndata: {data}\n\n"
 
 
-class EventStream:
-    """One open SSE response: `write` sends text, `wait` sleeps until woken, and both end
-    with `Gone` as soon as the client leaves or the server shuts down."""
+class Wakeable(Protocol):
+    def set(self) -> None: ...
 
-    def __init__(
-        self, receive: Receive, send: Send, closing: asyncio.Event, write_timeout: float
-    ) -> None:
+    def is_set(self) -> bool: ...
+
+    async def wait(self) -> None: ...
+
+
+class EventStream:
+    """One open SSE response. `write` sends text; `wait` sleeps until `wake` is set. Both
+    end with `Gone` as soon as the client leaves, which also sets `wake`, as the server's
+    shutdown does (`close`).
+
+    A write that stays blocked longer than the write timeout is ended by `check`, which
+    the gateway's watchdog calls about every second for every open stream: one timer for
+    all of them instead of one per write.
+    """
+
+    def __init__(self, receive: Receive, send: Send, wake: Wakeable, write_timeout: float) -> None:
         self._receive = receive
         self._send = send
-        self._closing = closing
+        self._wake = wake
         self._write_timeout = write_timeout
-        self._left = asyncio.get_running_loop().create_task(self._watch_disconnect())
-        self._closing_wait = asyncio.get_running_loop().create_task(closing.wait())
+        self._task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
+        self._left = self._loop.create_task(self._watch_disconnect())
+        self._writing_since: float | None = None
+        self._blocked = False
+        self.closing = False
         self.bytes_sent = 0
 
     async def _watch_disconnect(self) -> None:
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
+                self._wake.set()
                 return
 
     @property
     def gone(self) -> bool:
         return self._left.done()
 
-    @property
-    def closing(self) -> bool:
-        return self._closing.is_set()
+    def close(self) -> None:
+        """The server shuts down: wake the stream so that it ends (saying why)."""
+        self.closing = True
+        self._wake.set()
+
+    def check(self, now: float) -> None:
+        """End the write under way if it has waited on the socket for too long."""
+        since = self._writing_since
+        if since is not None and now - since > self._write_timeout and not self._blocked:
+            self._blocked = True
+            if self._task is not None:
+                self._task.cancel()
 
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
         await self._send({"type": "http.response.start", "status": 200, "headers": headers})
 
     async def write(self, text: str) -> None:
+        """Send `text`. uvicorn's send returns at once while the socket takes data, waits
+        while it does not, and returns (sending nothing) once the client is gone."""
         if self.gone:
             raise Gone
         body = text.encode()
-        sending = asyncio.ensure_future(
-            self._send({"type": "http.response.body", "body": body, "more_body": True})
-        )
-        done, _ = await asyncio.wait(
-            {sending, self._left}, timeout=self._write_timeout, return_when="FIRST_COMPLETED"
-        )
-        if sending not in done:
-            sending.cancel()
-            if self.gone:
-                raise Gone
-            raise Blocked
-        sending.result()  # an error of the transport: the client is gone
+        self._writing_since = self._loop.time()
+        try:
+            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+        except asyncio.CancelledError:
+            if not self._blocked or self._task is None:
+                raise
+            self._task.uncancel()
+            raise Gone if self.gone else Blocked from None
+        except OSError:  # the transport failed: the client is gone
+            raise Gone from None
+        finally:
+            self._writing_since = None
         self.bytes_sent += len(body)
 
-    async def wait(self, event: asyncio.Event, timeout: float) -> bool:
-        """Sleep until `event` is set (True), `timeout` seconds pass (False), the client
-        leaves or the server shuts down (both: Gone)."""
-        if event.is_set():
-            return True
-        woken = asyncio.ensure_future(event.wait())
-        try:
-            done, _ = await asyncio.wait(
-                {woken, self._left, self._closing_wait},
-                timeout=max(timeout, 0.0),
-                return_when="FIRST_COMPLETED",
-            )
-        finally:
-            woken.cancel()
-        if self._left in done:
+    async def wait(self, timeout: float) -> None:
+        """Sleep until woken or for `timeout` seconds, whichever comes first (the caller
+        looks at what changed either way); Gone once the client has left."""
+        if self.gone:
             raise Gone
-        return woken in done and not woken.cancelled()
+        if not self._wake.is_set():
+            # a timer that wakes the stream costs less than a timeout scope per wait
+            timer = self._loop.call_at(self._loop.time() + max(timeout, 0.0), self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
+        if self.gone:
+            raise Gone
 
     async def end(self) -> None:
         """Finish the response (unless the client is gone) and stop watching."""
         self._left.cancel()
-        self._closing_wait.cancel()
         try:
-            await asyncio.wait_for(
-                self._send({"type": "http.response.body", "body": b"", "more_body": False}),
-                self._write_timeout,
-            )
-        except Exception:  # the client went away meanwhile: nothing to finish
+            async with asyncio.timeout(1.0):
+                await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (Exception, asyncio.CancelledError):  # the client went away meanwhile
             pass

@@ -193,9 +193,10 @@ VALUES (%(name)s, %(stream)s, %(partition)s, %(generation)s, %(gap_from)s, %(gap
 -- Up to `limit` events of one partition after a position, in position order, with the
 -- stream's partition count (a stream with no such row does not exist) and the
 -- partition's floor, read in the same snapshot as the events: positions below it are no
--- longer stored, and a read from before it meets their gap.
+-- longer stored, and a read from before it meets their gap. Data and metadata come as
+-- JSON text: the gateway relays them as they are, and the engine decodes them.
 SELECT s.partitions, p.floor, e.id, e.stream, e.partition, e.position, e.key,
-       e.key_version, e.type, e.data, e.metadata, e.occurred_at, e.recorded_at
+       e.key_version, e.type, e.data::text, e.metadata::text, e.occurred_at, e.recorded_at
   FROM {schema}.streams s
   LEFT JOIN {schema}.partitions p ON p.stream = s.name AND p.partition = %(partition)s
   LEFT JOIN LATERAL (
@@ -232,9 +233,11 @@ SELECT s.partitions, g.partitions, g.floors, e.id, e.stream, e.partition, e.posi
 -- past the cursor's position for them (`positions`, partition order; missing: 0), oldest
 -- first across partitions (recorded order, ties by partition and position, so each
 -- partition's events come in position order), with the stream's epoch, partition count,
--- heads and floors read in the same snapshot as the events.
+-- heads and floors read in the same snapshot as the events. Data and metadata come as
+-- JSON text, which the gateway relays without decoding.
 SELECT s.epoch, s.partitions, h.heads, h.floors, e.id, e.stream, e.partition, e.position,
-       e.key, e.key_version, e.type, e.data, e.metadata, e.occurred_at, e.recorded_at
+       e.key, e.key_version, e.type, e.data::text, e.metadata::text, e.occurred_at,
+       e.recorded_at
   FROM {schema}.streams s
   CROSS JOIN LATERAL (
         SELECT array_agg(p.head ORDER BY p.partition) AS heads,
