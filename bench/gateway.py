@@ -388,6 +388,9 @@ class Server:
                 "--port",
                 str(self.port),
                 "--no-access-log",
+                # every watcher of the bench is the same anonymous principal
+                "--max-connections-per-key",
+                "100000",
             ]
             self.path = f"/v1/streams/{LIVE_STREAM}/events?live=sse&after=now"
         else:
