@@ -634,6 +634,8 @@ class EventStreamResponse:
     ) -> None:
         caught_up = False
         quiet_since = checked = time.monotonic()
+        # spread over time, so that streams opened together do not check together
+        check_every = min(KEY_CHECK_SECONDS, self.heartbeat) * random.uniform(0.8, 1.2)
         pending: set[tuple[str, int]] = set()
         # partitions whose head is known to be ahead of what a read found (a replica
         # that has yet to replay it): read again after `stall`, doubled up to the longest
@@ -667,7 +669,7 @@ class EventStreamResponse:
                     if await self._send_frames(stream, reader):
                         quiet_since = time.monotonic()
                 now = time.monotonic()
-                if now >= checked + min(KEY_CHECK_SECONDS, self.heartbeat):
+                if now >= checked + check_every:
                     checked = now
                     if not await self._still_allowed():
                         await stream.write(

@@ -10,10 +10,13 @@ in a log line or an error.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import ipaddress
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from starlette.requests import Request
 
@@ -21,6 +24,7 @@ from subengine._async_engine import AsyncEngine
 from subengine._gateway_keys import ApiKey
 
 CACHE_SECONDS = 2.0
+T = TypeVar("T")
 ANONYMOUS = "anonymous"
 
 
@@ -57,15 +61,12 @@ class Authenticator:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self._required: tuple[float, bool] | None = None
+        self._required = _Cached(engine.any_active_api_key)
         self._tokens: dict[bytes, tuple[float, ApiKey | None]] = {}
-        self._by_id: tuple[float, dict[str, ApiKey]] | None = None
+        self._by_id = _Cached(self._active_keys)
 
     async def required(self) -> bool:
-        now = time.monotonic()
-        if self._required is None or now - self._required[0] > CACHE_SECONDS:
-            self._required = (now, await self.engine.any_active_api_key())
-        return self._required[1]
+        return await self._required.get()
 
     async def principal(self, request: Request) -> Principal:
         header = request.headers.get("authorization")
@@ -99,11 +100,36 @@ class Authenticator:
 
     async def key_by_id(self, key_id: str) -> ApiKey | None:
         """The active key of this id (for a watch id, which names its key)."""
-        now = time.monotonic()
-        if self._by_id is None or now - self._by_id[0] > CACHE_SECONDS:
-            keys = await self.engine.api_keys()
-            self._by_id = (now, {key.id: key for key in keys if key.revoked_at is None})
-        return self._by_id[1].get(key_id)
+        return (await self._by_id.get()).get(key_id)
+
+    async def _active_keys(self) -> dict[str, ApiKey]:
+        return {key.id: key for key in await self.engine.api_keys() if key.revoked_at is None}
+
+
+class _Cached(Generic[T]):
+    """A value read from the database at most once per CACHE_SECONDS: callers that find
+    it stale while it is being read again wait for that one read (a thousand event
+    streams checking their key at once make one query, not a thousand)."""
+
+    def __init__(self, read: Callable[[], Awaitable[T]]) -> None:
+        self._read = read
+        self._value: tuple[float, T] | None = None
+        self._reading: asyncio.Future[T] | None = None
+
+    async def get(self) -> T:
+        if self._value is not None and time.monotonic() - self._value[0] <= CACHE_SECONDS:
+            return self._value[1]
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._refresh())
+        return await asyncio.shield(self._reading)
+
+    async def _refresh(self) -> T:
+        try:
+            value = await self._read()
+            self._value = (time.monotonic(), value)
+            return value
+        finally:
+            self._reading = None
 
 
 def _loopback(request: Request) -> bool:
