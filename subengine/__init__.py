@@ -52,6 +52,7 @@ from subengine._gateway_keys import ApiKey
 from subengine._logging import configure_logging
 from subengine._names import validate_schema_name
 from subengine._orm import sqlalchemy_session
+from subengine._read import gateway_cursor
 from subengine._records import (
     DeadLetter,
     PartitionStatus,
@@ -116,6 +117,7 @@ __all__ = [
     "append",
     "append_async",
     "configure_logging",
+    "gateway_cursor",
     "migration_sql",
     "partition_for",
     "reset_subscription",

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
 
+from subengine._connection import psycopg_connection
 from subengine._errors import (
     InvalidInput,
     PartitionNotFound,
@@ -21,6 +22,7 @@ from subengine._errors import (
     StreamNotFound,
 )
 from subengine._events import Event, Tombstone
+from subengine._gateway_cursor import GatewayCursor, StreamPosition
 from subengine._names import (
     BIGINT_MAX,
     INTEGER_MAX,
@@ -28,7 +30,8 @@ from subengine._names import (
     validate_stream_name,
     validate_whole_number,
 )
-from subengine._sql import Query, Result
+from subengine._settings import Settings
+from subengine._sql import SQL, Query, Result
 
 E = TypeVar("E", Event, "RawEvent")
 
@@ -238,3 +241,31 @@ def epochs_and_heads(streams: Sequence[str]) -> Query[dict[str, tuple[int, list[
         return {name: (epoch, heads) for name, epoch, heads in result.rows}
 
     return Query("epochs_and_heads", {"streams": names}, read)
+
+
+def gateway_cursor(
+    conn: object,
+    streams: str | Iterable[str],
+    *,
+    schema: str | None = None,
+    settings: Settings | None = None,
+) -> str:
+    """The gateway cursor standing at the heads of `streams`, read inside the caller's
+    open transaction (DESIGN.md, the gateway's race-free start): hand it to an outside
+    reader with the data this transaction wrote, and it gets exactly what commits after
+    that data. `conn` is a psycopg connection, a SQLAlchemy Connection or Session.
+    `schema` and `settings` are those of `subengine.append`."""
+    names = [streams] if isinstance(streams, str) else list(streams)
+    if not names:
+        raise InvalidInput("give at least one stream")
+    settings = settings or Settings.from_env()
+    if schema is not None:
+        settings = settings.with_changes(schema=schema)
+    found = SQL(settings.schema).run(psycopg_connection(conn), epochs_and_heads(names))
+    positions: dict[str, StreamPosition] = {}
+    for name in names:
+        epoch, heads = found.get(name, (None, None))
+        if epoch is None or heads is None:
+            raise StreamNotFound(name)
+        positions[name] = StreamPosition(epoch, tuple(heads))
+    return GatewayCursor(positions).encode()

@@ -1,0 +1,68 @@
+"""DESIGN.md's race-free start (P3Sub's T0): an application takes a gateway cursor in the
+transaction that writes its own data, hands it to an outside reader, and the reader gets
+exactly what commits after that data: nothing before it, nothing missed."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from helpers import ROOT, GatewayProcess
+
+import subengine
+
+
+def test_a_cursor_taken_in_the_apps_transaction_misses_nothing_after_it(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess, dsn: str
+) -> None:
+    engine.append(orders, [subengine.NewEvent(f"k{n}", "t", {"n": n}) for n in range(3)])
+    with psycopg.connect(dsn) as conn:
+        conn.execute("CREATE TABLE snapshot (n int)")
+        conn.execute("INSERT INTO snapshot VALUES (3)")
+        cursor = subengine.gateway_cursor(conn, orders, settings=engine.settings)
+        # appended inside the same transaction: after the cursor, so the reader gets it
+        subengine.append(
+            conn, orders, [subengine.NewEvent("k3", "t", {"n": 3})], settings=engine.settings
+        )
+    engine.append(orders, [subengine.NewEvent("k4", "t", {"n": 4})])
+    page = httpx.get(
+        f"{gateway.url}/v1/streams/orders/events", params={"after": cursor}, timeout=30
+    ).json()
+    assert sorted(e["data"]["n"] for e in page["events"]) == [3, 4]
+
+
+def test_a_cursor_of_an_unknown_stream_is_refused(engine: subengine.Engine, dsn: str) -> None:
+    with psycopg.connect(dsn) as conn, pytest.raises(subengine.StreamNotFound):
+        subengine.gateway_cursor(conn, ["nope"], settings=engine.settings)
+    with psycopg.connect(dsn) as conn, pytest.raises(subengine.InvalidInput):
+        subengine.gateway_cursor(conn, [], settings=engine.settings)
+
+
+def test_the_documented_start_runs(
+    engine: subengine.Engine,
+    orders: str,
+    gateway: GatewayProcess,
+    dsn: str,
+    cli_env: dict[str, str],
+) -> None:
+    page = (ROOT / "docs" / "gateway.md").read_text()
+    [example] = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
+        if "gateway_cursor(conn" in block
+    ]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE VIEW orders_view AS SELECT 1 AS id")
+    engine.append(orders, [subengine.NewEvent("k0", "t", {"n": 0})])
+    namespace: dict[str, Any] = {"psycopg": psycopg, "subengine": subengine, "dsn": dsn}
+    exec(example, namespace)
+    engine.append(orders, [subengine.NewEvent("k1", "t", {"n": 1})])
+    answer = httpx.get(
+        f"{gateway.url}/v1/streams/orders/events",
+        params={"after": namespace["cursor"]},
+        timeout=30,
+    ).json()
+    assert [e["data"]["n"] for e in answer["events"]] == [1]
