@@ -167,6 +167,9 @@ class Page:
     floors: tuple[int, ...]
     tombstones: list[Tombstone]
     events: list[RawEvent]
+    # False: the cursor's positions are not one per partition of the stream (then
+    # `tombstones` and `events` are empty)
+    fits: bool = True
 
 
 def _positions(positions: Sequence[int], what: str) -> list[int]:
@@ -184,8 +187,9 @@ def read_page(stream: str, positions: Sequence[int], limit: int) -> Query[Page]:
     """Up to `limit` events of every partition after its position in `positions`
     (partition order; a partition past its end is at 0), oldest first across
     partitions; first a tombstone for each partition whose positions after the cursor
-    retention removed. A cursor with a partition count other than the stream's is
-    refused: `InvalidInput`."""
+    retention removed. For positions that are not one per partition of the stream, the
+    page has `fits` False and no events (a cursor of an earlier stream of the name: its
+    epoch tells the caller)."""
     validate_stream_name(stream)
     after = _positions(positions, "the cursor")
 
@@ -196,10 +200,9 @@ def read_page(stream: str, positions: Sequence[int], limit: int) -> Query[Page]:
         if heads is None:  # its partitions are gone first: `stream delete` is under way
             raise StreamBeingDeleted(stream)
         if after and len(after) != partitions:
-            raise InvalidInput(
-                f"the cursor has {len(after)} positions for stream {stream!r}, which has "
-                f"{partitions} partitions"
-            )
+            # not a cursor of this stream: of an earlier one of the name (its epoch
+            # tells), or none at all; the caller decides, nothing of it is read
+            return Page(stream, epoch, tuple(heads), tuple(floors), [], [], fits=False)
         tombstones = [
             Tombstone(stream, partition, position + 1, floor - 1, floor)
             for partition, (position, floor) in enumerate(

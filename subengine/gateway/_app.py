@@ -214,7 +214,7 @@ def _number(value: str | None, what: str, low: float, high: float, default: floa
 def _whole(value: str | None, what: str, low: int, high: int, default: int) -> int:
     if value is None:
         return default
-    if not value.isdigit() or not low <= int(value) <= high:
+    if not (value.isascii() and value.isdecimal()) or not low <= int(value) <= high:
         raise _bad(f"{what} must be a whole number from {low} to {high}, not {value[:32]!r}")
     return int(value)
 
@@ -475,6 +475,7 @@ async def _long_poll(
     gateway.hub.add(watcher)
     try:
         while True:
+            watcher.take()  # what moves from now on wakes the wait below
             events, tombstones, up_to_date = await reader.page(stream, limit)
             if events or tombstones or reader.frames_out:
                 return _page(reader, events, tombstones, up_to_date)
@@ -482,7 +483,6 @@ async def _long_poll(
             if left <= 0 or gateway.closing.is_set():
                 break
             if up_to_date:
-                watcher.take()
                 closing = asyncio.ensure_future(gateway.closing.wait())
                 woken = asyncio.ensure_future(watcher.event.wait())
                 gateway.metrics.long_polls_waiting.inc()
@@ -680,6 +680,10 @@ class EventStreamResponse:
             except StreamNotFound as error:
                 await self._write(stream, "error", _error_frame("stream_not_found", str(error)))
                 return
+            except SubengineError as error:  # a cursor that no longer fits, for one
+                code = "bad_cursor" if isinstance(error, InvalidCursor) else "bad_request"
+                await self._write(stream, "error", _error_frame(code, str(error)))
+                return
             except DatabaseUnavailable as error:
                 # the stream stays open: look at everything again once PostgreSQL answers
                 log.warning("gateway read failed, retrying in %.1fs: %s", delay, error)
@@ -737,6 +741,7 @@ async def append_events(request: Request) -> Response:
     before (a retry), with where each event is."""
     gateway = _gateway(request)
     stream = _stream_name(request)
+    (await gateway.auth.principal(request)).require(stream, "append")
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json":
         # a browser sends a cross-origin POST of another type without asking first (no
@@ -949,7 +954,8 @@ async def _watch_principal(gateway: Gateway, request: Request, key_id: Any) -> P
                 "this watch was created without a key, and the "
                 "gateway now needs one: create a new watch",
             )
-        return Principal(None)
+        # as any request without a key: open mode, from this host only
+        return await gateway.auth.principal(request)
     key = await gateway.auth.key_by_id(str(key_id))
     if key is None:
         raise Denied(403, "forbidden", "the key that created this watch was revoked")
@@ -958,7 +964,12 @@ async def _watch_principal(gateway: Gateway, request: Request, key_id: Any) -> P
 
 async def _json_body(request: Request, limit: int) -> Any:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if (
+        declared is not None
+        and declared.isascii()
+        and declared.isdecimal()
+        and int(declared) > limit
+    ):
         raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
     chunks = []
     size = 0

@@ -77,6 +77,15 @@ class Authenticator:
                     "unauthorized",
                     "this gateway needs an API key: send 'Authorization: Bearer <key>'",
                 )
+            if not _loopback(request):
+                # open only to its own host, whatever address the server listens on (its
+                # last key may have been revoked while it listened on all of them)
+                raise Denied(
+                    401,
+                    "unauthorized",
+                    "this gateway has no API key, so it answers only requests from its own "
+                    "host; create a key with 'subengine gateway key create'",
+                )
             return Principal(None)
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():

@@ -34,7 +34,7 @@ log = logging.getLogger("subengine.gateway")
 READ_LIMIT = 200
 # How many finished shared reads are kept for watchers that arrive a little later, and
 # for how long.
-_CACHED_READS = 2048
+_CACHED_READS = 512
 _CACHED_SECONDS = 2.0
 
 
@@ -313,7 +313,8 @@ class Hub:
             # a finished read serves later watchers while it is fresh and still reaches
             # the head known now (or was full); otherwise it is read again
             if (
-                future.exception() is None
+                not future.cancelled()
+                and future.exception() is None
                 and now - future.result().finished < _CACHED_SECONDS
                 and future.result().reaches(self.head(stream, partition))
             ):
@@ -321,32 +322,41 @@ class Hub:
             del self._reads[key]
             future = None
         if future is None:
-            future = asyncio.get_running_loop().create_future()
+            # the read is the hub's own task: a watcher that leaves (its task cancelled)
+            # while others wait on it cancels nothing of theirs
+            future = asyncio.ensure_future(self._read(stream, partition, after))
             self._reads[key] = future
-            while len(self._reads) > _CACHED_READS:
-                oldest_key, oldest = next(iter(self._reads.items()))
-                if not oldest.done():
-                    break
-                del self._reads[oldest_key]
-            shared = SharedRead(stream, partition, after, self.head(stream, partition))
-            self.reads += 1
-            try:
-                shared.items = await self.read_engine.read_json(
-                    stream, partition, after, READ_LIMIT
-                )
-            except BaseException as error:
-                if self._reads.get(key) is future:
-                    del self._reads[key]
-                if isinstance(error, Exception):
-                    future.set_exception(error)
-                    future.exception()  # retrieved: the waiters see it, if any
-                else:
-                    future.cancel()
-                raise
-            shared.finished = time.monotonic()
-            future.set_result(shared)
-            return shared
+            self._evict(now)
         return await asyncio.shield(future)
+
+    async def _read(self, stream: str, partition: int, after: int) -> SharedRead:
+        shared = SharedRead(stream, partition, after, self.head(stream, partition))
+        self.reads += 1
+        try:
+            shared.items = await self.read_engine.read_json(stream, partition, after, READ_LIMIT)
+        except BaseException:
+            key = (stream, partition, after)
+            if self._reads.get(key) is asyncio.current_task():
+                del self._reads[key]  # a failed read is not kept for others
+            raise
+        shared.finished = time.monotonic()
+        return shared
+
+    def _evict(self, now: float) -> None:
+        """Drop the finished reads that are too old to serve, and the oldest beyond
+        _CACHED_READS (their events are held only while a watcher uses them)."""
+        while self._reads:
+            oldest_key, oldest = next(iter(self._reads.items()))
+            if not oldest.done():
+                break
+            stale = oldest.cancelled() or oldest.exception() is not None
+            if (
+                not stale
+                and now - oldest.result().finished < _CACHED_SECONDS
+                and len(self._reads) <= _CACHED_READS
+            ):
+                break
+            del self._reads[oldest_key]
 
     async def close(self) -> None:
         """Stop polling and following; every watcher is woken to notice."""

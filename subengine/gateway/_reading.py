@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from subengine._events import Tombstone, partition_for
-from subengine._gateway_cursor import GatewayCursor, StreamPosition
+from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine._read import Page, RawEvent
 from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, event_json, tombstone_body
 
@@ -107,6 +107,11 @@ class Reader:
         if page.epoch != self.epochs[stream]:
             self._reset(stream, self.epochs[stream], page.epoch)
             page = await self.hub.read_engine.read_page(stream, (), limit)
+        elif not page.fits:
+            raise InvalidCursor(
+                f"the cursor has {len(self.marks[stream])} positions for stream {stream!r}, "
+                f"which has {len(page.heads)} partitions"
+            )
         if not self.marks[stream]:
             self.marks[stream] = [0] * len(page.heads)
         return page

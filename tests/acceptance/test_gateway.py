@@ -256,6 +256,28 @@ def test_a_re_created_stream_gives_reset(engine: subengine.Engine, gateway: Gate
     assert kinds == ["reset", "events", "caught-up"]
 
 
+def test_a_stream_re_created_with_other_partitions_gives_reset_not_an_error(
+    engine: subengine.Engine, gateway: GatewayProcess
+) -> None:
+    engine.create_stream("resized", 2)
+    engine.append("resized", [subengine.NewEvent("a", "t", {"n": 0})])
+    url = f"{gateway.url}/v1/streams/resized/events"
+    first = httpx.get(url, timeout=TIMEOUT).json()
+    engine.delete_stream("resized")
+    engine.create_stream("resized", 5)
+    engine.append("resized", [subengine.NewEvent("b", "t", {"n": 1})])
+    page = httpx.get(url, params={"after": first["cursor"]}, timeout=TIMEOUT)
+    assert page.status_code == 200, page.text
+    assert [r["stream"] for r in page.json()["resets"]] == ["resized"]
+    assert numbers(page.json()["events"]) == [1]
+    frames = frames_until(
+        url,
+        lambda got: any(f.kind in ("caught-up", "error") for f in got),
+        params={"live": "sse", "after": first["cursor"]},
+    )
+    assert [f.kind for f in frames if f.kind != ":"] == ["reset", "events", "caught-up"]
+
+
 @pytest.mark.parametrize(
     ("path", "params", "status", "code"),
     [
@@ -265,6 +287,7 @@ def test_a_re_created_stream_gives_reset(engine: subengine.Engine, gateway: Gate
         ("/v1/streams/orders/events", {"since": "yesterday"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"since": "2026-01-01T00:00:00"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"limit": "0"}, 400, "bad_request"),
+        ("/v1/streams/orders/events", {"limit": "²"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"live": "push"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"live": "long-poll", "wait": "nan"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"key": "x" * 2000}, 400, "bad_request"),

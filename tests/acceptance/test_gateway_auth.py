@@ -4,11 +4,14 @@ id alone while its key lives, and a revoked key ending an open event stream."""
 
 from __future__ import annotations
 
+import ipaddress
+import socket
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from helpers import GatewayProcess, sse_frames
+from helpers import GatewayProcess, sse_frames, wait_for
 
 import subengine
 
@@ -107,3 +110,48 @@ def test_tokens_never_reach_the_gateways_output(
     for token in keys.values():
         assert token not in output
         assert token.split("_")[2] not in output
+
+
+def test_appending_needs_a_key_with_the_append_scope(
+    engine: subengine.Engine, keys: dict[str, Any], gateway: GatewayProcess
+) -> None:
+    url = f"{gateway.url}/v1/streams/orders/events"
+    body = [{"key": "a", "type": "t", "data": {"n": 2}}]
+    before = engine.heads("orders")
+    for headers, status in (({}, 401), (bearer(keys["reader"]), 403)):
+        answer = httpx.post(url, json=body, headers=headers, timeout=TIMEOUT)
+        assert answer.status_code == status, answer.text
+    assert engine.heads("orders") == before
+    answer = httpx.post(url, json=body, headers=bearer(keys["writer"]), timeout=TIMEOUT)
+    assert answer.status_code == 201, answer.text
+
+
+def _an_address_of_this_host_not_loopback() -> str | None:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: only a route is chosen
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if ipaddress.ip_address(address).is_loopback else str(address)
+
+
+def test_with_its_last_key_revoked_the_gateway_answers_only_its_own_host(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    address = _an_address_of_this_host_not_loopback()
+    if address is None:
+        pytest.skip("this machine has no address but loopback to reach the gateway by")
+    key, _ = engine.create_api_key(["read"], ["*"], name="only")
+    with GatewayProcess(cli_env, "--host", "0.0.0.0", tmp=tmp_path) as gateway:
+        engine.revoke_api_key(key.id)
+        remote = f"http://{address}:{gateway.port}/v1/streams/orders/events"
+        wait_for(
+            lambda: httpx.get(remote, timeout=TIMEOUT).status_code == 401,
+            "the open gateway to refuse another host",
+            30,
+        )
+        answer = httpx.get(remote, timeout=TIMEOUT)
+        assert answer.json()["error"]["code"] == "unauthorized"
+        local = httpx.get(f"{gateway.url}/v1/streams/orders/events", timeout=TIMEOUT)
+        assert local.status_code == 200
