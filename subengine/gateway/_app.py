@@ -680,10 +680,6 @@ class EventStreamResponse:
             except StreamNotFound as error:
                 await self._write(stream, "error", _error_frame("stream_not_found", str(error)))
                 return
-            except SubengineError as error:  # a cursor that no longer fits, for one
-                code = "bad_cursor" if isinstance(error, InvalidCursor) else "bad_request"
-                await self._write(stream, "error", _error_frame(code, str(error)))
-                return
             except DatabaseUnavailable as error:
                 # the stream stays open: look at everything again once PostgreSQL answers
                 log.warning("gateway read failed, retrying in %.1fs: %s", delay, error)
@@ -693,6 +689,10 @@ class EventStreamResponse:
                 delay = min(2 * delay, _LONGEST_RETRY_SECONDS)
                 if not stream.closing:
                     continue
+            except SubengineError as error:  # after the above: a cursor that no longer fits, say
+                code = "bad_cursor" if isinstance(error, InvalidCursor) else "bad_request"
+                await self._write(stream, "error", _error_frame(code, str(error)))
+                return
             now = time.monotonic()
             if stream.closing:
                 await self._write(
