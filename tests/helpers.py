@@ -767,3 +767,23 @@ def _shut(*sockets: socket.socket) -> None:
             s.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+def watch_has_drawn(sql: psycopg.Connection[Any], timeout: float = 60.0) -> None:
+    """Wait until a `subengine status --watch` has read the status once: then it is in
+    its redraw loop, where Ctrl-C is a clean stop. (Sent earlier, while the command still
+    starts, click answers a Ctrl-C with "Aborted!" and status 1; a fixed sleep lost that
+    race on a loaded machine.)"""
+    wait_for(
+        lambda: (
+            sql.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND pid <> pg_backend_pid() AND query LIKE %s",
+                ("%subscription_status%",),
+            ).fetchone()
+            != (0,)
+        ),
+        "the status watch to draw",
+        timeout,
+    )
+    time.sleep(0.2)

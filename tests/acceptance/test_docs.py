@@ -8,13 +8,12 @@ import re
 import shlex
 import signal
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import ROOT, run_subengine, run_subengine_until, write_readme_app
+from helpers import ROOT, run_subengine, run_subengine_until, watch_has_drawn, write_readme_app
 
 import subengine
 from subengine import NewEvent
@@ -85,7 +84,7 @@ def test_every_command_of_the_operations_page_runs(
             result = run_subengine_until(
                 cli_env,
                 *command[1:],
-                ready=lambda: time.sleep(1.5),
+                ready=lambda: watch_has_drawn(sql),
                 signum=signal.SIGINT,
                 cwd=operated,
             )

@@ -21,6 +21,7 @@ from helpers import (
     run_subengine,
     run_subengine_until,
     wait_for,
+    watch_has_drawn,
     write_readme_app,
 )
 
@@ -100,7 +101,7 @@ def test_every_command_of_the_readme_runs(
             result = run_subengine_until(
                 cli_env,
                 *argv[1:],
-                ready=lambda: time.sleep(1.5),
+                ready=lambda: watch_has_drawn(sql),
                 signum=signal.SIGINT,
                 cwd=tmp_path,
             )
