@@ -769,21 +769,21 @@ def _shut(*sockets: socket.socket) -> None:
             pass
 
 
-def watch_has_drawn(sql: psycopg.Connection[Any], timeout: float = 60.0) -> None:
-    """Wait until a `subengine status --watch` has read the status once: then it is in
-    its redraw loop, where Ctrl-C is a clean stop. (Sent earlier, while the command still
-    starts, click answers a Ctrl-C with "Aborted!" and status 1; a fixed sleep lost that
-    race on a loaded machine.)"""
+def watch_has_drawn(sql: psycopg.Connection[Any], since: datetime, timeout: float = 60.0) -> None:
+    """Wait until a `subengine status --watch` started after `since` (the server's
+    clock) has connected: it connects to draw, inside its redraw loop, where Ctrl-C is a
+    clean stop. (Sent earlier, while the command still starts, click answers a Ctrl-C
+    with "Aborted!" and status 1; a fixed sleep lost that race on a loaded machine.)"""
     wait_for(
         lambda: (
             sql.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND pid <> pg_backend_pid() AND query LIKE %s",
-                ("%subscription_status%",),
+                " AND application_name = 'subengine' AND backend_start >= %s",
+                (since,),
             ).fetchone()
             != (0,)
         ),
-        "the status watch to draw",
+        "the status watch to connect",
         timeout,
     )
-    time.sleep(0.2)
+    time.sleep(0.3)

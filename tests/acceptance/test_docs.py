@@ -4,6 +4,7 @@ command and the Python examples of docs/retention.md run against a fresh databas
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import signal
@@ -81,10 +82,11 @@ def test_every_command_of_the_operations_page_runs(
     assert len(commands) >= 14
     for command in commands:
         if "--watch" in command:
+            since = sql.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
             result = run_subengine_until(
                 cli_env,
                 *command[1:],
-                ready=lambda: watch_has_drawn(sql),
+                ready=functools.partial(watch_has_drawn, sql, since),
                 signum=signal.SIGINT,
                 cwd=operated,
             )

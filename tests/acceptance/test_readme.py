@@ -3,6 +3,7 @@ Python example. (docs/operations.md has its own test, test_docs.py.)"""
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import signal
@@ -98,10 +99,11 @@ def test_every_command_of_the_readme_runs(
                 cwd=tmp_path,
             )
         elif "--watch" in argv:
+            since = sql.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
             result = run_subengine_until(
                 cli_env,
                 *argv[1:],
-                ready=lambda: watch_has_drawn(sql),
+                ready=functools.partial(watch_has_drawn, sql, since),
                 signum=signal.SIGINT,
                 cwd=tmp_path,
             )
