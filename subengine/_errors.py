@@ -133,6 +133,18 @@ class ApiKeyNotFound(SubengineError, LookupError):
         self.key_id = key_id
 
 
+class RetryLater(SubengineError):
+    """Raised by a handler: the batch could not be handled now, through nobody's fault
+    in its events (a callback that is down, a rate limit); handle the whole batch again
+    in `seconds`. The partition waits (its `retry_at`, seen by every worker) and the
+    batch is not split; no error policy applies, so it never stops or dead-letters."""
+
+    def __init__(self, seconds: float, reason: str) -> None:
+        super().__init__(reason)
+        self.seconds = min(max(float(seconds), 0.0), 86_400.0)
+        self.reason = reason
+
+
 class SubscriptionMismatch(SubengineError):
     """The stored subscription of that name reads another stream or began elsewhere."""
 

@@ -30,6 +30,7 @@ from subengine._errors import (
     Fenced,
     InvalidInput,
     PositionsMissing,
+    RetryLater,
     StoppedAtGap,
     StreamBeingDeleted,
     SubscriptionMismatch,
@@ -678,6 +679,24 @@ class Failure:
 
     attempts: int
     action: Literal["retry", "stopped", "dead_lettered", "missing", "fenced"]
+
+
+def postpone_batch(db: Db, subscription: Subscription, failed: BatchFailed) -> bool:
+    """Make a partition wait before its next batch, because a handler raised RetryLater;
+    False when the position moved since the batch read it (a reset or another worker:
+    nothing is recorded)."""
+    error = failed.error
+    seconds = error.seconds if isinstance(error, RetryLater) else 0.0
+    params = {
+        "name": subscription.name,
+        "partition": failed.partition,
+        "position": failed.position,
+        "generation": failed.generation,
+        "error": error_text(error),
+        "seconds": seconds,
+    }
+    with db.transaction():
+        return db.run(Query("postpone_batch", params, first_row)) is not None
 
 
 def record_failure(

@@ -41,7 +41,13 @@ import sqlalchemy.exc
 from subengine import _metrics, _operations
 from subengine._declarations import Subscription
 from subengine._engine import Engine
-from subengine._errors import DatabaseUnavailable, Fenced, PositionsMissing, SubscriptionNotFound
+from subengine._errors import (
+    DatabaseUnavailable,
+    Fenced,
+    PositionsMissing,
+    RetryLater,
+    SubscriptionNotFound,
+)
 from subengine._events import Tombstone
 from subengine._locks import lock_key, lock_partition, unlock_partition
 from subengine._retention import PartitionCut
@@ -56,6 +62,7 @@ from subengine._subscriptions import (
     error_text,
     handle_batch,
     look_for_work,
+    postpone_batch,
     record_failure,
 )
 
@@ -717,6 +724,9 @@ class Worker:
         except BatchFailed as failed:
             if db.conn.broken or db.conn.closed:  # the handlers met the connection's end
                 raise
+            if isinstance(failed.error, RetryLater):  # the whole batch, later: no split
+                self._postponed(db, subscription, failed)
+                return None
             if failed.shared or failed.events > 1:
                 self._batch_split(subscription, failed)
                 return failed
@@ -759,6 +769,25 @@ class Worker:
                 partition=partition,
                 error=error_text(error),
                 retry_in=round(delay, 3),
+            ),
+        )
+
+    def _postponed(self, db: Db, subscription: Subscription, failed: BatchFailed) -> None:
+        recorded = postpone_batch(db, subscription, failed)
+        self.metrics.batch_failed(subscription.name, False)
+        seconds = failed.error.seconds if isinstance(failed.error, RetryLater) else 0.0
+        log.warning(
+            "subscription %s partition %s: %s; the batch is handled again in %.1f s%s",
+            subscription.name,
+            failed.partition,
+            failed.error,
+            seconds,
+            "" if recorded else " (the position moved meanwhile: not recorded)",
+            extra=self._fields(
+                subscription=subscription.name,
+                partition=failed.partition,
+                retry_in=round(seconds, 3),
+                error=error_text(failed.error),
             ),
         )
 

@@ -660,6 +660,17 @@ UPDATE {schema}.subscription_positions
    AND position = %(position)s AND generation = %(generation)s
 RETURNING attempts
 
+-- name: postpone_batch
+-- A handler asked to handle the partition's next batch again later (RetryLater): keep
+-- its reason and make every worker wait `seconds`. No attempt is counted (that would
+-- make the next batch a single event, to find a failing one). Fenced like the position.
+UPDATE {schema}.subscription_positions
+   SET last_error = %(error)s, updated_at = now(),
+       retry_at = clock_timestamp() + make_interval(secs => %(seconds)s)
+ WHERE subscription = %(name)s AND partition = %(partition)s
+   AND position = %(position)s AND generation = %(generation)s
+RETURNING position
+
 -- name: skip_event
 -- Move past a dead-lettered event (same transaction as its dead_letters row); its error
 -- now lives there, so the position row's failure state is cleared. Fenced.

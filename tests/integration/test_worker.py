@@ -817,3 +817,35 @@ def test_a_subscription_declared_anew_on_another_stream_is_left_alone(
         time.sleep(1)  # several polls and notifications
     assert count(sql) == 1  # this worker's billing is the one on 'orders', deleted
     assert [p.position for p in fast_engine.subscription_positions("billing")] == [0, 0]
+
+
+def test_retry_later_postpones_the_whole_batch_for_every_worker(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    # A handler that cannot deliver now (a webhook's callback is down) raises RetryLater:
+    # the batch is not split into single events, no error policy applies (one attempt
+    # allowed and on_error="stop" would otherwise stop the partition), and the partition
+    # waits in the database, where every worker sees it.
+    fast_engine.create_stream("one", partitions=1)
+    fast_engine.append("one", [NewEvent("k", "T", {"n": n}) for n in range(6)])
+    batches: list[list[int]] = []
+    app = subengine.App()
+    sub = app.subscription(
+        "pusher", stream="one", ack="at_least_once", batch_size=6, max_attempts=1
+    )
+
+    @sub.batch_handler()
+    def push(events: Sequence[subengine.Event], conn: Any) -> None:
+        batches.append([event.position for event in events])
+        if len(batches) == 1:
+            raise subengine.RetryLater(1.0, "callback down")
+
+    with Running(app, fast_engine):
+        wait_for(lambda: len(batches) >= 1)
+        row = sql.execute(
+            "SELECT attempts, last_error, retry_at > now(), stopped"
+            " FROM subengine.subscription_positions WHERE subscription = 'pusher'"
+        ).fetchone()
+        assert row == (0, "RetryLater: callback down", True, False)
+        wait_for(lambda: fast_engine.subscription_positions("pusher")[0].position == 6)
+    assert batches == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]
