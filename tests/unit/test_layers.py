@@ -74,6 +74,7 @@ LAYERS: dict[str, int] = {
             "gateway.__init__",
             "gateway._app",
             "gateway._auth",
+            "gateway._callbacks",
             "gateway._connections",
             "gateway._metrics",
             "gateway._hub",
