@@ -203,6 +203,17 @@ def start_to_json(start: Start) -> dict[str, Any]:
     )
 
 
+def start_from_json(stored: Mapping[str, Any]) -> Start:
+    """The start point of its stored form (`start_to_json`'s inverse)."""
+    if stored["kind"] == "time":
+        return datetime.fromisoformat(stored["time"])
+    if stored["kind"] == "positions":
+        return {
+            int(partition): int(position) for partition, position in stored["positions"].items()
+        }
+    return "beginning" if stored["kind"] == "beginning" else "end"
+
+
 def describe_start(stored: Mapping[str, Any]) -> str:
     """A start point as people write it."""
     if stored["kind"] == "time":

@@ -6,7 +6,7 @@ Thread-safe; close it (or use it as a context manager) to release its connection
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -24,6 +24,7 @@ from subengine import (
     _stream_deletion,
     _streams,
     _subscriptions,
+    _webhooks,
 )
 from subengine._append import (
     ExpectedVersion,
@@ -61,6 +62,7 @@ from subengine._sql import SQL, Db
 from subengine._stream_deletion import DeletedStream
 from subengine._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
 from subengine._tail import Tail, close_listener
+from subengine._webhooks import Put, Webhook, WebhookDefinition
 
 log = logging.getLogger("subengine")
 # The pool logs every failed connection attempt, from a background thread. Where the
@@ -497,6 +499,48 @@ class Engine:
         query = _gateway_keys.signing_secret(name)
         with self.connection() as conn:
             return self.sql.run(conn, query)
+
+    # webhook subscriptions (the gateway's push; docs/webhooks.md)
+
+    def put_webhook(
+        self,
+        webhook_id: str,
+        definition: WebhookDefinition,
+        starts: Mapping[str, Start] | None = None,
+        *,
+        secret: str | None = None,
+        replaces: str | None = None,
+        key_id: str | None = None,
+    ) -> Put:
+        """Create the webhook subscription `webhook_id` (pending until its callback echoes
+        the challenge; each stream starts at `starts[stream]`, default 'end'), or renew
+        its lease when it exists with the same definition. See `_webhooks.put_webhook`."""
+        with self.db() as db:
+            return _webhooks.put_webhook(
+                db,
+                webhook_id,
+                definition,
+                starts or {},
+                secret=secret,
+                replaces=replaces,
+                key_id=key_id,
+            )
+
+    def webhooks(self) -> list[Webhook]:
+        """Every webhook subscription with its state and lag, oldest first."""
+        with self.db() as db:
+            return _webhooks.webhooks(db)
+
+    def webhook(self, webhook_id: str) -> Webhook:
+        """One webhook subscription; WebhookNotFound when there is none."""
+        with self.db() as db:
+            return _webhooks.webhook(db, webhook_id)
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        """Delete a webhook subscription with its positions: nothing more is delivered
+        under its id (a batch in flight commits nothing). WebhookNotFound if none."""
+        with self.db() as db:
+            _webhooks.delete_webhook(db, webhook_id)
 
     def tail(
         self,
