@@ -32,6 +32,7 @@ from .showcase import demo
 from .status import status
 from .streams import stream
 from .subscriptions import subscription
+from .webhooks import webhook
 from .worker import LOG_FORMAT_HELP, LOG_FORMATS, LOG_LEVELS, worker
 from .workers import workers
 
@@ -105,6 +106,7 @@ for command in (
     serve,
     demo,
     gateway,
+    webhook,
 ):
     cli.add_command(command)
 

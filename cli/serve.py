@@ -7,6 +7,8 @@ import socket
 
 import click
 
+from subengine import InvalidInput
+
 from ._context import Context, pass_context
 from ._errors import CommandError
 
@@ -96,6 +98,41 @@ def _loopback(host: str) -> bool:
     type=click.IntRange(1024, 64 << 20),
     help="Largest request body (an append, a watch); larger ones are answered 413.",
 )
+@click.option(
+    "--deliver/--no-deliver",
+    default=True,
+    show_default=True,
+    help="Deliver webhooks from this process (its delivery workers compete with those of "
+    "every other gateway process).",
+)
+@click.option(
+    "--delivery-concurrency",
+    default=4,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Webhook batches this process sends at once.",
+)
+@click.option(
+    "--webhook-failure-timeout",
+    default=3600.0,
+    show_default=True,
+    type=click.FloatRange(1, 30 * 86_400),
+    help="Seconds a webhook may fail before it is marked failed (deliveries stop).",
+)
+@click.option(
+    "--webhook-retry-max",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 86_400),
+    help="The longest wait between two attempts to deliver a batch (before jitter).",
+)
+@click.option(
+    "--callback-allow",
+    default="",
+    metavar="CIDRS",
+    help="Internal networks webhook callbacks may reach, comma-separated (e.g. "
+    "10.0.0.0/8); without it only public addresses are allowed.",
+)
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @pass_context
 def serve(
@@ -112,11 +149,23 @@ def serve(
     max_event_streams: int,
     max_streams_per_watch: int,
     max_body_bytes: int,
+    deliver: bool,
+    delivery_concurrency: int,
+    webhook_failure_timeout: float,
+    webhook_retry_max: float,
+    callback_allow: str,
     access_log: bool,
 ) -> None:
     """Serve streams over HTTP: pull, long-poll, server-sent events and watches."""
     from subengine.gateway import GatewayConfig
+    from subengine.gateway._callbacks import CallbackPolicy
+    from subengine.gateway._delivery import DeliveryConfig
     from subengine.gateway._serve import serve as run
+
+    try:
+        policy = CallbackPolicy.from_text(callback_allow)
+    except InvalidInput as error:
+        raise click.BadParameter(str(error), param_hint="--callback-allow") from None
 
     engine = context.engine()
     if not _loopback(host) and not engine.any_active_api_key():
@@ -137,6 +186,13 @@ def serve(
         max_event_streams=max_event_streams,
         max_streams_per_watch=max_streams_per_watch,
         max_body_bytes=max_body_bytes,
+        deliver=deliver,
+        delivery=DeliveryConfig(
+            concurrency=delivery_concurrency,
+            failure_timeout=webhook_failure_timeout,
+            longest_retry=webhook_retry_max,
+        ),
+        callback_policy=policy,
     )
     run(
         config,

@@ -787,3 +787,84 @@ def watch_has_drawn(sql: psycopg.Connection[Any], since: datetime, timeout: floa
         timeout,
     )
     time.sleep(0.3)
+
+
+class Delivery(NamedTuple):
+    """A request a `Receiver` got: its headers (lower-case names) and raw body."""
+
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Receiver:
+    """A webhook callback on a loopback port (a real HTTP server in a thread) that
+    records every request. `answer(delivery) -> (status, body, headers)` decides each
+    answer; by default it echoes challenges and accepts deliveries. `down()` closes the
+    listening socket (connections are refused) until `up()`."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/hook"
+        self.received: list[Delivery] = []
+        self.lock = threading.Lock()
+        self.answer: Callable[[Delivery], tuple[int, bytes, dict[str, str]]] = echo_and_accept
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length", "0"))
+                got = Delivery(
+                    {k.lower(): v for k, v in self.headers.items()}, self.rfile.read(length)
+                )
+                with receiver.lock:
+                    receiver.received.append(got)
+                status, body, headers = receiver.answer(got)
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(body)))
+                # no keep-alive: once down(), no connection of before serves on
+                self.send_header("connection", "close")
+                self.close_connection = True
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._handler = Handler
+        self._server: Any = None
+        self.up()
+
+    def up(self) -> None:
+        import http.server
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), self._handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self._server = server
+
+    def down(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def of_type(self, kind: str) -> list[Delivery]:
+        with self.lock:
+            return [d for d in self.received if d.json().get("type") == kind]
+
+    def close(self) -> None:
+        self.down()
+
+
+def echo_and_accept(delivery: Delivery) -> tuple[int, bytes, dict[str, str]]:
+    body = delivery.json()
+    if body.get("type") == "challenge":
+        return 200, json.dumps({"challenge": body["challenge"]}).encode(), {}
+    return 204, b"", {}

@@ -34,6 +34,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from subengine._async_engine import AsyncEngine
+from subengine._declarations import Start
+from subengine._engine import Engine
 from subengine._errors import (
     DatabaseUnavailable,
     EventIdConflict,
@@ -48,7 +50,21 @@ from subengine._events import NewEvent
 from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine._names import validate_key, validate_stream_name, validate_type
 from subengine._settings import Settings
+from subengine._webhooks import (
+    Webhook,
+    WebhookConflict,
+    WebhookDefinition,
+    WebhookNotFound,
+    streams_of,
+    validate_webhook_id,
+)
 from subengine.gateway._auth import ANONYMOUS, Authenticator, Denied, Principal
+from subengine.gateway._callbacks import (
+    CallbackClient,
+    CallbackPolicy,
+    CallbackRefused,
+    check_callback_url,
+)
 from subengine.gateway._connections import (
     LONG_POLL,
     PULL,
@@ -58,6 +74,7 @@ from subengine.gateway._connections import (
     Connections,
     Slot,
 )
+from subengine.gateway._delivery import Deliveries, DeliveryConfig
 from subengine.gateway._hub import Hub, Watcher, dumps
 from subengine.gateway._metrics import GatewayMetrics
 from subengine.gateway._reading import Reader, Selection
@@ -114,6 +131,11 @@ class GatewayConfig:
     # to twice this, at random, so that refused clients do not all come back at once)
     retry_after: int = 5
     cors_origins: tuple[str, ...] = ()
+    # webhooks (docs/webhooks.md): whether this process delivers them, how, and which
+    # internal networks callbacks may reach (none: only global addresses)
+    deliver: bool = True
+    delivery: DeliveryConfig = field(default_factory=DeliveryConfig)
+    callback_policy: CallbackPolicy = field(default_factory=CallbackPolicy)
 
 
 class ApiError(Exception):
@@ -160,6 +182,12 @@ def _translated(error: Exception) -> ApiError:
         return ApiError(429, error.code, error.message, {"Retry-After": str(error.retry_after)})
     if isinstance(error, InvalidCursor):
         return ApiError(400, "bad_cursor", str(error))
+    if isinstance(error, WebhookNotFound):
+        return ApiError(404, "webhook_not_found", str(error))
+    if isinstance(error, WebhookConflict):
+        return ApiError(409, "webhook_conflict", str(error))
+    if isinstance(error, CallbackRefused):
+        return ApiError(400, "callback_refused", str(error))
     if isinstance(error, StreamNotFound):
         return ApiError(404, "stream_not_found", str(error))
     if isinstance(error, PartitionNotFound):
@@ -243,6 +271,10 @@ class Gateway:
     open_streams: set[EventStream] = field(init=False)
     connections: Connections = field(init=False)
     metrics: GatewayMetrics = field(init=False)
+    # webhooks: a sync engine for their changes and deliveries, the callbacks' client
+    sync_engine: Engine = field(init=False)
+    callbacks: CallbackClient = field(init=False)
+    deliveries: Deliveries | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.hub = Hub(self.engine, self.read_engine, self.config.poll_interval)
@@ -257,6 +289,17 @@ class Gateway:
         )
         listener = self.engine._listener
         self.metrics = GatewayMetrics(self.connections, self.hub, lambda: listener.connects)
+        self.sync_engine = Engine(settings=self.engine.settings)
+        self.callbacks = CallbackClient(self.config.callback_policy)
+        if self.config.deliver:
+            self.deliveries = Deliveries(
+                self.sync_engine,
+                CallbackClient(self.config.callback_policy),
+                self.config.delivery,
+                self.metrics.webhooks_seen,
+            )
+            self.metrics.watch_deliveries(self.deliveries)
+            self.deliveries.start()
 
     def close_streams(self) -> None:
         """End every open event stream and long-poll now (each says why), so that a
@@ -286,6 +329,10 @@ class Gateway:
         self.closing.set()
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self.deliveries is not None:
+            await asyncio.to_thread(self.deliveries.stop)
+        self.callbacks.close()
+        await asyncio.to_thread(self.sync_engine.close)
         await self.hub.close()
         if self.own_engines:
             await self.engine.close()
@@ -984,6 +1031,136 @@ async def _json_body(request: Request, limit: int) -> Any:
         raise _bad("the body is not JSON") from None
 
 
+# webhooks (docs/webhooks.md)
+
+_WEBHOOK_FIELDS = frozenset(
+    {
+        "callback",
+        "streams",
+        "start",
+        "include_data",
+        "max_events",
+        "lease_seconds",
+        "secret",
+        "replaces",
+    }
+)
+
+
+async def put_webhook(request: Request) -> Response:
+    """Subscribe a callback (pending until it echoes the challenge), or renew the lease
+    of the same subscription: 202 when created, 200 when renewed."""
+    gateway = _gateway(request)
+    principal = await gateway.auth.principal(request)
+    webhook_id = validate_webhook_id(request.path_params["webhook_id"])
+    body = await _json_body(request, gateway.config.max_body_bytes)
+    if not isinstance(body, dict):
+        raise _bad('expected {"callback": "...", "streams": {...}, ...}')
+    unknown = set(body) - _WEBHOOK_FIELDS
+    if unknown:
+        raise _bad(f"unknown field {sorted(unknown)[0]!r}")
+    if not isinstance(body.get("callback"), str):
+        raise _bad("callback must be the URL deliveries are posted to")
+    callback = check_callback_url(body["callback"])
+    streams = streams_of(body.get("streams"))
+    for stream in streams:
+        principal.require(stream.stream, "read")
+    definition = WebhookDefinition(
+        callback,
+        streams,
+        include_data=body.get("include_data", True),
+        max_events=body.get("max_events", 100),
+        lease_seconds=body.get("lease_seconds", 86_400),
+    )
+    replaces = body.get("replaces")
+    if replaces is not None:
+        await _owned_webhook(gateway, principal, replaces)
+    starts = {
+        s.stream: await _webhook_start(gateway, s.stream, body.get("start", "now")) for s in streams
+    }
+    # refused now when its name resolves to an address deliveries may not reach; every
+    # delivery checks again, on the address it connects to
+    await asyncio.to_thread(gateway.callbacks.check_now, callback)
+    put = await asyncio.to_thread(
+        gateway.sync_engine.put_webhook,
+        webhook_id,
+        definition,
+        starts,
+        secret=body.get("secret"),
+        replaces=replaces,
+        key_id=None if principal.key is None else principal.key.id,
+    )
+    if gateway.deliveries is not None:
+        gateway.deliveries.wake()
+    shown = put.webhook.to_json()
+    if put.secret is not None:
+        shown["secret"] = put.secret
+    return json_response(shown, 202 if put.created else 200)
+
+
+async def _webhook_start(gateway: Gateway, stream: str, start: Any) -> Start:
+    """Where a webhook's engine subscription of `stream` starts: "now", "beginning",
+    {"after": cursor} (of this stream's epoch) or {"since": time}."""
+    if start == "beginning":
+        return "beginning"
+    if start == "now":
+        found = await gateway.engine.epochs_and_heads([stream])
+        if stream not in found or found[stream][1] is None:
+            raise StreamNotFound(stream)
+        return dict(enumerate(found[stream][1] or ()))
+    if not isinstance(start, dict) or len(start) != 1 or not set(start) <= {"after", "since"}:
+        raise _bad('start must be "now", "beginning", {"after": "<cursor>"} or {"since": "<time>"}')
+    if "since" in start:
+        if not isinstance(start["since"], str):
+            raise _bad("since must be an RFC 3339 time")
+        _, positions = await gateway.engine.positions_since(stream, _time(start["since"], "since"))
+        return dict(enumerate(positions))
+    cursor = GatewayCursor.decode(start["after"])
+    if stream not in cursor.streams:
+        raise ApiError(400, "bad_cursor", f"the cursor has no position in stream {stream!r}")
+    at = cursor.streams[stream]
+    found = await gateway.engine.epochs_and_heads([stream])
+    if stream not in found:
+        raise StreamNotFound(stream)
+    if found[stream][0] != at.epoch:
+        raise ApiError(
+            409,
+            "reset",
+            f"stream {stream!r} was deleted and created again since the cursor was made; "
+            "start from the beginning of the new stream",
+        )
+    return dict(enumerate(at.positions)) if at.positions else "beginning"
+
+
+async def _owned_webhook(gateway: Gateway, principal: Principal, webhook_id: Any) -> Webhook:
+    """The webhook `webhook_id`, if `principal` may see and change it (it was made with
+    the same key, or in open mode); WebhookNotFound otherwise (not saying it exists)."""
+    webhook_id = validate_webhook_id(webhook_id)
+    found = await asyncio.to_thread(gateway.sync_engine.webhook, webhook_id)
+    made_by = found.key_id
+    if made_by is not None and (principal.key is None or principal.key.id != made_by):
+        raise WebhookNotFound(webhook_id)
+    return found
+
+
+async def show_webhook(request: Request) -> Response:
+    gateway = _gateway(request)
+    principal = await gateway.auth.principal(request)
+    found = await _owned_webhook(gateway, principal, request.path_params["webhook_id"])
+    return json_response(found.to_json())
+
+
+async def delete_webhook(request: Request) -> Response:
+    """Cancel a webhook subscription: nothing more is sent under its id."""
+    gateway = _gateway(request)
+    principal = await gateway.auth.principal(request)
+    found = await _owned_webhook(gateway, principal, request.path_params["webhook_id"])
+    await asyncio.to_thread(gateway.sync_engine.delete_webhook, found.id)
+    if gateway.deliveries is not None:
+        gateway.deliveries.wake()
+    return Response(status_code=204, headers={"Cache-Control": NO_STORE})
+
+
 # health and errors
 
 
@@ -1080,6 +1257,9 @@ def create_app(
         Route("/v1/streams/{stream}/events", _endpoint(append_events), methods=["POST"]),
         Route("/v1/watch", _endpoint(create_watch), methods=["POST"]),
         Route("/v1/watch/{wid}", _endpoint(open_watch)),
+        Route("/v1/webhooks/{webhook_id}", _endpoint(put_webhook), methods=["PUT"]),
+        Route("/v1/webhooks/{webhook_id}", _endpoint(show_webhook)),
+        Route("/v1/webhooks/{webhook_id}", _endpoint(delete_webhook), methods=["DELETE"]),
     ]
     middleware = []
     if config.cors_origins:

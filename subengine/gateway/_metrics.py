@@ -15,9 +15,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from subengine._webhooks import STATES, Webhook
 from subengine.gateway._connections import KINDS, LIMITS, Connections
 
 if TYPE_CHECKING:
+    from subengine.gateway._delivery import Deliveries
     from subengine.gateway._hub import Hub
 
 # The SSE frames a gateway sends (a heartbeat is a comment line).
@@ -75,6 +77,63 @@ class _StateCollector(Collector):
         )
 
 
+class _WebhookCollector(Collector):
+    """Each webhook's state, failed attempts, last success and lag, as the deliveries'
+    last round read them (about every second), and what the deliveries of this process
+    did since it started."""
+
+    def __init__(self) -> None:
+        self.seen: list[Webhook] = []
+        self.deliveries: Deliveries | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "subengine_webhook_state",
+            "1 for the state each webhook subscription is in (pending, active, failing, "
+            "failed, expired).",
+            labels=["webhook", "state"],
+        )
+        lag = GaugeMetricFamily(
+            "subengine_webhook_lag_events",
+            "Events of a webhook's streams not yet delivered to it.",
+            labels=["webhook"],
+        )
+        attempts = GaugeMetricFamily(
+            "subengine_webhook_failed_attempts",
+            "Failed deliveries (or challenges) of a webhook since its last success.",
+            labels=["webhook"],
+        )
+        success = GaugeMetricFamily(
+            "subengine_webhook_last_success_timestamp_seconds",
+            "When a delivery to the webhook last succeeded (Unix time; absent: never).",
+            labels=["webhook"],
+        )
+        for hook in self.seen:
+            for name in STATES:
+                state.add_metric([hook.id, name], 1.0 if hook.state == name else 0.0)
+            lag.add_metric([hook.id], hook.lag)
+            attempts.add_metric([hook.id], hook.attempts)
+            if hook.last_success_at is not None:
+                success.add_metric([hook.id], hook.last_success_at.timestamp())
+        yield from (state, lag, attempts, success)
+        if self.deliveries is None:
+            return
+        results = CounterMetricFamily(
+            "subengine_webhook_deliveries",
+            "POSTs of batches to callbacks by this process, by result: delivered, failed "
+            "(retried later) or cancelled (410 Gone).",
+            labels=["result"],
+        )
+        for result in ("delivered", "failed", "cancelled"):
+            results.add_metric([result], self.deliveries.results.get(result, 0))
+        yield results
+        yield CounterMetricFamily(
+            "subengine_webhook_events_delivered",
+            "Events delivered to callbacks by this process.",
+            value=self.deliveries.events_delivered,
+        )
+
+
 class GatewayMetrics:
     """The registry of one gateway application and the series it updates as it serves."""
 
@@ -111,6 +170,15 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.registry.register(_StateCollector(connections, hub, listen_connects))
+        self._webhooks = _WebhookCollector()
+        self.registry.register(self._webhooks)
+
+    def webhooks_seen(self, webhooks: list[Webhook]) -> None:
+        """The webhooks as the deliveries' last round read them."""
+        self._webhooks.seen = webhooks
+
+    def watch_deliveries(self, deliveries: Deliveries) -> None:
+        self._webhooks.deliveries = deliveries
 
     def sent(self, kind: str, frame_type: str | None, size: int) -> None:
         """`size` bytes sent on a connection of `kind`; a frame of `frame_type`, if any."""

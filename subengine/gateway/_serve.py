@@ -9,6 +9,7 @@ never waits on them.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import signal
@@ -18,6 +19,8 @@ from starlette.applications import Starlette
 
 from subengine._settings import Settings
 from subengine.gateway._app import GatewayConfig, create_app
+from subengine.gateway._callbacks import CallbackPolicy
+from subengine.gateway._delivery import DeliveryConfig
 
 CONFIG_ENVIRONMENT = "SUBENGINE_GATEWAY_CONFIG"
 # A cursor of many partitions travels in a header (Last-Event-ID) and in URLs.
@@ -29,6 +32,12 @@ def app_from_environment() -> Starlette:
     environment."""
     given = json.loads(os.environ.get(CONFIG_ENVIRONMENT, "{}"))
     read_dsn = given.pop("read_dsn", None)
+    if "delivery" in given:
+        given["delivery"] = DeliveryConfig(**given["delivery"])
+    if "callback_policy" in given:
+        policy = given["callback_policy"]
+        networks = tuple(ipaddress.ip_network(text) for text in policy.pop("allow"))
+        given["callback_policy"] = CallbackPolicy(allow=networks, **policy)
     config = GatewayConfig(**{**given, "cors_origins": tuple(given.get("cors_origins", ()))})
     return create_app(
         config, end_streams_on_signals=True, settings=Settings.from_env(), read_dsn=read_dsn
@@ -52,7 +61,7 @@ def serve(
     os.environ["SUBENGINE_DSN"] = dsn
     os.environ["SUBENGINE_SCHEMA"] = schema
     os.environ[CONFIG_ENVIRONMENT] = json.dumps(
-        {**dataclasses.asdict(config), "read_dsn": read_dsn}
+        {**dataclasses.asdict(config), "read_dsn": read_dsn}, default=str
     )
     # uvicorn raises the signal that stopped it again once it has shut down; a graceful
     # stop is a success here, as it is for `subengine worker`

@@ -1,0 +1,394 @@
+"""Webhook subscriptions (docs/webhooks.md) on real `subengine serve` processes, delivering
+to a real receiver on loopback (allowed with --callback-allow).
+
+Consent comes first; deliveries keep per-partition order, each batch says where it
+starts (`after`) and ends (`through`), is signed with Standard Webhooks headers and keeps
+its webhook-id across retries; nothing is lost when the receiver is down or a delivering
+process is killed; 410, lease expiry and the failure timeout end a subscription.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from helpers import Delivery, GatewayProcess, Receiver, run_subengine, wait_for
+from standardwebhooks import Webhook as Verifier
+
+import subengine
+from subengine import NewEvent
+
+TIMEOUT = httpx.Timeout(30.0)
+FAST = ("--heartbeat", "1", "--callback-allow", "127.0.0.0/8", "--webhook-retry-max", "1")
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def hooks(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]:
+    """A gateway that delivers webhooks to loopback callbacks, retrying within a second."""
+    with GatewayProcess(cli_env, *FAST, tmp=tmp_path) as process:
+        yield process
+
+
+def subscribe(
+    gateway: GatewayProcess, webhook_id: str, callback: str, **fields: Any
+) -> httpx.Response:
+    body = {"callback": callback, "streams": ["orders"], **fields}
+    return httpx.put(f"{gateway.url}/v1/webhooks/{webhook_id}", json=body, timeout=TIMEOUT)
+
+
+def state(gateway: GatewayProcess, webhook_id: str) -> str | None:
+    answer = httpx.get(f"{gateway.url}/v1/webhooks/{webhook_id}", timeout=TIMEOUT)
+    return answer.json()["state"] if answer.status_code == 200 else None
+
+
+def verified(delivery: Delivery, secret: str) -> Any:
+    return Verifier(secret).verify(delivery.body, delivery.headers)
+
+
+def batches(receiver: Receiver, secret: str) -> list[dict[str, Any]]:
+    """The event batches `receiver` got, each verified with `secret`."""
+    return [verified(d, secret) for d in receiver.of_type("events")]
+
+
+def accepted_in_order(
+    batches: list[dict[str, Any]], start: dict[int, int] | None = None
+) -> dict[int, list[int]]:
+    """Each partition's positions as a P3Sub subscriber accepts them from `start`: a
+    batch only when it starts right after the last one accepted (a repeat is dropped)."""
+    taken: dict[int, list[int]] = {}
+    last: dict[int, int] = dict(start or {})
+    for batch in sorted(batches, key=lambda b: (b["partition"], b["after"])):
+        partition = batch["partition"]
+        if batch["after"] != last.get(partition, 0):
+            assert batch["after"] < last.get(partition, 0), f"a batch was skipped: {batch}"
+            continue
+        taken.setdefault(partition, []).extend(e["position"] for e in batch["events"])
+        last[partition] = batch["through"]
+    return taken
+
+
+def test_a_callback_consents_first_then_gets_every_event_in_order_signed(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    engine.append("orders", [NewEvent(f"before-{n}", "T", {"n": n}) for n in range(5)])
+    start = engine.heads("orders")
+    answer = subscribe(hooks, "sub-1", receiver.url, max_events=7)
+    assert answer.status_code == 202, answer.text
+    created = answer.json()
+    assert created["state"] == "pending" and created["secret"].startswith("whsec_")
+    secret = created["secret"]
+    wait_for(lambda: state(hooks, "sub-1") == "active", "the consent")
+    [challenge] = receiver.of_type("challenge")
+    assert verified(challenge, secret)["subscription"] == "sub-1"
+    assert "secret" not in httpx.get(f"{hooks.url}/v1/webhooks/sub-1").json()
+
+    stored = engine.append("orders", [NewEvent(f"k{n % 9}", "T", {"n": n}) for n in range(60)])
+    heads = engine.heads("orders")
+    wanted = {
+        p: list(range(heads[p] - sum(a.partition == p for a in stored) + 1, heads[p] + 1))
+        for p in heads
+    }
+    wanted = {p: positions for p, positions in wanted.items() if positions}
+
+    def batches() -> list[dict[str, Any]]:
+        return [verified(d, secret) for d in receiver.of_type("events")]
+
+    wait_for(lambda: accepted_in_order(batches(), start) == wanted, "every event delivered")
+    for batch in batches():
+        assert batch["subscription"] == "sub-1" and batch["generation"] == 1
+        assert batch["stream"] == "orders" and batch["tombstones"] == []
+        assert 1 <= len(batch["events"]) <= 7
+        assert batch["through"] == batch["events"][-1]["position"]
+        assert batch["after"] == batch["events"][0]["position"] - 1
+        assert all(e["data"]["n"] >= 0 for e in batch["events"])  # events after the start only
+    # nothing from before the subscription ("now" is the default start)
+    assert {e["key"] for b in batches() for e in b["events"]}.isdisjoint(
+        {f"before-{n}" for n in range(5)}
+    )
+    status = engine.webhook("sub-1")
+    assert (status.state, status.lag, status.delivered) == ("active", 0, 60)
+
+
+def test_a_refused_challenge_ends_the_subscription(
+    orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    receiver.answer = lambda delivery: (403, b"no thanks", {})
+    assert subscribe(hooks, "unwanted", receiver.url).status_code == 202
+    wait_for(lambda: state(hooks, "unwanted") is None, "the refusal")
+    assert len(receiver.of_type("challenge")) == 1
+    assert receiver.of_type("events") == []
+
+
+def test_a_wrong_echo_is_a_refusal_too(
+    orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    receiver.answer = lambda delivery: (200, b'{"challenge": "something else"}', {})
+    assert subscribe(hooks, "echo", receiver.url).status_code == 202
+    wait_for(lambda: state(hooks, "echo") is None, "the refusal")
+
+
+def active(gateway: GatewayProcess, receiver: Receiver, webhook_id: str, **fields: Any) -> str:
+    """Subscribe and wait for the consent; the secret."""
+    answer = subscribe(gateway, webhook_id, receiver.url, **fields)
+    assert answer.status_code == 202, answer.text
+    wait_for(lambda: state(gateway, webhook_id) == "active", "the consent")
+    return str(answer.json()["secret"])
+
+
+def appended(engine: subengine.Engine, count: int, start: dict[int, int]) -> dict[int, list[int]]:
+    """Append `count` events; each partition's new positions."""
+    engine.append("orders", [NewEvent(f"k{n % 11}", "T", {"n": n}) for n in range(count)])
+    heads = engine.heads("orders")
+    return {p: list(range(start[p] + 1, heads[p] + 1)) for p in heads if heads[p] > start[p]}
+
+
+def test_retries_keep_the_webhook_id_and_honour_retry_after(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    secret = active(hooks, receiver, "retried")
+    refusals = 0
+
+    def busy_twice(delivery: Delivery) -> tuple[int, bytes, dict[str, str]]:
+        nonlocal refusals
+        if delivery.json()["type"] == "events" and refusals < 2:
+            refusals += 1
+            return 503, b"busy", {"Retry-After": "1"}
+        return 204, b"", {}
+
+    receiver.answer = busy_twice
+    engine.append("orders", [NewEvent("one-key", "T", {})])
+    wait_for(lambda: len(receiver.of_type("events")) == 3, "two retries and a success")
+    attempts = receiver.of_type("events")
+    assert len({d.headers["webhook-id"] for d in attempts}) == 1
+    assert all(verified(d, secret)["events"][0]["key"] == "one-key" for d in attempts)
+    hook = engine.webhook("retried")
+    assert (hook.state, hook.attempts, hook.last_error) == ("active", 0, None)
+
+
+def test_a_receiver_down_for_30_s_gets_every_event_in_order_when_it_is_back(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    secret = active(hooks, receiver, "patient", max_events=5)
+    start = engine.heads("orders")
+    receiver.down()
+    wanted = appended(engine, 40, start)
+    wait_for(lambda: engine.webhook("patient").state == "failing", "failing")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # more events while it is down
+        wanted = appended(engine, 2, start)
+        time.sleep(1)
+    hook = engine.webhook("patient")
+    assert hook.state == "failing" and hook.attempts >= 2 and hook.lag > 0
+    assert "unreachable" in (hook.last_error or "")
+    receiver.up()
+    wait_for(
+        lambda: accepted_in_order(batches(receiver, secret), start) == wanted,
+        "every event",
+        timeout=60,
+    )
+    wait_for(lambda: engine.webhook("patient").state == "active", "active again")
+    assert engine.webhook("patient").lag == 0
+
+
+def test_a_killed_delivering_process_loses_nothing(
+    engine: subengine.Engine,
+    orders: str,
+    cli_env: dict[str, str],
+    tmp_path: Path,
+    receiver: Receiver,
+) -> None:
+    first = GatewayProcess(cli_env, *FAST, tmp=tmp_path).start()
+    secret = active(first, receiver, "survivor", max_events=10)
+    start = engine.heads("orders")
+    slow = threading.Event()
+
+    def slow_answer(delivery: Delivery) -> tuple[int, bytes, dict[str, str]]:
+        if delivery.json()["type"] == "events" and not slow.is_set():
+            time.sleep(3)  # the batch is in flight when its process is killed
+        return 204, b"", {}
+
+    receiver.answer = slow_answer
+    wanted = appended(engine, 30, start)
+    wait_for(lambda: receiver.of_type("events"), "a batch in flight")
+    first.kill()
+    slow.set()
+    with GatewayProcess(cli_env, *FAST, tmp=tmp_path):
+        wait_for(
+            lambda: accepted_in_order(batches(receiver, secret), start) == wanted,
+            "every event",
+            timeout=60,
+        )
+    # the batch in flight at the kill was sent again, under the same webhook-id
+    ids = [d.headers["webhook-id"] for d in receiver.of_type("events")]
+    assert len(ids) > len(set(ids))
+
+
+def test_410_gone_cancels_the_subscription(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    active(hooks, receiver, "cancelled")
+    receiver.answer = lambda d: (
+        (200, b'{"challenge": "x"}', {}) if d.json()["type"] == "challenge" else (410, b"", {})
+    )
+    engine.append("orders", [NewEvent("k", "T", {})])
+    wait_for(lambda: state(hooks, "cancelled") is None, "the cancellation")
+    assert engine.webhooks() == []
+    assert not [s for s in engine.subscriptions() if s.name.startswith("webhook.")]
+    sent = len(receiver.of_type("events"))
+    engine.append("orders", [NewEvent("k", "T", {})])
+    time.sleep(2)
+    assert len(receiver.of_type("events")) == sent
+
+
+def test_a_lease_not_renewed_expires_and_is_cleaned_up(
+    engine: subengine.Engine,
+    orders: str,
+    hooks: GatewayProcess,
+    receiver: Receiver,
+    sql: psycopg.Connection[Any],
+) -> None:
+    active(hooks, receiver, "leased", lease_seconds=60)
+    # a renewal (the same PUT again) moves the lease on
+    before = engine.webhook("leased").expires_at
+    assert subscribe(hooks, "leased", receiver.url, lease_seconds=120).status_code == 200
+    assert engine.webhook("leased").expires_at > before
+    sql.execute("UPDATE subengine.webhooks SET expires_at = now() WHERE id = 'leased'")
+    wait_for(lambda: engine.webhook("leased").state == "expired", "the expiry")
+    assert not [s for s in engine.subscriptions() if s.name.startswith("webhook.")]
+    sent = len(receiver.of_type("events"))
+    engine.append("orders", [NewEvent("k", "T", {})])
+    time.sleep(2)
+    assert len(receiver.of_type("events")) == sent
+
+
+def test_failing_longer_than_the_failure_timeout_marks_it_failed_and_pull_still_works(
+    engine: subengine.Engine,
+    orders: str,
+    cli_env: dict[str, str],
+    tmp_path: Path,
+    receiver: Receiver,
+) -> None:
+    with GatewayProcess(cli_env, *FAST, "--webhook-failure-timeout", "3", tmp=tmp_path) as gateway:
+        active(gateway, receiver, "broken")
+        receiver.answer = lambda d: (500, b"oops", {})
+        engine.append("orders", [NewEvent("k", "T", {})])
+        wait_for(lambda: engine.webhook("broken").state == "failed", "failed")
+        hook = engine.webhook("broken")
+        assert hook.last_error == "the callback answered 500" and hook.lag == 1
+        time.sleep(1)
+        sent = len(receiver.received)
+        engine.append("orders", [NewEvent("k", "T", {})])
+        time.sleep(2)
+        assert len(receiver.received) == sent  # deliveries stopped
+        pulled = httpx.get(
+            f"{gateway.url}/v1/streams/orders/events?after=beginning", timeout=TIMEOUT
+        )
+        assert len(pulled.json()["events"]) == 2
+
+
+def test_a_new_id_that_replaces_the_old_fences_it(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    active(hooks, receiver, "old")
+    answer = subscribe(hooks, "new", receiver.url, replaces="old", start="beginning")
+    assert answer.status_code == 202, answer.text
+    assert state(hooks, "old") is None
+    wait_for(lambda: state(hooks, "new") == "active", "the consent")
+    engine.append("orders", [NewEvent("k", "T", {})])
+    wait_for(lambda: receiver.of_type("events"), "a delivery")
+    assert {d.json()["subscription"] for d in receiver.of_type("events")} == {"new"}
+
+
+def test_a_rotated_secret_signs_beside_the_old_one_for_an_overlap(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    old = active(hooks, receiver, "rotating")
+    new = "whsec_" + base64.b64encode(b"n" * 32).decode()
+    answer = subscribe(hooks, "rotating", receiver.url, secret=new)
+    assert answer.status_code == 200 and answer.json()["secret"] == new
+    engine.append("orders", [NewEvent("k", "T", {})])
+    wait_for(lambda: receiver.of_type("events"), "a delivery")
+    [delivery] = receiver.of_type("events")
+    assert verified(delivery, new) and verified(delivery, old)
+    assert len(delivery.headers["webhook-signature"].split(" ")) == 2
+
+
+def test_another_definition_under_the_same_id_is_a_conflict(
+    orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    active(hooks, receiver, "fixed")
+    answer = subscribe(hooks, "fixed", receiver.url, max_events=3)
+    assert answer.status_code == 409 and answer.json()["error"]["code"] == "webhook_conflict"
+
+
+@pytest.mark.parametrize(
+    ("callback", "why"),
+    [
+        ("http://127.0.0.1:{port}/hook", "loopback"),
+        ("http://169.254.169.254/latest/meta-data", "link-local"),
+        ("http://[::ffff:127.0.0.1]:{port}/hook", "loopback"),
+        ("http://10.1.2.3/hook", "private"),
+    ],
+)
+def test_a_callback_to_a_private_address_is_refused_and_nothing_is_stored(
+    orders: str, gateway: GatewayProcess, receiver: Receiver, callback: str, why: str
+) -> None:
+    answer = subscribe(gateway, "sneaky", callback.format(port=receiver.port))
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "callback_refused" and why in error["message"]
+    assert state(gateway, "sneaky") is None
+    time.sleep(1)
+    assert receiver.received == []
+
+
+def test_a_redirect_is_not_followed(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    elsewhere = Receiver()
+    try:
+        active(hooks, receiver, "redirected")
+        receiver.answer = lambda d: (307, b"", {"Location": elsewhere.url})
+        engine.append("orders", [NewEvent("k", "T", {})])
+        wait_for(lambda: engine.webhook("redirected").state == "failing", "failing")
+        assert "307" in (engine.webhook("redirected").last_error or "")
+        assert elsewhere.received == []
+    finally:
+        elsewhere.close()
+
+
+def test_the_webhook_commands_show_and_delete(
+    engine: subengine.Engine,
+    orders: str,
+    hooks: GatewayProcess,
+    receiver: Receiver,
+    cli_env: dict[str, str],
+) -> None:
+    secret = active(hooks, receiver, "shown")
+    listed = run_subengine(cli_env, "webhook", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "shown" in listed.stdout and "active" in listed.stdout
+    shown = run_subengine(cli_env, "webhook", "show", "shown", "--json")
+    assert json.loads(shown.stdout)["callback"] == receiver.url
+    assert secret not in listed.stdout + shown.stdout
+    deleted = run_subengine(cli_env, "webhook", "delete", "shown")
+    assert deleted.returncode == 0 and state(hooks, "shown") is None
+    missing = run_subengine(cli_env, "webhook", "show", "shown")
+    assert missing.returncode != 0 and "no webhook subscription 'shown'" in missing.stderr
+    bad = run_subengine(cli_env, "webhook", "show", "no way")
+    assert bad.returncode != 0 and "invalid webhook id" in bad.stderr
