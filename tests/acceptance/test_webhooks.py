@@ -120,8 +120,10 @@ def test_a_callback_consents_first_then_gets_every_event_in_order_signed(
     assert {e["key"] for b in batches() for e in b["events"]}.isdisjoint(
         {f"before-{n}" for n in range(5)}
     )
+    # the position of a delivered batch commits after its POST: lag 0 follows shortly
+    wait_for(lambda: engine.webhook("sub-1").lag == 0, "no lag")
     status = engine.webhook("sub-1")
-    assert (status.state, status.lag, status.delivered) == ("active", 0, 60)
+    assert (status.state, status.delivered) == ("active", 60)
 
 
 def test_a_refused_challenge_ends_the_subscription(
@@ -202,7 +204,7 @@ def test_a_receiver_down_for_30_s_gets_every_event_in_order_when_it_is_back(
         timeout=60,
     )
     wait_for(lambda: engine.webhook("patient").state == "active", "active again")
-    assert engine.webhook("patient").lag == 0
+    wait_for(lambda: engine.webhook("patient").lag == 0, "no lag")
 
 
 def test_a_killed_delivering_process_loses_nothing(
