@@ -170,6 +170,9 @@ class Deliveries:
         self.results: dict[str, int] = {}
         self.events_delivered = 0
         self._count_lock = threading.Lock()
+        # events delivered per webhook since they were last recorded: recorded once per
+        # round, not per batch (each record is a write of the webhook's one row)
+        self._succeeded: dict[str, int] = {}
 
     # running
 
@@ -191,6 +194,10 @@ class Deliveries:
             self._thread.join()
         self._stop_worker()
         self.client.close()
+        try:
+            self._record_successes()
+        except (psycopg.Error, SubengineError) as error:
+            log.warning("webhook deliveries: the last successes were not recorded: %s", error)
 
     def _supervise(self) -> None:
         while not self._stop.is_set():
@@ -204,6 +211,7 @@ class Deliveries:
             self._woken.clear()
 
     def _round(self) -> None:
+        self._record_successes()
         with self.engine.db() as db:
             for webhook_id, state in _webhooks.end_lapsed(db, self.config.failure_timeout):
                 log.warning(
@@ -357,13 +365,33 @@ class Deliveries:
         except (_Failed, CallbackRefused, CallbackUnreachable) as error:
             self._count("failed")
             retry_after = getattr(error, "retry_after", None)
+            self._record_successes()  # first: a later record must not hide this failure
             with self.engine.db() as db:
                 attempts = db.run(_webhooks.delivery_failed(hook.id, str(error)))
             delay = self._delay(attempts or 1, retry_after)
             raise RetryLater(delay, f"webhook {hook.id}: {error}") from None
         self._count("delivered", events)
-        with self.engine.db() as db:
-            db.run(_webhooks.delivery_succeeded(hook.id, events))
+        with self._count_lock:
+            self._succeeded[hook.id] = self._succeeded.get(hook.id, 0) + events
+        if context.state != "active":
+            self._record_successes()  # failing no more: say so now, not at the next round
+
+    def _record_successes(self) -> None:
+        """Record the deliveries that succeeded since the last record: each webhook's
+        last success, delivered count, and state active."""
+        with self._count_lock:
+            succeeded, self._succeeded = self._succeeded, {}
+        if not succeeded:
+            return
+        try:
+            with self.engine.db() as db, db.transaction():
+                for webhook_id, events in sorted(succeeded.items()):
+                    db.run(_webhooks.delivery_succeeded(webhook_id, events))
+        except Exception:
+            with self._count_lock:  # kept for the next try
+                for webhook_id, events in succeeded.items():
+                    self._succeeded[webhook_id] = self._succeeded.get(webhook_id, 0) + events
+            raise
 
     def _delay(self, attempts: int, retry_after: float | None) -> float:
         """Exponential backoff with jitter; at least the receiver's Retry-After."""
