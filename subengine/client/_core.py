@@ -131,6 +131,16 @@ class Unavailable(Exception):
         self.retry_after = retry_after
 
 
+def refusal(status: int, body: bytes) -> GatewayError:
+    """The GatewayError of an answer with this status and body: the gateway's own code and
+    message (docs/gateway.md, "Conventions"), or the status and the body when it has none."""
+    try:
+        error = json.loads(body)["error"]
+        return GatewayError(status, str(error["code"]), str(error["message"]))
+    except (ValueError, KeyError, TypeError):
+        return GatewayError(status, f"http_{status}", body.decode(errors="replace"))
+
+
 def _retry_after(value: str | None) -> float | None:
     if value is None:
         return None
@@ -272,11 +282,7 @@ class ReadCore:
 
     def refused(self, status: int, body: bytes) -> GatewayError:
         """The error of a 4xx answer that asking again would not change."""
-        try:
-            error = json.loads(body)["error"]
-            return GatewayError(status, str(error["code"]), str(error["message"]))
-        except (ValueError, KeyError, TypeError):
-            return GatewayError(status, f"http_{status}", body.decode(errors="replace"))
+        return refusal(status, body)
 
     def page(self, body: Mapping[str, Any]) -> list[tuple[Item, str]]:
         """The new items of a page (or long-poll answer), each with the cursor after it."""
