@@ -2,7 +2,8 @@
 
 `Reader` (threads) and `AsyncReader` (asyncio) read one stream exactly once across
 catch-up and live, resuming by the cursor the caller stores with its own state;
-`Reader.watch` and `AsyncReader.watch` read several streams at once.
+`Reader.watch` and `AsyncReader.watch` read several streams at once; `Subscriber`
+receives a webhook subscription's pushes, and pulls when they fail.
 """
 
 from subengine._events import Tombstone
@@ -11,6 +12,7 @@ from subengine.client._core import Reconnect, StreamOptions
 from subengine.client._errors import GatewayError
 from subengine.client._items import Event, Item, Reset
 from subengine.client._sync import Reader
+from subengine.client._webhooks import Subscriber
 
 __all__ = [
     "AsyncReader",
@@ -21,5 +23,6 @@ __all__ = [
     "Reconnect",
     "Reset",
     "StreamOptions",
+    "Subscriber",
     "Tombstone",
 ]

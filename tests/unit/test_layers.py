@@ -89,6 +89,7 @@ LAYERS: dict[str, int] = {
             "client._errors",
             "client._items",
             "client._sync",
+            "client._webhooks",
         ],
         5,
     ),

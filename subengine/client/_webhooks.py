@@ -1,0 +1,714 @@
+"""`Subscriber`: the receiving end of the gateway's webhook subscriptions (issue 15),
+built as seed 000's P3Sub subscriber.
+
+Pushes only save time. The subscriber accepts a pushed batch when it starts right after
+what it has already accepted of that partition; when pushes stop, or skip ahead, it
+pulls by cursor. When a pull finds events the pushes missed, it subscribes again under a
+new id from its cursor (replacing the old subscription) and refuses the old id. Its
+only state is the cursor, which the application stores with its own changes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from types import TracebackType
+from typing import Any, Literal
+from urllib.parse import quote
+
+import anyio.to_thread
+import httpx
+from standardwebhooks import Webhook
+from standardwebhooks.webhooks import EmptyWebhookSecretError
+
+from subengine._events import Tombstone
+from subengine._gateway_cursor import GatewayCursor, StreamPosition
+from subengine.client._core import Selection, StreamOptions, refusal, selection_of
+from subengine.client._errors import GatewayError
+from subengine.client._items import (
+    Event,
+    Item,
+    Reset,
+    event_from_json,
+    reset_from_json,
+    tombstone_from_json,
+)
+
+log = logging.getLogger("subengine.client")
+
+# the largest delivery the ASGI app reads; a larger one is answered 413
+MAX_BODY_BYTES = 4 * 1024 * 1024
+# webhook-ids remembered to answer a repeated delivery at once (older repeats are
+# still recognised by their positions)
+_REMEMBERED_IDS = 4096
+_SECRET_BYTES = 32
+# what the ASGI app asks the gateway to wait before retrying a delivery answered 503
+_RETRY_AFTER_SECONDS = "5"
+# what a background step may fail with; it is logged and tried again later
+_FAILURES = (GatewayError, httpx.HTTPError, ValueError, KeyError, TypeError)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """Items of one partition covering positions `after` + 1 to `through` (positions
+    without an item were passed over by a filter), in the stream's epoch `epoch`."""
+
+    stream: str
+    partition: int
+    epoch: int
+    after: int
+    through: int
+    items: tuple[Event | Tombstone, ...]
+
+
+def _last(item: Event | Tombstone) -> int:
+    return item.position if isinstance(item, Event) else item.gap_to
+
+
+def _first(item: Event | Tombstone) -> int:
+    return item.position if isinstance(item, Event) else item.gap_from
+
+
+class _Gateway:
+    """Every request the subscriber makes, to one gateway. A status of 400 or more
+    raises GatewayError (a 5xx too: the caller tries again later either way)."""
+
+    def __init__(
+        self, base_url: str, api_key: str | None, timeout: float, client: httpx.Client | None
+    ) -> None:
+        self._base_url = base_url.rstrip("/")
+        self._headers = {"Accept": "application/json"}
+        if api_key is not None:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._timeout = timeout
+        self._owns_client = client is None
+        self._client = client or httpx.Client()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Sequence[tuple[str, str]] = (),
+        body: Mapping[str, Any] | None = None,
+    ) -> httpx.Response:
+        response = self._client.request(
+            method,
+            self._base_url + path,
+            params=list(params),
+            json=body,
+            headers=self._headers,
+            timeout=self._timeout,
+        )
+        if response.status_code >= 400:
+            raise refusal(response.status_code, response.content)
+        return response
+
+    def stream(self, name: str) -> dict[str, Any]:
+        """GET /v1/streams/{name}: its epoch, partitions and the cursor at its heads."""
+        answer: dict[str, Any] = self._request("GET", f"/v1/streams/{quote(name, safe='')}").json()
+        return answer
+
+    def events(self, name: str, params: Sequence[tuple[str, str]]) -> dict[str, Any]:
+        """One page of GET /v1/streams/{name}/events."""
+        path = f"/v1/streams/{quote(name, safe='')}/events"
+        answer: dict[str, Any] = self._request("GET", path, params=params).json()
+        return answer
+
+    def subscribe(self, subscription: str, body: Mapping[str, Any]) -> None:
+        """PUT /v1/webhooks/{subscription}: create it, or renew its lease."""
+        self._request("PUT", f"/v1/webhooks/{quote(subscription, safe='')}", body=body)
+
+    def cancel(self, subscription: str) -> None:
+        """DELETE /v1/webhooks/{subscription}; one the gateway does not know is fine."""
+        try:
+            self._request("DELETE", f"/v1/webhooks/{quote(subscription, safe='')}")
+        except GatewayError as error:
+            if error.status != 404:
+                raise
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+
+def _new_subscription_id() -> str:
+    return f"sub-{secrets.token_hex(12)}"
+
+
+def _new_secret() -> str:
+    return "whsec_" + base64.b64encode(secrets.token_bytes(_SECRET_BYTES)).decode()
+
+
+class Subscriber:
+    """Every event of `streams` after a cursor, exactly once and in order per
+    partition, pushed by the gateway to `callback` and pulled when pushes fail.
+
+    `streams` names the streams, or maps each to a `StreamOptions` whose `keys` and
+    `types` filter it (where to start is this subscriber's `cursor` or `start`, and
+    `include_data` is the subscriber's). `cursor` is the one a subscriber stored
+    before; without one it starts at `start`: "now" (the heads when it starts) or
+    "beginning". `secret` ("whsec_" and base64) signs the deliveries; a random one
+    when None. `pull_after` is the seconds without an accepted push after which it
+    pulls; `tolerance` how far a delivery's timestamp may be from now. At most
+    `max_queued` items wait in the queue: deliveries beyond are answered 503, so the
+    gateway retries them later. `api_key`, `timeout` and `client` are as for `Reader`.
+
+    Serve it as an ASGI app at `callback` (it is one), or call `receive` from any web
+    framework. Take items with `get` or by iterating; after each, `cursor` is where the
+    application stands: store it in the same transaction as what the item changed.
+    """
+
+    def __init__(
+        self,
+        gateway_url: str,
+        callback: str,
+        streams: Mapping[str, StreamOptions] | Sequence[str],
+        *,
+        cursor: str | None = None,
+        start: Literal["now", "beginning"] = "now",
+        secret: str | None = None,
+        include_data: bool = True,
+        max_events: int = 100,
+        lease_seconds: int = 86_400,
+        pull_after: float = 30.0,
+        tolerance: timedelta = timedelta(minutes=5),
+        max_queued: int = 10_000,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        if isinstance(streams, str):
+            streams = [streams]
+        if not streams:
+            raise ValueError("a subscriber needs at least one stream")
+        if start not in ("now", "beginning"):
+            raise ValueError('start must be "now" or "beginning"')
+        if pull_after <= 0 or max_queued < 1:
+            raise ValueError("pull_after must be positive and max_queued at least 1")
+        self._selections: dict[str, Selection] = {}
+        for name in streams:
+            options = streams[name] if isinstance(streams, Mapping) else StreamOptions()
+            if options.after is not None or options.since is not None:
+                raise ValueError(
+                    f"stream {name!r}: a subscriber starts from its cursor or start, "
+                    "not from StreamOptions.after or since"
+                )
+            self._selections[name] = selection_of(options.keys, options.types, include_data)
+        self._callback = callback
+        self._start = start
+        self._secret = secret or _new_secret()
+        try:
+            self._webhook = Webhook(self._secret)
+        except (binascii.Error, ValueError, EmptyWebhookSecretError):
+            raise ValueError('secret must be "whsec_" and base64 text') from None
+        self._include_data = include_data
+        self._max_events = max_events
+        self._lease_seconds = lease_seconds
+        self._pull_after = pull_after
+        self._tolerance = tolerance.total_seconds()
+        self._max_queued = max_queued
+        self._gateway = _Gateway(gateway_url, api_key, timeout, client)
+
+        # Guards everything below; `get` waits on it for items.
+        self._lock = threading.Condition()
+        # One pull at a time: a second would read what the first is accepting.
+        self._pull_lock = threading.Lock()
+        # what the queue has accepted: each stream's epoch and per-partition positions
+        self._epochs: dict[str, int] = {}
+        self._positions: dict[str, list[int]] = {}
+        self._queue: deque[tuple[Item, str]] = deque()
+        self._taken = cursor
+        self._subscription = _new_subscription_id()
+        self._definition: dict[str, Any] = {}
+        # whether the gateway has taken the current subscription (its PUT succeeded)
+        self._subscribed = False
+        self._put_due = 0.0
+        self._last_accepted = time.monotonic()
+        self._resubscriptions = 0
+        self._seen: deque[str] = deque(maxlen=_REMEMBERED_IDS)
+        self._started = self._closed = False
+        self._stopped = threading.Event()
+        self._timer: threading.Thread | None = None
+
+    # the application's side
+
+    @property
+    def cursor(self) -> str | None:
+        """The cursor after the last item taken from the queue (before any: where the
+        subscriber started; None before `start` when it was given no cursor)."""
+        with self._lock:
+            return self._taken
+
+    @property
+    def subscription_id(self) -> str:
+        """The id of the current subscription; deliveries under any other are refused."""
+        with self._lock:
+            return self._subscription
+
+    @property
+    def resubscriptions(self) -> int:
+        """How often the subscriber replaced its subscription after finding missed events."""
+        with self._lock:
+            return self._resubscriptions
+
+    def start(self) -> None:
+        """Subscribe (PUT /v1/webhooks/{id}) from the cursor, and start the timer.
+
+        Raises GatewayError when the gateway answers with an error, httpx.HTTPError
+        when it cannot be reached."""
+        with self._lock:
+            if self._started or self._closed:
+                raise RuntimeError("a subscriber starts once")
+        known = GatewayCursor.decode(self._taken).streams if self._taken is not None else {}
+        starts = {name: known.get(name) or self._start_of(name) for name in self._selections}
+        with self._lock:
+            for name, at in starts.items():
+                self._epochs[name] = at.epoch
+                self._positions[name] = list(at.positions)
+            self._taken = self._encode()
+            self._definition = self._body(replaces=None)
+            self._last_accepted = time.monotonic()
+            # from here on, deliveries of the subscription are taken (its challenge may
+            # come before the PUT is answered)
+            self._started = True
+        self._put()
+        self._timer = threading.Thread(target=self._run_timer, name="subscriber-timer", daemon=True)
+        self._timer.start()
+
+    def get(self, timeout: float | None = None) -> Item | None:
+        """The next item of the queue, waiting up to `timeout` seconds (None: until one
+        comes); None when none came, or the subscriber is closed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not self._queue:
+                if self._closed:
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._lock.wait(remaining)
+            item, self._taken = self._queue.popleft()
+            return item
+
+    def __iter__(self) -> Iterator[Item]:
+        """The items of the queue as they come, until the subscriber is closed."""
+        while (item := self.get()) is not None:
+            yield item
+
+    def close(self) -> None:
+        """Cancel the subscription (DELETE), stop the timer and end any `get`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            subscription, started = self._subscription, self._started
+            self._lock.notify_all()
+        self._stopped.set()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join()
+        if started:
+            try:
+                self._gateway.cancel(subscription)
+            except _FAILURES as error:
+                log.warning("cancelling webhook subscription %s failed: %r", subscription, error)
+        self._gateway.close()
+
+    def __enter__(self) -> Subscriber:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # the gateway's side
+
+    def receive(self, body: bytes, headers: Mapping[str, str]) -> tuple[int, bytes]:
+        """Answer one delivery: its raw body and headers in, (status, response body) out.
+
+        401: the signature or its timestamp does not check out. 410: a subscription
+        that is not the current one (the gateway then deletes it). A challenge of the
+        current subscription is answered with its text. A batch is accepted when it
+        follows what the queue holds of its partition (after a pull, when it starts
+        beyond it); 200 also answers one already accepted. 503: not now (the queue is
+        full, or a pull failed), the gateway retries. 400: a body it cannot read."""
+        try:
+            message = json.loads(body)
+        except ValueError:
+            message = None
+        named = message.get("subscription") if isinstance(message, dict) else None
+        with self._lock:
+            current = self._subscription if self._started and not self._closed else None
+        lowered = {name.lower(): value for name, value in headers.items()}
+        if not self._verified(body, lowered):
+            # An unknown subscription is one this subscriber left (before a restart,
+            # with another secret): 410 has the gateway delete it.
+            gone = isinstance(named, str) and named != current
+            return (410 if gone else 401), b""
+        if not isinstance(message, dict) or not isinstance(named, str):
+            return 400, b""
+        if named != current:
+            return 410, b""
+        if message.get("type") == "challenge":
+            challenge = message.get("challenge")
+            if not isinstance(challenge, str):
+                return 400, b""
+            return 200, json.dumps({"challenge": challenge}).encode()
+        if message.get("type") != "events":
+            return 400, b""
+        return self._deliver(lowered["webhook-id"], message, named), b""
+
+    def _verified(self, body: bytes, lowered: Mapping[str, str]) -> bool:
+        """Whether one of the signatures (headers with lower-case names) is the secret's
+        over "<id>.<timestamp>.<body>", with the timestamp within `tolerance` of now."""
+        webhook_id = lowered.get("webhook-id")
+        stamp = lowered.get("webhook-timestamp", "")
+        signatures = lowered.get("webhook-signature", "")
+        if not webhook_id or not stamp.isascii() or not stamp.isdigit() or not signatures:
+            return False
+        sent = int(stamp)
+        if abs(time.time() - sent) > self._tolerance:
+            return False
+        try:
+            text = body.decode()
+        except UnicodeDecodeError:
+            return False
+        expected = self._webhook.sign(webhook_id, datetime.fromtimestamp(sent, UTC), text)
+        return any(
+            hmac.compare_digest(expected.encode(), signature.encode())
+            for signature in signatures.split()
+        )
+
+    def _deliver(self, webhook_id: str, message: Mapping[str, Any], subscription: str) -> int:
+        try:
+            batch = _batch_of(message)
+        except (KeyError, TypeError, ValueError) as error:
+            log.warning("a delivery of %s is malformed: %r", subscription, error)
+            return 400
+        with self._lock:
+            if webhook_id in self._seen:
+                return 200
+            if len(self._queue) >= self._max_queued:
+                return 503
+        accepted = self._offer(batch)
+        if accepted is None:
+            try:
+                self._catch_up(batch, subscription)
+            except _FAILURES as error:
+                log.warning("pulling %s after a delivery failed: %r", batch.stream, error)
+                return 503
+            accepted = self._offer(batch)
+            if accepted is None:
+                return 503
+        with self._lock:
+            self._seen.append(webhook_id)
+            if accepted:
+                self._last_accepted = time.monotonic()
+        return 200
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app: POSTs to it are deliveries (see `receive`)."""
+        if scope["type"] == "lifespan":
+            while True:
+                event = await receive()
+                if event["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif event["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        if scope["method"] != "POST":
+            await _respond(send, 405, b"")
+            return
+        body = bytearray()
+        while True:
+            event = await receive()
+            if event["type"] == "http.disconnect":
+                return
+            body += event.get("body", b"")
+            if len(body) > MAX_BODY_BYTES:
+                await _respond(send, 413, b"")
+                return
+            if not event.get("more_body", False):
+                break
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+        }
+        status, answer = await anyio.to_thread.run_sync(self.receive, bytes(body), headers)
+        await _respond(send, status, answer)
+
+    # the queue
+
+    def _offer(self, batch: _Batch) -> list[Item] | None:
+        """Accept what `batch` adds to the queue, if it follows what the queue holds of
+        its partition: the items accepted (none: it was all there already), or None
+        when it starts beyond (or is of another epoch of the stream)."""
+        with self._lock:
+            if self._epochs.get(batch.stream) != batch.epoch:
+                return None
+            positions = self._positions[batch.stream]
+            if batch.partition >= len(positions):
+                positions.extend([0] * (batch.partition + 1 - len(positions)))
+            at = positions[batch.partition]
+            if batch.through <= at:
+                return []
+            if batch.after > at:
+                return None
+            # A batch that overlaps what is accepted adds its part beyond.
+            fresh = [_trimmed(item, at) for item in batch.items if _last(item) > at]
+            for index, item in enumerate(fresh):
+                # the last item carries the batch's end: positions it passed over
+                last = index == len(fresh) - 1
+                positions[batch.partition] = batch.through if last else _last(item)
+                self._queue.append((item, self._encode()))
+            positions[batch.partition] = batch.through
+            self._lock.notify_all()
+            return [*fresh]
+
+    def _reset(self, reset: Reset) -> bool:
+        """Queue a reset the queue has not seen: the stream starts again from its new
+        epoch's beginning."""
+        with self._lock:
+            if self._epochs.get(reset.stream) == reset.epoch:
+                return False
+            self._epochs[reset.stream] = reset.epoch
+            self._positions[reset.stream] = []
+            self._queue.append((reset, self._encode()))
+            self._lock.notify_all()
+            return True
+
+    def _encode(self) -> str:
+        return GatewayCursor(
+            {
+                name: StreamPosition(self._epochs[name], tuple(self._positions[name]))
+                for name in self._selections
+            }
+        ).encode()
+
+    # pulling
+
+    def _catch_up(self, batch: _Batch, subscription: str) -> None:
+        """Pull the stream of a batch that starts beyond the queue, up to its start;
+        resubscribe when the pull found items the pushes skipped."""
+        until = (batch.partition, batch.epoch, batch.after)
+        found = self._pull([batch.stream], until)
+        skipped = [
+            item
+            for item in found
+            if isinstance(item, Reset)
+            or (item.partition == batch.partition and _last(item) <= batch.after)
+        ]
+        if skipped:
+            self._resubscribe(subscription)
+
+    def _pull(
+        self, streams: Sequence[str], until: tuple[int, int, int] | None = None
+    ) -> list[Item]:
+        """Pull each stream by the queue's cursor until up to date (or, with `until`
+        (partition, epoch, position), until that partition reaches that position), or
+        until the queue is full; the items accepted."""
+        found: list[Item] = []
+        with self._pull_lock:
+            for name in streams:
+                while not self._stopped.is_set():
+                    with self._lock:
+                        if len(self._queue) >= self._max_queued:
+                            break
+                        sent = StreamPosition(self._epochs[name], tuple(self._positions[name]))
+                    params = [
+                        ("after", GatewayCursor({name: sent}).encode()),
+                        ("limit", str(self._max_events)),
+                        *self._selections[name].params(),
+                    ]
+                    page = self._gateway.events(name, params)
+                    found += self._accept_page(name, sent, page)
+                    moved = page["cursor"] != params[0][1]
+                    if page["up_to_date"] or not moved or self._reached(name, until):
+                        break
+        return found
+
+    def _reached(self, name: str, until: tuple[int, int, int] | None) -> bool:
+        if until is None:
+            return False
+        partition, epoch, position = until
+        with self._lock:
+            positions = self._positions[name]
+            return self._epochs[name] == epoch and (
+                partition < len(positions) and positions[partition] >= position
+            )
+
+    def _accept_page(self, name: str, sent: StreamPosition, page: Mapping[str, Any]) -> list[Item]:
+        """Offer a page pulled from `sent` to the queue, one batch per partition."""
+        ends = GatewayCursor.decode(page["cursor"]).streams[name]
+        found: list[Item] = []
+        for body in page["resets"]:
+            reset = reset_from_json(body)
+            if self._reset(reset):
+                found.append(reset)
+        starts = sent if ends.epoch == sent.epoch else StreamPosition(ends.epoch)
+        per_partition: dict[int, list[Event | Tombstone]] = {}
+        for tombstone in map(tombstone_from_json, page["tombstones"]):
+            per_partition.setdefault(tombstone.partition, []).append(tombstone)
+        for event in map(event_from_json, page["events"]):
+            per_partition.setdefault(event.partition, []).append(event)
+        for partition in sorted(set(range(len(ends.positions))) | per_partition.keys()):
+            items = sorted(per_partition.get(partition, ()), key=_first)
+            batch = _Batch(
+                name,
+                partition,
+                ends.epoch,
+                starts.position(partition),
+                ends.position(partition),
+                tuple(items),
+            )
+            found += self._offer(batch) or []
+        return found
+
+    # the subscription
+
+    def _start_of(self, name: str) -> StreamPosition:
+        described = self._gateway.stream(name)
+        if self._start == "now":
+            return GatewayCursor.decode(described["cursor"]).streams[name]
+        return StreamPosition(int(described["epoch"]))
+
+    def _body(self, replaces: str | None) -> dict[str, Any]:
+        """The subscription's definition, from the queue's cursor (under the lock)."""
+        streams: dict[str, dict[str, list[str]]] = {}
+        for name, selection in self._selections.items():
+            streams[name] = {}
+            if selection.keys:
+                streams[name]["key"] = list(selection.keys)
+            if selection.types:
+                streams[name]["type"] = list(selection.types)
+        body: dict[str, Any] = {
+            "callback": self._callback,
+            "streams": streams,
+            "start": {"after": self._encode()},
+            "include_data": self._include_data,
+            "max_events": self._max_events,
+            "lease_seconds": self._lease_seconds,
+            "secret": self._secret,
+        }
+        if replaces is not None:
+            body["replaces"] = replaces
+        return body
+
+    def _put(self) -> None:
+        """PUT the current subscription: it creates it, or renews its lease."""
+        with self._lock:
+            subscription, body = self._subscription, self._definition
+            self._put_due = time.monotonic() + self._pull_after  # again then if it fails
+        self._gateway.subscribe(subscription, body)
+        with self._lock:
+            if self._subscription == subscription:
+                self._subscribed = True
+                self._put_due = time.monotonic() + self._lease_seconds / 2
+
+    def _resubscribe(self, failed: str) -> None:
+        """Replace the subscription `failed` by a new one from the queue's cursor (unless
+        another thread did already); deliveries under `failed` are refused from now."""
+        with self._lock:
+            if self._closed or self._subscription != failed:
+                return
+            self._subscription = _new_subscription_id()
+            self._subscribed = False
+            self._resubscriptions += 1
+            self._definition = self._body(replaces=failed)
+            log.info("webhook subscription %s missed events; now %s", failed, self._subscription)
+        try:
+            self._put()
+        except _FAILURES as error:
+            log.warning("subscribing again failed (%r); the timer tries again", error)
+
+    def _run_timer(self) -> None:
+        while not self._stopped.wait(self._until_due()):
+            now = time.monotonic()
+            with self._lock:
+                put_due = now >= self._put_due
+                pull_due = now >= self._last_accepted + self._pull_after
+                subscription, subscribed = self._subscription, self._subscribed
+            if put_due:
+                try:
+                    self._put()
+                except _FAILURES as error:
+                    log.warning("subscribing %s failed: %r", subscription, error)
+            if pull_due:
+                self._pull_on_time(subscription, subscribed)
+
+    def _until_due(self) -> float:
+        with self._lock:
+            due = min(self._put_due, self._last_accepted + self._pull_after)
+        return max(0.0, due - time.monotonic())
+
+    def _pull_on_time(self, subscription: str, subscribed: bool) -> None:
+        """No push was accepted for `pull_after` seconds: pull, and when that finds
+        events, the subscription failed (P3Sub): subscribe again."""
+        try:
+            found = self._pull(list(self._selections))
+        except _FAILURES as error:
+            log.warning("pulling after %.1fs without pushes failed: %r", self._pull_after, error)
+            found = []
+        with self._lock:
+            self._last_accepted = time.monotonic()
+        if found and subscribed:
+            self._resubscribe(subscription)
+
+
+def _trimmed(item: Event | Tombstone, at: int) -> Event | Tombstone:
+    """`item` without the positions up to `at` (a tombstone that straddles it)."""
+    if isinstance(item, Tombstone) and item.gap_from <= at:
+        return replace(item, gap_from=at + 1)
+    return item
+
+
+def _batch_of(message: Mapping[str, Any]) -> _Batch:
+    """The batch of a delivery's body."""
+    stream = str(message["stream"])
+    epoch = GatewayCursor.decode(message["cursor"]).streams[stream].epoch
+    items: list[Event | Tombstone] = [
+        tombstone_from_json(body) for body in message.get("tombstones") or ()
+    ]
+    items += [event_from_json(body) for body in message.get("events") or ()]
+    for item in items:
+        if item.stream != stream or item.partition != message["partition"]:
+            raise ValueError("an item of another stream or partition")
+    return _Batch(
+        stream,
+        int(message["partition"]),
+        epoch,
+        int(message["after"]),
+        int(message["through"]),
+        tuple(sorted(items, key=_first)),
+    )
+
+
+async def _respond(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-length", str(len(body)).encode())]
+    if body:
+        headers.append((b"content-type", b"application/json"))
+    if status == 503:
+        headers.append((b"retry-after", _RETRY_AFTER_SECONDS.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
