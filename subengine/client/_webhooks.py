@@ -620,10 +620,19 @@ class Subscriber:
         with self._lock:
             subscription, body = self._subscription, self._definition
             self._put_due = time.monotonic() + self._pull_after  # again then if it fails
-        self._gateway.subscribe(subscription, body)
+        try:
+            self._gateway.subscribe(subscription, body)
+        except GatewayError as error:
+            if "replaces" not in body or error.code != "webhook_not_found":
+                raise
+            # what it replaces is gone already (answered 410, expired): nothing to fence
+            body = {name: value for name, value in body.items() if name != "replaces"}
+            self._gateway.subscribe(subscription, body)
         with self._lock:
             if self._subscription == subscription:
                 self._subscribed = True
+                # a renewal must not name the webhook it replaced: that one is gone
+                self._definition.pop("replaces", None)
                 self._put_due = time.monotonic() + self._lease_seconds / 2
 
     def _resubscribe(self, failed: str) -> None:

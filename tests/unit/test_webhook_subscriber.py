@@ -74,11 +74,16 @@ class Gateway:
 
     def _handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
+        subscription = path.rsplit("/", 1)[1]
         if request.method == "PUT":
-            self.puts.append((path.rsplit("/", 1)[1], json.loads(request.content)))
+            body = json.loads(request.content)
+            if body.get("replaces") in self.deletes:
+                message = {"code": "webhook_not_found", "message": "no such webhook"}
+                return httpx.Response(404, json={"error": message})
+            self.puts.append((subscription, body))
             return httpx.Response(202, json={})
         if request.method == "DELETE":
-            self.deletes.append(path.rsplit("/", 1)[1])
+            self.deletes.append(subscription)
             return httpx.Response(204)
         if path == "/v1/streams/orders":
             return httpx.Response(200, json={"epoch": 1, "cursor": cursor(*self.heads())})
@@ -388,3 +393,15 @@ def test_the_asgi_app_answers_deliveries(sub: Subscriber) -> None:
     assert taken(sub) == [(0, 1)]
     too_large = b" " * (4 * 1024 * 1024 + 1)
     assert asyncio.run(post(too_large, {})).status_code == 413
+
+
+def test_a_new_subscription_replacing_one_already_gone_is_made_all_the_same(
+    gateway: Gateway, sub: Subscriber
+) -> None:
+    gateway.append(0, "placed", "placed")
+    old = sub.subscription_id
+    gateway.deletes.append(old)  # the gateway deleted it (a 410, an expired lease)
+    assert push(sub, batch(sub, 0, 1, 2, 2, subscription=old)) == 200
+    assert taken(sub) == [(0, 1), (0, 2)]
+    subscription, definition = gateway.puts[-1]
+    assert subscription == sub.subscription_id != old and "replaces" not in definition
