@@ -105,7 +105,9 @@ def event_body(event: Event, include_data: bool) -> dict[str, Any]:
         "position": event.position,
         "type": event.type,
         "key": event.key,
+        "key_version": event.key_version,
         "occurred_at": event.occurred_at.isoformat(),
+        "recorded_at": event.recorded_at.isoformat(),
     }
     if include_data:
         body["data"] = event.data
