@@ -195,6 +195,15 @@ def gateway(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]
 
 
 @pytest.fixture
+def delivering_gateway(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]:
+    """`subengine serve` as `gateway` is, delivering webhooks to loopback callbacks and
+    retrying a failed delivery within a second."""
+    allow = ("--callback-allow", "127.0.0.0/8", "--webhook-retry-max", "1")
+    with GatewayProcess(cli_env, "--heartbeat", "1", *allow, tmp=tmp_path) as process:
+        yield process
+
+
+@pytest.fixture
 def worker_app_env(cli_env: dict[str, str], sql: psycopg.Connection[Any]) -> dict[str, str]:
     """The table `tests/apps/worker_app.py` writes its effects to (no unique constraint),
     and an environment for the `subengine` command with short intervals."""

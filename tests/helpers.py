@@ -868,3 +868,80 @@ def echo_and_accept(delivery: Delivery) -> tuple[int, bytes, dict[str, str]]:
     if body.get("type") == "challenge":
         return 200, json.dumps({"challenge": body["challenge"]}).encode(), {}
     return 204, b"", {}
+
+
+@contextmanager
+def serving(app: Any, port: int) -> Iterator[str]:
+    """The ASGI `app` under uvicorn, in a thread of this process, on a loopback `port`;
+    yields its base URL."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, f"uvicorn on port {port}", timeout=30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+class LossyProxy:
+    """An HTTP relay on a loopback port to `target` that loses a share `loss` of the POSTs
+    it gets, as a bad network would: half of the losses never reach `target`, the other
+    half reach it and lose their answer. A lost request's connection is closed without an
+    answer. The choice is random, from `seed`; `lost` and `relayed` count them."""
+
+    def __init__(self, target: str, loss: float, seed: int = 0) -> None:
+        import http.server
+        import random
+
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/hook"
+        self.lost = self.relayed = 0
+        lock = threading.Lock()
+        chance = random.Random(seed)
+        relay = httpx.Client(base_url=target, timeout=30)
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                self.close_connection = True
+                with lock:
+                    draw = chance.random()
+                    proxy.lost += draw < loss
+                    proxy.relayed += draw >= loss
+                if draw < loss / 2:
+                    return  # the request is lost on the way
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                answer = relay.post(self.path, content=body, headers=headers)
+                if draw < loss:
+                    return  # the answer is lost on the way back
+                self.send_response(answer.status_code)
+                for name in ("content-type", "retry-after"):
+                    if name in answer.headers:
+                        self.send_header(name, answer.headers[name])
+                self.send_header("content-length", str(len(answer.content)))
+                self.send_header("connection", "close")
+                self.end_headers()
+                self.wfile.write(answer.content)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._relay = relay
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._relay.close()
