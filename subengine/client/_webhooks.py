@@ -402,6 +402,8 @@ class Subscriber:
     def _deliver(self, webhook_id: str, message: Mapping[str, Any], subscription: str) -> int:
         try:
             batch = _batch_of(message)
+            if batch.stream not in self._selections:
+                raise ValueError(f"stream {batch.stream!r} is not subscribed to")
         except (KeyError, TypeError, ValueError) as error:
             log.warning("a delivery of %s is malformed: %r", subscription, error)
             return 400

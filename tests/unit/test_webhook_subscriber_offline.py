@@ -405,3 +405,9 @@ def test_a_new_subscription_replacing_one_already_gone_is_made_all_the_same(
     assert taken(sub) == [(0, 1), (0, 2)]
     subscription, definition = gateway.puts[-1]
     assert subscription == sub.subscription_id != old and "replaces" not in definition
+
+
+def test_a_batch_of_another_stream_is_refused(sub: Subscriber) -> None:
+    elsewhere = GatewayCursor({"payments": StreamPosition(1, (1,))}).encode()
+    other = {**batch(sub, 0, 0, 1), "stream": "payments", "cursor": elsewhere}
+    assert push(sub, other) == 400
