@@ -1074,7 +1074,10 @@ async def put_webhook(request: Request) -> Response:
     )
     replaces = body.get("replaces")
     if replaces is not None:
-        await _owned_webhook(gateway, principal, replaces)
+        try:
+            await _owned_webhook(gateway, principal, replaces)
+        except WebhookNotFound:
+            replaces = None  # gone already (cancelled, expired, or a 410): nothing to fence
     starts = {
         s.stream: await _webhook_start(gateway, s.stream, body.get("start", "now")) for s in streams
     }

@@ -47,6 +47,7 @@ from subengine.gateway._callbacks import (
     CallbackResponse,
     CallbackUnreachable,
 )
+from subengine.gateway._hub import tombstone_body
 
 log = logging.getLogger("subengine.gateway.webhooks")
 
@@ -108,22 +109,11 @@ def event_body(event: Event, include_data: bool) -> dict[str, Any]:
         "key_version": event.key_version,
         "occurred_at": event.occurred_at.isoformat(),
         "recorded_at": event.recorded_at.isoformat(),
+        "metadata": event.metadata,
     }
     if include_data:
         body["data"] = event.data
-        body["metadata"] = event.metadata
     return body
-
-
-def tombstone_body(gap: Tombstone) -> dict[str, Any]:
-    return {
-        "stream": gap.stream,
-        "partition": gap.partition,
-        "gap_from": gap.gap_from,
-        "gap_to": gap.gap_to,
-        "floor": gap.floor,
-        "reason": gap.reason,
-    }
 
 
 class _Failed(Exception):

@@ -395,3 +395,20 @@ def test_the_webhook_commands_show_and_delete(
     assert missing.returncode != 0 and "no webhook subscription 'shown'" in missing.stderr
     bad = run_subengine(cli_env, "webhook", "show", "no way")
     assert bad.returncode != 0 and "invalid webhook id" in bad.stderr
+
+
+def test_replacing_a_webhook_that_is_gone_already_is_no_error(
+    orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    answer = subscribe(hooks, "after-410", receiver.url, replaces="long-gone")
+    assert answer.status_code == 202, answer.text
+
+
+def test_without_data_an_event_still_carries_its_metadata(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    secret = active(hooks, receiver, "lean", include_data=False)
+    engine.append("orders", [NewEvent("k", "T", {"secret": "payload"}, metadata={"by": "me"})])
+    wait_for(lambda: receiver.of_type("events"), "a delivery")
+    [event] = verified(receiver.of_type("events")[0], secret)["events"]
+    assert event["metadata"] == {"by": "me"} and "data" not in event
