@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from helpers import Delivery, GatewayProcess, Receiver, run_subengine, wait_for
+from helpers import Delivery, GatewayProcess, Receiver, run_subengine, scrape, value, wait_for
 from standardwebhooks import Webhook as Verifier
 
 import subengine
@@ -412,3 +412,26 @@ def test_without_data_an_event_still_carries_its_metadata(
     wait_for(lambda: receiver.of_type("events"), "a delivery")
     [event] = verified(receiver.of_type("events")[0], secret)["events"]
     assert event["metadata"] == {"by": "me"} and "data" not in event
+
+
+def test_metrics_show_each_webhook_and_what_the_process_delivered(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    active(hooks, receiver, "measured")
+    engine.append("orders", [NewEvent("k", "T", {}) for _ in range(3)])
+    wait_for(
+        lambda: value(scrape(hooks.port), "subengine_webhook_events_delivered_total") == 3,
+        "the count",
+    )
+    wait_for(
+        lambda: value(scrape(hooks.port), "subengine_webhook_lag_events", webhook="measured") == 0,
+        "no lag",
+    )
+    success = "subengine_webhook_last_success_timestamp_seconds"
+    wait_for(lambda: value(scrape(hooks.port), success, webhook="measured"), "a success")
+    samples = scrape(hooks.port)
+    assert value(samples, "subengine_webhook_state", webhook="measured", state="active") == 1
+    assert value(samples, "subengine_webhook_state", webhook="measured", state="failing") == 0
+    assert value(samples, "subengine_webhook_failed_attempts", webhook="measured") == 0
+    assert value(samples, "subengine_webhook_deliveries_total", result="delivered") == 1
+    assert value(samples, success, webhook="measured") == pytest.approx(time.time(), abs=60)
