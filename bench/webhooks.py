@@ -82,6 +82,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import subengine
+from subengine.gateway._delivery import event_body
 
 SCHEMA = "subengine"  # every Engine and server here is given it, whatever the environment
 DATABASE_PREFIX = "bench_webhooks_"
@@ -583,20 +584,7 @@ def plain_batches(engine: subengine.Engine, config: Config) -> list[list[dict[st
                     "partition": partition,
                     "after": after,
                     "through": events[-1].position,
-                    "events": [
-                        {
-                            "id": str(e.id),
-                            "stream": e.stream,
-                            "partition": e.partition,
-                            "position": e.position,
-                            "type": e.type,
-                            "key": e.key,
-                            "occurred_at": e.occurred_at.isoformat(),
-                            "data": e.data,
-                            "metadata": e.metadata,
-                        }
-                        for e in events
-                    ],
+                    "events": [event_body(e, include_data=True) for e in events],
                     "tombstones": [],
                     "cursor": cursor,
                 }
