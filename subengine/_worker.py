@@ -120,6 +120,11 @@ class _Board:
         self._pairs.update((name, partition) for name in names)
         return True
 
+    def known_head(self, stream: str, partition: int) -> int:
+        """The head of a partition as notifications and polls told (0: none yet)."""
+        with self._lock:
+            return self._heads.get((stream, partition), 0)
+
     def heads_read(self, heads: list[tuple[str, int, int]], everything: bool) -> bool:
         """Every head of some streams, read from the database: the partitions that grew
         become suspects (all pairs when `everything`: nothing is known); whether any did."""
@@ -677,8 +682,28 @@ class Worker:
             if split is not None and split.position < outcome.position < split.last_position:
                 continue
             moved = {(subscription.name, o.partition) for o in outcomes[1:]}
+            if self._stranded(subscription, outcomes):
+                return None, False, moved  # its suspect is back: a look marks it
             return outcome.next_time, outcome.next_time is None, moved
         return None, False, set()
+
+    def _stranded(self, subscription: Subscription, outcomes: Sequence[BatchOutcome]) -> bool:
+        """Put back as suspects the partitions a batch left without a next event although
+        the worker knows of events past their position; whether the chosen one is such.
+
+        A commit computes the next event's time in its statement's snapshot. An event
+        that committed after that snapshot was taken, and whose suspect a look took and
+        marked on the row while the commit waited for it, loses its mark when the commit
+        writes the row: no look would find it, and the heads match the database's, so no
+        poll would either. The notification it brought is the witness."""
+        stranded = [
+            outcome.partition
+            for outcome in outcomes
+            if outcome.next_time is None
+            and self._board.known_head(subscription.stream, outcome.partition) > outcome.position
+        ]
+        self._board.put_back([(subscription.name, partition) for partition in stranded])
+        return bool(stranded) and stranded[0] == outcomes[0].partition
 
     def _batch(
         self,

@@ -18,6 +18,7 @@ from psycopg.sql import SQL, Identifier
 import subengine
 from subengine import NewEvent
 from subengine._declarations import OnError
+from subengine._worker import Worker
 
 
 def test_a_worker_handles_every_event_once_and_stops_cleanly(
@@ -849,3 +850,69 @@ def test_retry_later_postpones_the_whole_batch_for_every_worker(
         assert row == (0, "RetryLater: callback down", True, False)
         wait_for(lambda: fast_engine.subscription_positions("pusher")[0].position == 6)
     assert batches == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]
+
+
+def test_a_mark_a_commit_overwrote_does_not_strand_the_event_it_marked(
+    dsn: str, sql: psycopg.Connection[Any]
+) -> None:
+    # The race: a batch's commit statement takes its snapshot before event E2 commits,
+    # then waits for the position row, which a look (of another slot) holds while it
+    # marks E2 there (next_time) after taking E2's suspect. The commit, re-checked on the
+    # new row version, still computes next_time in its old snapshot: NULL. The mark is
+    # gone, the suspect was taken, and the heads the worker knows match the database's:
+    # nothing but a later append would find E2. Polls are made rare here, so that only
+    # the worker itself can notice.
+    settings = subengine.Settings(dsn=dsn, poll_interval=300, heartbeat_interval=300)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("one", partitions=1)
+        engine.append("one", [NewEvent("k", "T", {"n": 1})])
+        app = subengine.App()
+        sub = app.subscription("racer", stream="one", ack="at_least_once")
+        handled: list[int] = []
+        holder = psycopg.connect(dsn)
+        worker: Worker | None = None  # made below, once the handler is registered
+
+        def interleave() -> None:
+            # wait until the batch's commit waits for the row this connection holds
+            wait_for(
+                lambda: (
+                    sql.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND application_name LIKE 'subengine worker %'"
+                    ).fetchone()
+                    == (1,)
+                ),
+                "the commit to wait",
+            )
+            engine.append("one", [NewEvent("k", "T", {"n": 2})])  # E2: notified
+            assert worker is not None
+            board = worker._board
+            wait_for(lambda: board.known_head("one", 0) == 2, "the notification")
+            board.take()  # its suspect, as another slot's look would
+            holder.execute(
+                "UPDATE subengine.subscription_positions"
+                " SET next_time = subengine.next_event_time('one', 0, position)"
+                " WHERE subscription = 'racer'"
+            )
+            holder.commit()  # the mark; the commit overwrites it
+
+        @sub.batch_handler()
+        def handle(events: Sequence[subengine.Event], conn: Any) -> None:
+            handled.extend(event.data["n"] for event in events)
+            if len(handled) == 1:
+                holder.execute(
+                    "SELECT FROM subengine.subscription_positions"
+                    " WHERE subscription = 'racer' FOR UPDATE"
+                )
+                threading.Thread(target=interleave, daemon=True).start()
+
+        worker = Worker(engine, [sub])
+        stop = threading.Event()
+        thread = threading.Thread(target=worker.run, args=(stop,))
+        thread.start()
+        try:
+            wait_for(lambda: handled == [1, 2], "the second event", timeout=30)
+        finally:
+            stop.set()
+            thread.join(30)
+            holder.close()
