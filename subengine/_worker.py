@@ -100,6 +100,9 @@ class _Board:
         # suspects whose rows a batch held when a look came: for the look after a batch
         # ends or after the next poll, not the very next one (which would only spin)
         self._deferred: set[tuple[str, int]] = set()
+        # heads that grew so far, and when each partition's head last grew (that count)
+        self._news = 0
+        self._grown: dict[tuple[str, int], int] = {}
 
     @property
     def streams(self) -> list[str]:
@@ -117,13 +120,31 @@ class _Board:
         if names is None or head <= known:
             return False
         self._heads[stream, partition] = head
+        self._news += 1
+        self._grown[stream, partition] = self._news
         self._pairs.update((name, partition) for name in names)
         return True
 
-    def known_head(self, stream: str, partition: int) -> int:
-        """The head of a partition as notifications and polls told (0: none yet)."""
+    def news(self) -> int:
+        """How many heads grew so far: for `grew_since`."""
         with self._lock:
-            return self._heads.get((stream, partition), 0)
+            return self._news
+
+    def grew_since(self, name: str, stream: str, partitions: Sequence[int], news: int) -> bool:
+        """Partitions of subscription `name` a batch moved (or tried to): those whose head
+        grew since `news` (a `news()` from before the batch) become suspects again;
+        whether any did. The batch stored their next_time (NULL when drained) from a
+        snapshot that may predate those appends, and a look that took them as suspects
+        before its commit saw their rows as they were (a next_time, so nothing to mark)
+        and dropped them: with no later append, no look would ever find their events."""
+        with self._lock:
+            again = [
+                (name, partition)
+                for partition in partitions
+                if self._grown.get((stream, partition), 0) > news
+            ]
+            self._pairs.update(again)
+            return bool(again)
 
     def heads_read(self, heads: list[tuple[str, int, int]], everything: bool) -> bool:
         """Every head of some streams, read from the database: the partitions that grew
@@ -627,6 +648,30 @@ class Worker:
         stop: threading.Event,
         companions: bool = True,
     ) -> tuple[datetime | None, bool, set[tuple[str, int]]]:
+        """`_turn`, after which the partitions it moved whose heads grew meanwhile are
+        suspects again (see `_Board.grew_since`), for the look that comes next."""
+        news = self._board.news()
+        moved: set[tuple[str, int]] = set()
+        try:
+            turn = self._turn(db, subscription, partition, stop, companions)
+            moved = turn[2]
+            return turn
+        finally:
+            self._board.grew_since(
+                subscription.name,
+                subscription.stream,
+                [partition, *(p for _, p in moved)],
+                news,
+            )
+
+    def _turn(
+        self,
+        db: Db,
+        subscription: Subscription,
+        partition: int,
+        stop: threading.Event,
+        companions: bool = True,
+    ) -> tuple[datetime | None, bool, set[tuple[str, int]]]:
         """Handle one batch of a partition (which may carry other partitions of the
         subscription, see `lock_batch`): the time of the partition's next event, or None
         when it has no more work for now; whether the partition was drained (rather than
@@ -682,28 +727,8 @@ class Worker:
             if split is not None and split.position < outcome.position < split.last_position:
                 continue
             moved = {(subscription.name, o.partition) for o in outcomes[1:]}
-            if self._stranded(subscription, outcomes):
-                return None, False, moved  # its suspect is back: a look marks it
             return outcome.next_time, outcome.next_time is None, moved
         return None, False, set()
-
-    def _stranded(self, subscription: Subscription, outcomes: Sequence[BatchOutcome]) -> bool:
-        """Put back as suspects the partitions a batch left without a next event although
-        the worker knows of events past their position; whether the chosen one is such.
-
-        A commit computes the next event's time in its statement's snapshot. An event
-        that committed after that snapshot was taken, and whose suspect a look took and
-        marked on the row while the commit waited for it, loses its mark when the commit
-        writes the row: no look would find it, and the heads match the database's, so no
-        poll would either. The notification it brought is the witness."""
-        stranded = [
-            outcome.partition
-            for outcome in outcomes
-            if outcome.next_time is None
-            and self._board.known_head(subscription.stream, outcome.partition) > outcome.position
-        ]
-        self._board.put_back([(subscription.name, partition) for partition in stranded])
-        return bool(stranded) and stranded[0] == outcomes[0].partition
 
     def _batch(
         self,

@@ -512,7 +512,10 @@ SELECT partition, position, generation, next_time, attempts, last_error, stopped
 --    the subscriptions in %(whole)s, and the pairs in %(names)s × %(partitions)s). Those
 --    whose position row has no next_time while the head is past the position get it now;
 --    rows a batch holds are left to the next look (returned as 'deferred'): the batch may
---    commit before seeing the appends that made them suspects.
+--    commit before seeing the appends that made them suspects. A row whose batch has not
+--    committed yet may still show its old next_time here, and is then neither marked nor
+--    deferred: the worker whose batch it is makes it a suspect again when its partition
+--    grew during the batch (_Board.grew_since).
 -- 2. The partitions with work, oldest next event first: per subscription, the first rows
 --    of the index of rows with work, so the cost follows the work and not the number of
 --    partitions, and the plan needs no statistics.
