@@ -839,15 +839,18 @@ def test_retry_later_postpones_the_whole_batch_for_every_worker(
     def push(events: Sequence[subengine.Event], conn: Any) -> None:
         batches.append([event.position for event in events])
         if len(batches) == 1:
-            raise subengine.RetryLater(1.0, "callback down")
+            raise subengine.RetryLater(3.0, "callback down")
 
-    with Running(app, fast_engine):
-        wait_for(lambda: len(batches) >= 1)
-        row = sql.execute(
+    def row() -> tuple[Any, ...] | None:
+        return sql.execute(
             "SELECT attempts, last_error, retry_at > now(), stopped"
             " FROM subengine.subscription_positions WHERE subscription = 'pusher'"
         ).fetchone()
-        assert row == (0, "RetryLater: callback down", True, False)
+
+    with Running(app, fast_engine):
+        # the postponement commits after the handler raised: wait for it
+        wait_for(lambda: (row() or (None, None))[1] is not None, "the postponement")
+        assert row() == (0, "RetryLater: callback down", True, False)
         wait_for(lambda: fast_engine.subscription_positions("pusher")[0].position == 6)
     assert batches == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]
 
