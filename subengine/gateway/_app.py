@@ -294,7 +294,7 @@ class Gateway:
         if self.config.deliver:
             self.deliveries = Deliveries(
                 self.sync_engine,
-                CallbackClient(self.config.callback_policy),
+                self.callbacks,
                 self.config.delivery,
                 self.metrics.webhooks_seen,
             )

@@ -138,7 +138,8 @@ def _outcome(response: CallbackResponse) -> None:
 
 
 class Deliveries:
-    """The webhook delivery of one gateway process."""
+    """The webhook delivery of one gateway process (its `client` is the caller's to
+    close)."""
 
     def __init__(
         self,
@@ -154,7 +155,6 @@ class Deliveries:
         self._stop = threading.Event()
         self._woken = threading.Event()
         self._thread: threading.Thread | None = None
-        self._worker: Worker | None = None
         self._worker_stop = threading.Event()
         self._worker_thread: threading.Thread | None = None
         self._plan: list[Deliverable] = []
@@ -185,7 +185,6 @@ class Deliveries:
         if self._thread is not None:
             self._thread.join()
         self._stop_worker()
-        self.client.close()
         try:
             self._record_successes()
         except (psycopg.Error, SubengineError) as error:
@@ -237,9 +236,8 @@ class Deliveries:
         ]
         if not subscriptions:
             return
-        self._worker = Worker(self.engine, subscriptions, concurrency=self.config.concurrency)
-        self._worker_stop = threading.Event()
-        worker, stop = self._worker, self._worker_stop
+        worker = Worker(self.engine, subscriptions, concurrency=self.config.concurrency)
+        stop = self._worker_stop = threading.Event()
 
         def run() -> None:
             try:
@@ -255,7 +253,7 @@ class Deliveries:
         if self._worker_thread is not None:
             self._worker_stop.set()
             self._worker_thread.join()
-        self._worker = self._worker_thread = None
+        self._worker_thread = None
         self._plan = []
 
     def _declaration(self, hook: Deliverable, index: int, stream: WebhookStream) -> Any:
@@ -284,13 +282,13 @@ class Deliveries:
     def _deliver(
         self, hook: Deliverable, name: str, stream: WebhookStream, events: Sequence[Event]
     ) -> None:
+        wanted = [event for event in events if stream.wants(event)]
+        if not wanted:
+            return  # nothing for this subscriber: the position moves on
         context = self._context(hook, name)
         if context is None:
             return  # deleted: the position is gone too, so nothing commits
         first, last = events[0], events[-1]
-        wanted = [event for event in events if stream.wants(event)]
-        if not wanted:
-            return  # nothing for this subscriber: the position moves on
         body = self._body(
             hook, context, first.stream, first.partition, first.position - 1, last.position
         )
