@@ -6,34 +6,23 @@ their state, failed attempts and lag here, and may delete one. No secret is ever
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
 
-from subengine._webhooks import Webhook, WebhookStream, describe_streams
+from subengine._webhooks import describe_streams
 
 from . import _render
 from ._context import Context, json_option, pass_context
-
-
-def _streams(streams: tuple[WebhookStream, ...]) -> str:
-    return describe_streams(streams)
-
 
 WEBHOOK_COLUMNS = _render.columns(
     "id",
     "state",
     "callback",
-    _render.Column("streams", "streams", _streams),
+    _render.Column("streams", "streams", describe_streams),
     "lag",
     "attempts",
     "last_success_at",
     "expires_at",
 )
-
-
-def _json(hook: Webhook) -> dict[str, Any]:
-    return hook.to_json()
 
 
 @click.group()
@@ -50,7 +39,7 @@ def webhook_list(context: Context, as_json: bool) -> None:
     success, the last success and when the lease ends."""
     hooks = context.engine().webhooks()
     if as_json:
-        _render.print_json([_json(hook) for hook in hooks])
+        _render.print_json([hook.to_json() for hook in hooks])
         return
     if not hooks:
         click.echo("no webhook subscriptions")
@@ -66,10 +55,10 @@ def webhook_show(context: Context, webhook_id: str, as_json: bool) -> None:
     """Show one webhook subscription, with its last error."""
     hook = context.engine().webhook(webhook_id)
     if as_json:
-        _render.print_json([_json(hook)])
+        _render.print_json([hook.to_json()])
         return
-    for name, value in _json(hook).items():
-        shown = _streams(hook.streams) if name == "streams" else _render.cell(value)
+    for name, value in hook.to_json().items():
+        shown = describe_streams(hook.streams) if name == "streams" else _render.cell(value)
         click.echo(f"{name}: {shown}")
 
 

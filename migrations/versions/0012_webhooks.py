@@ -68,10 +68,12 @@ SELECT w.id, w.state, w.callback,
        w.created_at, w.expires_at, w.state_changed_at, w.verified_at, w.last_attempt_at,
        w.last_success_at, w.failing_since, w.attempts, w.delivered, w.last_error,
        (SELECT coalesce(sum(greatest(p.head - sp.position, 0)), 0)::bigint
-          FROM subscription_positions sp
-          JOIN subscriptions sub ON sub.name = sp.subscription
+          FROM subscriptions sub
+          JOIN subscription_positions sp ON sp.subscription = sub.name
           JOIN partitions p ON p.stream = sub.stream AND p.partition = sp.partition
-         WHERE sp.subscription LIKE 'webhook.' || w.serial || '.%') AS lag
+         -- the pattern filters the subscriptions (a row each), whose positions are then
+         -- found by their key; on the positions' key it would match every position
+         WHERE sub.name LIKE 'webhook.' || w.serial || '.%') AS lag
   FROM webhooks w;
 COMMENT ON VIEW webhook_status IS
     'Each webhook subscription: state, last delivery, failed attempts and lag in events.';
