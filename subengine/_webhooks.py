@@ -59,7 +59,8 @@ class WebhookNotFound(SubengineError, LookupError):
 
 
 class WebhookConflict(SubengineError):
-    """A webhook subscription with that id exists with another definition."""
+    """A webhook subscription with that id exists with another definition, or belongs to
+    another API key."""
 
 
 def validate_webhook_id(webhook_id: object) -> str:
@@ -314,8 +315,9 @@ def put_webhook(
     """Create the webhook `webhook_id` (pending; its engine subscriptions start at
     `starts`, per stream), or renew its lease when it exists with the same definition
     (a new `secret` rotates the old one out after an overlap). WebhookConflict when it
-    exists with another definition. `replaces`: another webhook deleted in the same
-    transaction (a re-subscription under a new id fences the old one)."""
+    exists with another definition, or was made with another API key than `key_id`.
+    `replaces`: another webhook deleted in the same transaction (a re-subscription under
+    a new id fences the old one)."""
     validate_webhook_id(webhook_id)
     if secret is not None:
         validate_secret(secret)
@@ -328,6 +330,11 @@ def put_webhook(
             _delete(db, replaces)
         row = db.run(Query("lock_webhook", {"id": webhook_id}, first_row))
         if row is not None:
+            if row[8] is not None and row[8] != key_id:
+                # renewing would let another key move its lease or change its secret
+                raise WebhookConflict(
+                    f"webhook {webhook_id!r} belongs to another API key; choose another id"
+                )
             stored = WebhookDefinition(
                 row[2],
                 tuple(WebhookStream.from_json(s) for s in row[3]),

@@ -1,6 +1,6 @@
 -- name: lock_webhook
 -- A webhook subscription's row, locked for a change of it.
-SELECT id, serial, callback, streams, include_data, max_events, secret, state
+SELECT id, serial, callback, streams, include_data, max_events, secret, state, key_id
   FROM {schema}.webhooks
  WHERE id = %(id)s
    FOR UPDATE

@@ -435,3 +435,38 @@ def test_metrics_show_each_webhook_and_what_the_process_delivered(
     assert value(samples, "subengine_webhook_failed_attempts", webhook="measured") == 0
     assert value(samples, "subengine_webhook_deliveries_total", result="delivered") == 1
     assert value(samples, success, webhook="measured") == pytest.approx(time.time(), abs=60)
+
+
+def test_a_webhook_is_seen_renewed_and_deleted_only_with_the_key_that_made_it(
+    engine: subengine.Engine,
+    orders: str,
+    cli_env: dict[str, str],
+    tmp_path: Path,
+    receiver: Receiver,
+) -> None:
+    _, mine = engine.create_api_key(["read"], ["orders"], name="mine")
+    _, theirs = engine.create_api_key(["read"], ["orders"], name="theirs")
+    url = "/v1/webhooks/owned"
+    body = {"callback": receiver.url, "streams": ["orders"]}
+    with GatewayProcess(cli_env, *FAST, tmp=tmp_path) as gateway:
+
+        def call(method: str, token: str, **fields: Any) -> httpx.Response:
+            return httpx.request(
+                method,
+                gateway.url + url,
+                json={**body, **fields} if method == "PUT" else None,
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=TIMEOUT,
+            )
+
+        created = call("PUT", mine)
+        assert created.status_code == 202, created.text
+        other_secret = "whsec_" + base64.b64encode(b"t" * 32).decode()
+        renewed = call("PUT", theirs, secret=other_secret)
+        assert renewed.status_code == 409 and "another API key" in renewed.text
+        assert call("GET", theirs).status_code == 404
+        assert call("DELETE", theirs).status_code == 404
+        assert call("PUT", mine).status_code == 200
+        wait_for(lambda: call("GET", mine).json()["state"] == "active", "the consent")
+        [challenge] = receiver.of_type("challenge")
+        assert verified(challenge, created.json()["secret"])  # the secret is still its own
