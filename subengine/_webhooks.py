@@ -327,7 +327,7 @@ def put_webhook(
             raise InvalidInput("a webhook cannot replace itself")
     with db.transaction():
         if replaces is not None:
-            _delete(db, replaces)
+            _delete_replaced(db, replaces, key_id)
         row = db.run(Query("lock_webhook", {"id": webhook_id}, first_row))
         if row is not None:
             if row[8] is not None and row[8] != key_id:
@@ -381,15 +381,21 @@ def delete_webhook(db: Db, webhook_id: str) -> None:
     nothing more is delivered under its id. WebhookNotFound when there is none."""
     validate_webhook_id(webhook_id)
     with db.transaction():
-        _delete(db, webhook_id)
+        row = db.run(Query("lock_webhook", {"id": webhook_id}, first_row))
+        if row is None:
+            raise WebhookNotFound(webhook_id)
+        drop_subscriptions(db, int(row[1]))
+        db.run(Query("delete_webhook_row", {"id": webhook_id}, nothing))
 
 
-def _delete(db: Db, webhook_id: str) -> None:
+def _delete_replaced(db: Db, webhook_id: str, key_id: str | None) -> None:
+    """Delete the webhook a new one replaces, if it is there and made with the same key
+    (or in open mode): one that is gone already (cancelled, expired, answered 410) has
+    nothing left to fence, and another key's is not this one's to end."""
     row = db.run(Query("lock_webhook", {"id": webhook_id}, first_row))
-    if row is None:
-        raise WebhookNotFound(webhook_id)
-    drop_subscriptions(db, int(row[1]))
-    db.run(Query("delete_webhook_row", {"id": webhook_id}, nothing))
+    if row is not None and row[8] in (None, key_id):
+        drop_subscriptions(db, int(row[1]))
+        db.run(Query("delete_webhook_row", {"id": webhook_id}, nothing))
 
 
 def drop_subscriptions(db: Db, serial: int) -> None:

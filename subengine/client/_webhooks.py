@@ -10,8 +10,6 @@ only state is the cursor, which the application stores with its own changes.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hmac
 import json
 import logging
@@ -29,10 +27,10 @@ from urllib.parse import quote
 import anyio.to_thread
 import httpx
 from standardwebhooks import Webhook
-from standardwebhooks.webhooks import EmptyWebhookSecretError
 
 from subengine._events import Tombstone
 from subengine._gateway_cursor import GatewayCursor, StreamPosition
+from subengine._webhooks import new_secret, validate_secret
 from subengine.client._core import Selection, StreamOptions, refusal, selection_of
 from subengine.client._errors import GatewayError
 from subengine.client._items import (
@@ -51,7 +49,6 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # webhook-ids remembered to answer a repeated delivery at once (older repeats are
 # still recognised by their positions)
 _REMEMBERED_IDS = 4096
-_SECRET_BYTES = 32
 # what the ASGI app asks the gateway to wait before retrying a delivery answered 503
 _RETRY_AFTER_SECONDS = "5"
 # what a background step may fail with; it is logged and tried again later
@@ -151,10 +148,6 @@ def _new_subscription_id() -> str:
     return f"sub-{secrets.token_hex(12)}"
 
 
-def _new_secret() -> str:
-    return "whsec_" + base64.b64encode(secrets.token_bytes(_SECRET_BYTES)).decode()
-
-
 class Subscriber:
     """Every event of `streams` after a cursor, exactly once and in order per
     partition, pushed by the gateway to `callback` and pulled when pushes fail.
@@ -212,11 +205,9 @@ class Subscriber:
             self._selections[name] = selection_of(options.keys, options.types, include_data)
         self._callback = callback
         self._start = start
-        self._secret = secret or _new_secret()
-        try:
-            self._webhook = Webhook(self._secret)
-        except (binascii.Error, ValueError, EmptyWebhookSecretError):
-            raise ValueError('secret must be "whsec_" and base64 text') from None
+        # the gateway's own rules: a secret it would refuse is refused here, at once
+        self._secret = new_secret() if secret is None else validate_secret(secret)
+        self._webhook = Webhook(self._secret)
         self._include_data = include_data
         self._max_events = max_events
         self._lease_seconds = lease_seconds
@@ -622,14 +613,7 @@ class Subscriber:
         with self._lock:
             subscription, body = self._subscription, self._definition
             self._put_due = time.monotonic() + self._pull_after  # again then if it fails
-        try:
-            self._gateway.subscribe(subscription, body)
-        except GatewayError as error:
-            if "replaces" not in body or error.code != "webhook_not_found":
-                raise
-            # what it replaces is gone already (answered 410, expired): nothing to fence
-            body = {name: value for name, value in body.items() if name != "replaces"}
-            self._gateway.subscribe(subscription, body)
+        self._gateway.subscribe(subscription, body)  # a `replaces` that is gone is no error
         with self._lock:
             if self._subscription == subscription:
                 self._subscribed = True

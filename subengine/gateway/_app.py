@@ -1072,12 +1072,7 @@ async def put_webhook(request: Request) -> Response:
         max_events=body.get("max_events", 100),
         lease_seconds=body.get("lease_seconds", 86_400),
     )
-    replaces = body.get("replaces")
-    if replaces is not None:
-        try:
-            await _owned_webhook(gateway, principal, replaces)
-        except WebhookNotFound:
-            replaces = None  # gone already (cancelled, expired, or a 410): nothing to fence
+    replaces = body.get("replaces")  # the engine deletes it if it is there and this key's
     starts = {
         s.stream: await _webhook_start(gateway, s.stream, body.get("start", "now")) for s in streams
     }

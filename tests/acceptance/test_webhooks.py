@@ -466,7 +466,17 @@ def test_a_webhook_is_seen_renewed_and_deleted_only_with_the_key_that_made_it(
         assert renewed.status_code == 409 and "another API key" in renewed.text
         assert call("GET", theirs).status_code == 404
         assert call("DELETE", theirs).status_code == 404
+        # nor replaced by a webhook of another key
+        replacing = httpx.put(
+            f"{gateway.url}/v1/webhooks/other",
+            json={**body, "replaces": "owned"},
+            headers={"Authorization": f"Bearer {theirs}"},
+            timeout=TIMEOUT,
+        )
+        assert replacing.status_code == 202, replacing.text
         assert call("PUT", mine).status_code == 200
         wait_for(lambda: call("GET", mine).json()["state"] == "active", "the consent")
-        [challenge] = receiver.of_type("challenge")
+        [challenge] = [
+            d for d in receiver.of_type("challenge") if d.json()["subscription"] == "owned"
+        ]
         assert verified(challenge, created.json()["secret"])  # the secret is still its own
