@@ -282,12 +282,12 @@ class Deliveries:
     def _deliver(
         self, hook: Deliverable, name: str, stream: WebhookStream, events: Sequence[Event]
     ) -> None:
-        wanted = [event for event in events if stream.wants(event)]
-        if not wanted:
-            return  # nothing for this subscriber: the position moves on
         context = self._context(hook, name)
         if context is None:
             return  # deleted: the position is gone too, so nothing commits
+        # sent even when the filters leave no event: after/through stay a chain, so the
+        # subscriber need not pull to learn that nothing was missed
+        wanted = [event for event in events if stream.wants(event)]
         first, last = events[0], events[-1]
         body = self._body(
             hook, context, first.stream, first.partition, first.position - 1, last.position

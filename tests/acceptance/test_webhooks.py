@@ -480,3 +480,35 @@ def test_a_webhook_is_seen_renewed_and_deleted_only_with_the_key_that_made_it(
             d for d in receiver.of_type("challenge") if d.json()["subscription"] == "owned"
         ]
         assert verified(challenge, created.json()["secret"])  # the secret is still its own
+
+
+def test_with_a_filter_the_batches_still_chain_so_nothing_looks_missed(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    secret = active(hooks, receiver, "picky", streams={"orders": {"type": ["Wanted"]}})
+    start = engine.heads("orders")
+    engine.append("orders", [NewEvent(f"k{n}", "Other", {}) for n in range(8)])
+    engine.append("orders", [NewEvent(f"k{n}", "Wanted", {"n": n}) for n in range(8)])
+    heads = engine.heads("orders")
+    wanted = {
+        p: [
+            e.position
+            for e in engine.read("orders", p, start[p])
+            if isinstance(e, subengine.Event) and e.type == "Wanted"
+        ]
+        for p in heads
+        if heads[p] > start[p]
+    }
+
+    def through() -> dict[int, int]:
+        reached = dict(start)
+        for batch in batches(receiver, secret):
+            reached[batch["partition"]] = max(reached[batch["partition"]], batch["through"])
+        return reached
+
+    wait_for(lambda: through() == heads, "every position passed")
+    taken = accepted_in_order(batches(receiver, secret), start)
+    assert {p: positions for p, positions in taken.items() if positions} == {
+        p: positions for p, positions in wanted.items() if positions
+    }
+    assert all(e["type"] == "Wanted" for b in batches(receiver, secret) for e in b["events"])
