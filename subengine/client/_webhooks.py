@@ -232,7 +232,8 @@ class Subscriber:
         self._put_due = 0.0
         self._last_accepted = time.monotonic()
         self._resubscriptions = 0
-        self._seen: deque[str] = deque(maxlen=_REMEMBERED_IDS)
+        # the last webhook-ids taken, oldest first (a dict: looked up by hash)
+        self._seen: dict[str, None] = {}
         self._started = self._closed = False
         self._stopped = threading.Event()
         self._timer: threading.Thread | None = None
@@ -414,7 +415,9 @@ class Subscriber:
             if accepted is None:
                 return 503
         with self._lock:
-            self._seen.append(webhook_id)
+            self._seen[webhook_id] = None
+            if len(self._seen) > _REMEMBERED_IDS:
+                del self._seen[next(iter(self._seen))]
             if accepted:
                 self._last_accepted = time.monotonic()
         return 200
@@ -524,7 +527,8 @@ class Subscriber:
         found: list[Item] = []
         with self._pull_lock:
             for name in streams:
-                while not self._stopped.is_set():
+                # a pull this one waited for may have gone as far already
+                while not self._stopped.is_set() and not self._reached(name, until):
                     with self._lock:
                         if len(self._queue) >= self._max_queued:
                             break
@@ -537,7 +541,7 @@ class Subscriber:
                     page = self._gateway.events(name, params)
                     found += self._accept_page(name, sent, page)
                     moved = page["cursor"] != params[0][1]
-                    if page["up_to_date"] or not moved or self._reached(name, until):
+                    if page["up_to_date"] or not moved:
                         break
         return found
 
