@@ -158,9 +158,10 @@ class Subscriber:
     before; without one it starts at `start`: "now" (the heads when it starts) or
     "beginning". `secret` ("whsec_" and base64) signs the deliveries; a random one
     when None. `pull_after` is the seconds without an accepted push after which it
-    pulls; `tolerance` how far a delivery's timestamp may be from now. At most
-    `max_queued` items wait in the queue: deliveries beyond are answered 503, so the
-    gateway retries them later. `api_key`, `timeout` and `client` are as for `Reader`.
+    pulls; `tolerance` how far a delivery's timestamp may be from now. Once
+    `max_queued` items wait in the queue, deliveries are answered 503, so the gateway
+    retries them later (batches taken meanwhile may add up to `max_events` each beyond
+    it). `api_key`, `timeout` and `client` are as for `Reader`.
 
     Serve it as an ASGI app at `callback` (it is one), or call `receive` from any web
     framework. Take items with `get` or by iterating; after each, `cursor` is where the
@@ -231,6 +232,9 @@ class Subscriber:
         self._subscribed = False
         self._put_due = 0.0
         self._last_accepted = time.monotonic()
+        # whether this subscriber refused a push of its own accord (503) since the last
+        # it accepted: then a pull that finds events says nothing of the pushes
+        self._refused = False
         self._resubscriptions = 0
         # the last webhook-ids taken, oldest first (a dict: looked up by hash)
         self._seen: dict[str, None] = {}
@@ -403,6 +407,7 @@ class Subscriber:
             if webhook_id in self._seen:
                 return 200
             if len(self._queue) >= self._max_queued:
+                self._refused = True
                 return 503
         accepted = self._offer(batch)
         if accepted is None:
@@ -410,6 +415,8 @@ class Subscriber:
                 self._catch_up(batch, subscription)
             except _FAILURES as error:
                 log.warning("pulling %s after a delivery failed: %r", batch.stream, error)
+                with self._lock:
+                    self._refused = True
                 return 503
             accepted = self._offer(batch)
             if accepted is None:
@@ -420,6 +427,7 @@ class Subscriber:
                 del self._seen[next(iter(self._seen))]
             if accepted:
                 self._last_accepted = time.monotonic()
+                self._refused = False
         return 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -671,7 +679,10 @@ class Subscriber:
             found = []
         with self._lock:
             self._last_accepted = time.monotonic()
-        if found and subscribed:
+            refused, self._refused = self._refused, False
+        # what it found may be what this subscriber refused (a full queue): the pushes
+        # did not fail then, and are retried
+        if found and subscribed and not refused:
             self._resubscribe(subscription)
 
 

@@ -334,6 +334,20 @@ def test_a_full_queue_asks_the_gateway_to_retry(gateway: Gateway) -> None:
         assert push(sub, batch(sub, 0, 1, 2, 2)) == 200
 
 
+def test_pushes_it_refused_itself_make_the_timer_pull_but_not_subscribe_again(
+    gateway: Gateway,
+) -> None:
+    gateway.append(0, "placed", "placed")
+    with subscriber(gateway, max_queued=1, pull_after=0.3) as sub:
+        assert push(sub, batch(sub, 0, 0, 1, 1)) == 200
+        assert push(sub, batch(sub, 0, 1, 2, 2)) == 503  # the queue is full
+        assert taken(sub) == [(0, 1)]
+        # the gateway waits before it pushes position 2 again; the timer pulls it first
+        second = sub.get(timeout=5)
+        assert isinstance(second, Event) and second.position == 2
+        assert sub.resubscriptions == 0 and len(gateway.puts) == 1
+
+
 def test_when_pushes_stop_the_timer_pulls_and_subscribes_again(gateway: Gateway) -> None:
     gateway.append(1, "placed", "placed")
     with subscriber(gateway, pull_after=0.1) as sub:
