@@ -20,7 +20,16 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from helpers import Delivery, GatewayProcess, Receiver, run_subengine, scrape, value, wait_for
+from helpers import (
+    Delivery,
+    GatewayProcess,
+    Receiver,
+    echo_and_accept,
+    run_subengine,
+    scrape,
+    value,
+    wait_for,
+)
 from standardwebhooks import Webhook as Verifier
 
 import subengine
@@ -512,3 +521,27 @@ def test_with_a_filter_the_batches_still_chain_so_nothing_looks_missed(
         p: positions for p, positions in wanted.items() if positions
     }
     assert all(e["type"] == "Wanted" for b in batches(receiver, secret) for e in b["events"])
+
+
+def test_a_replaced_webhook_in_the_middle_of_retries_sends_nothing_more(
+    engine: subengine.Engine, orders: str, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    # The old webhook's batch keeps failing, so it is in flight or about to be retried
+    # when the new id replaces it: its position is deleted with it, so no retry follows.
+    active(hooks, receiver, "retrying")
+    receiver.answer = lambda d: (
+        (503, b"", {}) if d.json().get("subscription") == "retrying" else echo_and_accept(d)
+    )
+    engine.append("orders", [NewEvent("k", "T", {})])
+
+    def old_posts() -> int:
+        return sum(d.json()["subscription"] == "retrying" for d in receiver.of_type("events"))
+
+    wait_for(lambda: old_posts() >= 2, "a retry")
+    answer = subscribe(hooks, "replacing", receiver.url, replaces="retrying")
+    assert answer.status_code == 202, answer.text
+    time.sleep(0.5)  # a POST already on the wire may still arrive
+    after_replace = old_posts()
+    time.sleep(3)  # retries came every second or so before
+    assert old_posts() == after_replace
+    assert state(hooks, "retrying") is None
