@@ -980,7 +980,13 @@ WITH firsts AS (
 SELECT f.key, f.low, f.high, v.version
   FROM firsts f
  CROSS JOIN LATERAL (
-        SELECT coalesce(max(e.key_version), 0) AS version FROM {schema}.events e
+        -- as append_events counts: a key whose events retention removed is at its last
+        -- version (pruned_keys)
+        SELECT coalesce(max(e.key_version),
+                        (SELECT k.key_version FROM {schema}.pruned_keys k
+                          WHERE k.stream = %(stream)s AND k.key = f.key),
+                        0) AS version
+          FROM {schema}.events e
          WHERE e.stream = %(stream)s AND e.key = f.key) AS v
  WHERE f.low <> f.high
     OR (v.version <> f.low

@@ -1018,6 +1018,22 @@ def test_expected_version_is_checked_per_key_and_write(
     assert db.heads(stream) == {0: 6}
 
 
+def test_expected_version_counts_the_versions_retention_removed(
+    spark: SparkSession, db: subengine.Engine, new_stream: Callable[..., str]
+) -> None:
+    stream = new_stream(partitions=1)
+    db.append(stream, [NewEvent("a", "T", {}), NewEvent("a", "T", {}), NewEvent("b", "T", {})])
+    db.set_retention(stream, subengine.Retention(max_events=1))
+    assert db.run_retention().removed == 2  # both events of key a are gone
+
+    with pytest.raises(
+        PySparkException, match="is at version 2, but the append expected version 0"
+    ):
+        write_rows(spark, stream, [("a", "T", "{}", 0)], EXPECTING)
+    write_rows(spark, stream, [("a", "T", "{}", 2)], EXPECTING)
+    assert [e.key_version for e in db.read(stream, 0) if isinstance(e, subengine.Event)] == [1, 3]
+
+
 def test_rows_of_one_key_in_two_tasks_must_agree_on_expected_version(
     spark: SparkSession, db: subengine.Engine, new_stream: Callable[..., str]
 ) -> None:
