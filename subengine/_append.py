@@ -29,7 +29,7 @@ from subengine._errors import (
     SubengineError,
     WrongExpectedVersion,
 )
-from subengine._events import Appended, NewEvent, new_event_id
+from subengine._events import Appended, NewEvent, new_event_ids
 from subengine._names import (
     BIGINT_MAX,
     EARLIEST,
@@ -55,11 +55,15 @@ ID_CONFLICT = "SE410"
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
+# One encoder for every append: `json.dumps` with options builds a new one per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
 def _json(value: Any, what: str) -> tuple[str, int]:
     """The JSON text of `value` and its size in UTF-8 bytes; raises InvalidInput."""
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        size = len(text.encode("utf-8"))
+        text = _ENCODER.encode(value)
+        size = len(text) if text.isascii() else len(text.encode("utf-8"))
     except (TypeError, ValueError) as error:  # UnicodeEncodeError: a lone surrogate
         raise InvalidInput(f"{what} is not valid JSON ({error})") from None
     except RecursionError:
@@ -88,8 +92,8 @@ def _validated(event: object, settings: Settings) -> tuple[str, str]:
                 f"{LATEST:%Y-%m-%d} (UTC), not {event.occurred_at.isoformat()}"
             )
     data_text, data_size = _json(event.data, "data")
-    metadata_text, metadata_size = _json(
-        {} if event.metadata is None else event.metadata, "metadata"
+    metadata_text, metadata_size = (
+        ("{}", 2) if not event.metadata else _json(event.metadata, "metadata")
     )
     size = data_size + metadata_size
     if size > settings.max_event_bytes:
@@ -151,10 +155,13 @@ def prepare(
             raise InvalidEvent(index, str(error)) from None
         keys.append(event.key)
         types.append(event.type)
-        ids.append(new_event_id() if event.id is None else event.id)
+        ids.append(event.id)
         data.append(data_text)
         metadata.append(metadata_text)
         occurred.append(event.occurred_at)
+    missing = [index for index, event_id in enumerate(ids) if event_id is None]
+    for index, event_id in zip(missing, new_event_ids(len(missing)), strict=True):
+        ids[index] = event_id
     expected_keys, expected_values = _expected_versions(expected_version, keys)
     return {
         "stream": stream,

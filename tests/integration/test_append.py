@@ -22,6 +22,24 @@ def events(*keys: str, type: str = "Happened") -> list[NewEvent]:
     return [NewEvent(key, type, {"n": n}) for n, key in enumerate(keys)]
 
 
+def test_ids_left_out_become_time_ordered_uuids_and_given_ids_stay(
+    engine: subengine.Engine, orders: str
+) -> None:
+    given = uuid.uuid4()
+    before = datetime.now(UTC)
+    stored = engine.append(
+        orders,
+        [NewEvent("a", "T", {}), NewEvent("b", "T", {}, id=given), *events("c", "d", "e")],
+    )
+    made = [a.id for n, a in enumerate(stored) if n != 1]
+    assert stored[1].id == given
+    assert len(set(made)) == 4 and given not in made
+    for event_id in made:
+        assert event_id.version == 7 and event_id.variant == uuid.RFC_4122
+        millis = event_id.int >> 80  # UUIDv7: Unix milliseconds in the first 48 bits
+        assert abs(millis / 1000 - before.timestamp()) < 60
+
+
 def test_positions_are_dense_per_partition_and_versions_count_per_key(
     engine: subengine.Engine, orders: str
 ) -> None:
