@@ -9,7 +9,8 @@ interrupted anywhere:
    stored, while the row keeps the name, so that it cannot be created again over old
    events.
 2. The events go in batches, each its own transaction: no huge transaction, and appends
-   to other streams never wait for more than a batch.
+   to other streams never wait for more than a batch. Then the keys' last versions go,
+   in batches too.
 3. The row goes, only once nothing else of the stream is left. The name is free again;
    a stream created under it has a new epoch, by which a reader that kept the old one
    can tell (`Cursor` does not carry the epoch yet: the gateway's cursor will).
@@ -64,12 +65,13 @@ def delete_stream(
         subscriptions = _remove_subscriptions(db, name, force)
         db.run(Query("delete_partitions", {"stream": name}, nothing))
     events = sum(_delete_events(db, name, p, batch) for p in range(stream.partitions))
+    _delete_keys(db, name, batch)
     with db.transaction():
         if db.run(_lock_stream(name)) is not None:  # else a delete run alongside finished
             subscriptions += _remove_subscriptions(db, name, force)
             if db.run(Query("delete_stream", {"stream": name}, first_row)) is None:
                 raise SubengineError(
-                    f"stream {name!r} still has events or partitions after its delete; "
+                    f"stream {name!r} still has events, keys or partitions after its delete; "
                     f"run `subengine stream delete {name}` again"
                 )
     log.info(
@@ -122,3 +124,15 @@ def _delete_events(db: Db, name: str, partition: int, batch: int) -> int:
         if count == 0:  # not `count < batch`: a delete run alongside may have taken some
             return removed
         removed += count
+
+
+def _delete_keys(db: Db, name: str, batch: int) -> None:
+    """Delete the key rows (last versions) of stream `name`, `batch` per transaction."""
+    params = {"stream": name, "batch": batch}
+    while True:
+        with db.transaction():
+            count = db.run(
+                Query("delete_keys_batch", params, lambda result: int(result.rows[0][0]))
+            )
+        if count == 0:
+            return

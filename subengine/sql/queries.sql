@@ -108,9 +108,9 @@ SELECT stream, partition, floor, head,
 -- the new floor, never neither. With %(keep)s (keep_unprocessed), the end is also kept
 -- below the next event of every subscription of the stream as they stand now (one
 -- stored or reset since the run planned included), unless the hard limit's cut
--- %(hard)s is past it. A key left with no event keeps its last version in pruned_keys.
--- The partition row is locked only by the final UPDATE, after everything else (it needs
--- `summary`, which needs the deletes and the keys' versions), so an append to the
+-- %(hard)s is past it. Key versions stay as they are (stream_keys): a key left with no
+-- event goes on at the version after its last one. The partition row is locked only by
+-- the final UPDATE, after the deletes (it needs `summary`), so an append to the
 -- partition waits at most for that UPDATE and the commit. `floor_time` becomes the time
 -- of the last event removed. A partition whose row is gone (its stream being deleted)
 -- loses nothing here and returns no row. Returns how many rows went and the floor.
@@ -131,24 +131,9 @@ WITH bound AS (
     DELETE FROM {schema}.events
      WHERE stream = %(stream)s AND partition = %(partition)s
        AND position >= %(from)s AND position < (SELECT upto FROM bound)
-    RETURNING position, recorded_at, key, key_version
-), kept_versions AS (
-    -- keys with no later version stored (the statement's snapshot still shows the rows
-    -- it deletes, so "later" is what stays): their last version, for append_events
-    INSERT INTO {schema}.pruned_keys AS k (stream, key, key_version)
-    SELECT %(stream)s, g.key, max(g.key_version)
-      FROM gone g
-     GROUP BY g.key
-    HAVING NOT EXISTS (SELECT FROM {schema}.events e
-                        WHERE e.stream = %(stream)s AND e.key = g.key
-                          AND e.key_version > max(g.key_version))
-    ON CONFLICT (stream, key) DO UPDATE
-       SET key_version = greatest(k.key_version, excluded.key_version)
-    RETURNING 1
+    RETURNING position, recorded_at
 ), summary AS (
-    SELECT count(*) AS removed, max(recorded_at) AS last_time,
-           (SELECT count(*) FROM kept_versions) AS keys
-      FROM gone
+    SELECT count(*) AS removed, max(recorded_at) AS last_time FROM gone
 )
 UPDATE {schema}.partitions p
    SET floor = greatest(p.floor, bound.upto),
@@ -338,13 +323,25 @@ WITH gone AS (
 )
 SELECT count(*), coalesce(max(position), %(after)s) FROM gone
 
+-- name: delete_keys_batch
+-- Up to %(batch)s key rows (last versions) of a stream being deleted; how many went.
+WITH gone AS (
+    DELETE FROM {schema}.stream_keys k
+     WHERE k.stream = %(stream)s
+       AND k.key IN (SELECT key FROM {schema}.stream_keys WHERE stream = %(stream)s
+                      ORDER BY key LIMIT %(batch)s)
+    RETURNING 1
+)
+SELECT count(*) FROM gone
+
 -- name: delete_stream
 -- A stream's row, last, and only once nothing else of it is left (no partition, no
--- event); its epoch.
+-- event, no key); its epoch.
 DELETE FROM {schema}.streams s
  WHERE s.name = %(stream)s
    AND NOT EXISTS (SELECT FROM {schema}.partitions p WHERE p.stream = s.name)
    AND NOT EXISTS (SELECT FROM {schema}.events e WHERE e.stream = s.name)
+   AND NOT EXISTS (SELECT FROM {schema}.stream_keys k WHERE k.stream = s.name)
 RETURNING s.epoch
 
 -- name: create_subscription
@@ -965,7 +962,7 @@ UPDATE {schema}.spark_staged_events s
 -- is not the expected one unless the write stored its rows already (it is run again after
 -- it committed: its first row of the key with an expected version is stored); nothing
 -- when every key is as expected. One pass over the write's rows with an expected version,
--- then index lookups per key. Run under the append locks, after spark_number_shared_rows.
+-- then a lookup of each key's row. Run under the append locks, after spark_number_shared_rows.
 WITH firsts AS (
     SELECT DISTINCT ON (s.key) s.key,
            coalesce(s.id, {schema}.spark_event_id(s.content, s.occurrence)) AS first_id,
@@ -977,19 +974,11 @@ WITH firsts AS (
     WINDOW per_key AS (PARTITION BY s.key)
      ORDER BY s.key, s.spark_partition, s.row_number
 )
-SELECT f.key, f.low, f.high, v.version
+SELECT f.key, f.low, f.high, coalesce(k.version, 0)
   FROM firsts f
- CROSS JOIN LATERAL (
-        -- as append_events counts: a key whose events retention removed is at its last
-        -- version (pruned_keys)
-        SELECT coalesce(max(e.key_version),
-                        (SELECT k.key_version FROM {schema}.pruned_keys k
-                          WHERE k.stream = %(stream)s AND k.key = f.key),
-                        0) AS version
-          FROM {schema}.events e
-         WHERE e.stream = %(stream)s AND e.key = f.key) AS v
+  LEFT JOIN {schema}.stream_keys k ON k.stream = %(stream)s AND k.key = f.key
  WHERE f.low <> f.high
-    OR (v.version <> f.low
+    OR (coalesce(k.version, 0) <> f.low
         AND NOT EXISTS (SELECT 1 FROM {schema}.events e
                          WHERE e.stream = %(stream)s AND e.id = f.first_id))
  LIMIT 1

@@ -175,3 +175,30 @@ def test_a_dead_letter_from_before_0004_does_not_block_its_replay(blank_dsn: str
             "SELECT position, generation, resolution FROM subengine.dead_letters ORDER BY 2"
         ).fetchall()
     assert letters == [(2, 1, "superseded"), (2, 2, None)]
+
+
+def test_key_versions_go_on_across_the_upgrade_to_key_rows(blank_dsn: str) -> None:
+    # 0012 kept no row per key: a key's version came from its stored events, or from
+    # pruned_keys once retention had removed them all. The upgrade fills stream_keys
+    # from both, so that every key goes on at the version after its last one.
+    migrate_as_before(blank_dsn, "0012")
+    create_stream_as_before(blank_dsn, "orders", 2)
+    with psycopg.connect(blank_dsn, autocommit=True) as conn:
+        for key, count in (("a", 3), ("b", 1)):
+            conn.execute(
+                "SELECT subengine.append_events('orders', NULL, array_fill(%s::text, ARRAY[%s]),"
+                " array_fill('T'::text, ARRAY[%s]), array_fill('{}'::jsonb, ARRAY[%s]))",
+                (key, count, count, count),
+            )
+        # a key whose every event retention removed, as 0010's pruning recorded it
+        conn.execute("INSERT INTO subengine.pruned_keys VALUES ('orders', 'gone', 7)")
+    with subengine.Engine(blank_dsn) as engine:
+        engine.migrate()
+        assert engine.schema_revision() == _migrate.head_revision()
+        appended = engine.append(
+            "orders",
+            [subengine.NewEvent(key, "T", {}) for key in ("a", "b", "gone", "new")],
+            expected_version={"a": 3, "b": 1, "gone": 7, "new": 0},
+        )
+    assert [a.key_version for a in appended] == [4, 2, 8, 1]
+    assert "pruned_keys" not in tables(blank_dsn)

@@ -327,32 +327,17 @@ def test_dry_run_removes_nothing_and_reports_what_a_run_then_removes(
 # appends beside a prune batch
 
 
-@pytest.mark.parametrize(
-    "stopped_in",
-    [
-        # A row lock on event 20 stops the pruner's DELETE in the middle of its (only)
-        # batch: positions 1..19 are deleted in its open transaction, the floor not raised.
-        "the delete",
-        # A row lock on a pruned key (k10 loses every event) stops it while it records the
-        # last versions of the keys it emptied, after the deletes.
-        "the keys' versions",
-    ],
-)
 def test_an_append_is_not_blocked_while_a_prune_batch_deletes(
-    dsn: str, engine: subengine.Engine, sql: psycopg.Connection[Any], stopped_in: str
+    dsn: str, engine: subengine.Engine, sql: psycopg.Connection[Any]
 ) -> None:
     engine.create_stream("live", 1, retention=Retention(max_events=5))
     engine.append("live", events(50))
+    # A row lock on event 20 stops the pruner's DELETE in the middle of its (only) batch:
+    # positions 1..19 are deleted in its open transaction, the floor not raised.
     blocker = psycopg.connect(dsn)
-    if stopped_in == "the delete":
-        blocker.execute(
-            "SELECT 1 FROM subengine.events WHERE stream = 'live' AND position = 20 FOR UPDATE"
-        )
-    else:
-        sql.execute("INSERT INTO subengine.pruned_keys VALUES ('live', 'k10', 0)")
-        blocker.execute(
-            "SELECT 1 FROM subengine.pruned_keys WHERE stream = 'live' AND key = 'k10' FOR UPDATE"
-        )
+    blocker.execute(
+        "SELECT 1 FROM subengine.events WHERE stream = 'live' AND position = 20 FOR UPDATE"
+    )
     pruning_engine = subengine.Engine(dsn)
     outcome: list[subengine.RetentionRun | BaseException] = []
 
@@ -451,10 +436,9 @@ def test_key_versions_go_on_after_a_key_was_pruned(
     assert appended.key_version == 3
     (again,) = engine.append("versions", [NewEvent("order-1", "T", {})])
     assert again.key_version == 4  # the stored event's version wins from here on
-    # a key with later versions stored is not recorded: its events say it
-    assert sql.execute("SELECT key, key_version FROM subengine.pruned_keys").fetchall() == [
-        ("order-1", 2)
-    ]
+    assert sql.execute(
+        "SELECT key, version FROM subengine.stream_keys WHERE stream = 'versions' ORDER BY key"
+    ).fetchall() == [("order-1", 4), ("order-2", 1)]
 
 
 def test_the_age_cut_is_the_first_position_recorded_at_or_after_the_cutoff(

@@ -103,8 +103,7 @@ def test_a_forced_delete_leaves_nothing_of_the_stream(
     epoch = engine.stream(orders).epoch
     subscribe(engine, "billing", orders)
     subscribe(engine, "audit", orders)
-    # a dead letter, a gap and a pruned key of the stream, as a failing worker and a
-    # pruner leave them
+    # a dead letter and a gap of the stream, as a failing worker and a pruner leave them
     sql.execute(
         "INSERT INTO subengine.dead_letters"
         " (subscription, partition, position, generation, event_id, error, attempts)"
@@ -114,10 +113,6 @@ def test_a_forced_delete_leaves_nothing_of_the_stream(
     sql.execute(
         "INSERT INTO subengine.gaps (subscription, stream, partition, generation, gap_from,"
         " gap_to, floor, reason, action) VALUES ('audit', %s, 0, 1, 1, 2, 3, 'test', 'skipped')",
-        (orders,),
-    )
-    sql.execute(
-        "INSERT INTO subengine.pruned_keys (stream, key, key_version) VALUES (%s, 'gone', 3)",
         (orders,),
     )
     # another stream with a subscription: untouched
