@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from subengine import _gateway_keys, _read, _stream_deletion, _streams
@@ -97,8 +98,11 @@ class AsyncEngine:
         await self.close()
 
     @asynccontextmanager
-    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async def connection(
+        self, *, autocommit: bool = False
+    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """A pooled connection in a transaction: committed on success, else rolled back.
+        With `autocommit`, each statement is a transaction of its own instead.
 
         Waits and fails as `Engine.connection` does: ConfigurationError at once for what
         no retry fixes, DatabaseUnavailable for a connection lost on the way or a server
@@ -107,6 +111,8 @@ class AsyncEngine:
         conn = await self._checkout()
         lost = False
         try:
+            if autocommit:
+                await conn.set_autocommit(True)
             async with conn:
                 yield conn
         except psycopg.Error as error:
@@ -119,6 +125,11 @@ class AsyncEngine:
             lost = True
             raise unavailable from error
         finally:
+            if autocommit and not conn.closed:
+                if conn.info.transaction_status == TransactionStatus.IDLE:
+                    await conn.set_autocommit(False)
+                else:
+                    await conn.close()  # not fit to go back as it is: the pool replaces it
             if isinstance(conn, PooledAsyncConnection):
                 await self._pool.putconn(conn)
             else:
@@ -221,7 +232,7 @@ class AsyncEngine:
         params = prepare(stream, events, expected_version, self.settings)
         if not params["keys"]:
             return []
-        async with self.connection() as conn:
+        async with self.connection(autocommit=True) as conn:  # one statement: its own transaction
             return await self.sql.run_async(conn, append_events(params))
 
     async def read(

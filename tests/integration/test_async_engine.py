@@ -373,3 +373,37 @@ def test_append_async_appends_to_the_schema_it_is_given(
 
     asyncio.run(append())
     assert sql.execute("SELECT count(*) FROM second.events").fetchone()[0] == 1  # type: ignore[index]
+
+
+def test_an_append_is_its_own_transaction_and_leaves_pooled_connections_in_transactions(
+    dsn: str, runner: asyncio.Runner, orders: str
+) -> None:
+    # One connection in each pool, so the append's is the one looked at afterwards.
+    settings = subengine.Settings(dsn=dsn, pool_min_size=1, pool_max_size=1)
+    engine = subengine.Engine(settings=settings)
+    async_engine = subengine.AsyncEngine(settings=settings)
+    runner.run(async_engine.open())
+
+    async def async_state() -> tuple[bool, psycopg.pq.TransactionStatus]:
+        async with async_engine.connection() as conn:
+            await conn.execute("SELECT 1")
+            return conn.autocommit, conn.info.transaction_status
+
+    def state() -> tuple[bool, psycopg.pq.TransactionStatus]:
+        with engine.connection() as conn:
+            conn.execute("SELECT 1")
+            return conn.autocommit, conn.info.transaction_status
+
+    try:
+        for either, look in ((engine, state), (Synced(async_engine, runner), None)):
+            stored = either.append(orders, events("k"))
+            with pytest.raises(subengine.WrongExpectedVersion):
+                either.append(orders, events("k"), expected_version=0)
+            with pytest.raises(subengine.StreamNotFound):
+                either.append("no-such-stream", events("k"))
+            in_transaction = (False, psycopg.pq.TransactionStatus.INTRANS)
+            assert (look() if look else runner.run(async_state())) == in_transaction
+            assert stored[0].key_version == (1 if either is engine else 2)
+    finally:
+        engine.close()
+        runner.run(async_engine.close())
