@@ -169,7 +169,8 @@ BEGIN
 
     -- An id that repeats an earlier one of this call is not stored again. Ids stored by
     -- earlier calls are looked up under the partition locks below.
-    IF event_count > 1 AND (SELECT count(DISTINCT x) FROM unnest(event_ids) AS x) < event_count THEN
+    IF event_count > 1 THEN  -- a plain expression first: no query for one event
+      IF (SELECT count(DISTINCT x) FROM unnest(event_ids) AS x) < event_count THEN
         event_ordinals := ARRAY(
             SELECT min(n) FROM generate_series(1, event_count) AS n
              GROUP BY event_ids[n] ORDER BY 1);
@@ -191,6 +192,7 @@ BEGIN
           INTO touched, touched_counts
           FROM (SELECT event_partitions[n] AS p, count(*) AS c
                   FROM unnest(event_ordinals) AS n GROUP BY 1) AS per_partition;
+      END IF;
     END IF;
 
     -- Lock and advance the touched heads in ascending partition order: appends to one
@@ -328,12 +330,15 @@ BEGIN
          WHERE n <> ALL (event_ordinals);
     END IF;
 
-    -- one notification per partition that received events; the channel is the schema's name
-    PERFORM pg_notify(current_schema(),
-                      json_build_object('stream', stream_name, 'partition', t.p,
-                                        'head', t.old_head + t.c)::text)
-       FROM unnest(touched, old_heads, touched_counts) AS t(p, old_head, c)
-      WHERE t.c > 0;
+    -- one notification per partition that received events; the channel is the schema's
+    -- name (plain expressions, evaluated without a query)
+    FOR i IN 1 .. cardinality(touched) LOOP
+        IF touched_counts[i] > 0 THEN
+            PERFORM pg_notify(current_schema(),
+                              json_build_object('stream', stream_name, 'partition', touched[i],
+                                                'head', old_heads[i] + touched_counts[i])::text);
+        END IF;
+    END LOOP;
 END
 $function$;
 """
