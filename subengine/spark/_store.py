@@ -203,7 +203,7 @@ def read_range(
             yield from _batches(table, stream, partition)
 
 
-def _parse(text: bytes) -> pa.Table:
+def _parse(text: bytearray) -> pa.Table:
     if not text:
         return pa.table({name: pa.array([], _COPIED_TYPES[name]) for name in _COPIED})
     return pa_csv.read_csv(
