@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -165,39 +166,68 @@ class SQL:
             for row in rows:
                 copy.write_row(row)
 
-    def copy_out(self, conn: psycopg.Connection[Any], query: Query[Any]) -> bytearray:
-        """Everything the `COPY ... TO STDOUT` statement of `query` sends, in one buffer.
+    def copy_out(
+        self, conn: psycopg.Connection[Any], query: Query[Any], run_bytes: int
+    ) -> Generator[CopyRun, None, None]:
+        """What the `COPY ... TO STDOUT` statement of `query` sends, as it arrives, in runs
+        of whole messages of at least `run_bytes` (the last run may be shorter).
 
         PostgreSQL sends a message per row. psycopg's Copy object takes each through a
         Python generator, which costs about twice what libpq's own call does, and a bulk
-        read's client time is mostly that; so this drives libpq directly. Each row is
-        copied into one growing buffer at once, which frees libpq's copy of it while it is
-        still in the cache: keeping a million rows' buffers until the end and joining them
-        cost three times as much. Parameters are bound on the client, as psycopg binds them
-        for COPY (the server takes none there).
+        read's client time is mostly that; so this drives libpq directly. Each message is
+        copied into the run's buffer at once, which frees libpq's copy while it is still in
+        the cache: keeping a million of them until the end and joining them cost three
+        times as much. Parameters are bound on the client, as psycopg binds them for COPY
+        (the server takes none there).
+
+        A COPY that fails raises before its last run is given. A caller that stops early
+        must close the iterator: that closes the connection, and the server ends the COPY
+        when it finds the connection gone.
         """
         text = psycopg.ClientCursor(conn).mogrify(self.text(query.name), query.params)
         pgconn = conn.pgconn
         pgconn.send_query(text.encode(conn.info.encoding))
         result = pgconn.get_result()
-        received = bytearray()
-        if result is not None and result.status == pq.ExecStatus.COPY_OUT:
-            receive = pgconn.get_copy_data
-            append = received.extend
-            while True:
-                size, data = receive(0)  # 0: wait for the next row
-                if size < 0:
-                    break
-                append(data)
-            result = pgconn.get_result()
-        error = None
-        while result is not None:  # the COPY's outcome, then the end of the results
-            if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.COPY_OUT):
-                error = error or psycopg.errors.error_from_result(result, conn.info.encoding)
-            result = pgconn.get_result()
-        if error is not None:
-            raise error
-        return received
+        run = CopyRun()
+        finished = False
+        try:
+            if result is not None and result.status == pq.ExecStatus.COPY_OUT:
+                receive = pgconn.get_copy_data
+                add_data, add_size, received = run.data.extend, run.sizes.append, 0
+                while True:
+                    size, data = receive(0)  # 0: wait for the next message
+                    if size < 0:
+                        break
+                    add_data(data)
+                    add_size(size)
+                    received += size
+                    if received >= run_bytes:
+                        yield run
+                        run = CopyRun()
+                        add_data, add_size, received = run.data.extend, run.sizes.append, 0
+                result = pgconn.get_result()
+            error = None
+            while result is not None:  # the COPY's outcome, then the end of the results
+                if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.COPY_OUT):
+                    error = error or psycopg.errors.error_from_result(result, conn.info.encoding)
+                result = pgconn.get_result()
+            finished = True
+            if error is not None:
+                raise error
+            if run.sizes:
+                yield run
+        finally:
+            if not finished:
+                conn.close()
+
+
+@dataclass(slots=True)
+class CopyRun:
+    """Consecutive messages of a COPY's data: their bytes back to back, and the size of
+    each in bytes."""
+
+    data: bytearray = field(default_factory=bytearray)
+    sizes: array[int] = field(default_factory=lambda: array("q"))
 
 
 class Db:

@@ -65,6 +65,7 @@ LAYERS: dict[str, int] = {
             "spark._staging",
             "spark._rows",
             "spark._offsets",
+            "spark._binary_copy",
             "spark._options",
         ],
         5,
