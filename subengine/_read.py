@@ -7,7 +7,6 @@ ever skipped. Reads by time are for finding a starting point, not for catching u
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from subengine._errors import (
     StreamBeingDeleted,
     StreamNotFound,
 )
-from subengine._events import Event, Tombstone
+from subengine._events import Event, Tombstone, stored_events
 from subengine._gateway_cursor import GatewayCursor, StreamPosition
 from subengine._names import (
     BIGINT_MAX,
@@ -41,8 +40,9 @@ def _limit(limit: int) -> int:
 
 
 def _events(rows: list[Any]) -> list[Event]:
+    """Events from rows whose data and metadata are JSON text (decoded when read)."""
     # a stream with no events in range comes back as one row of NULL event columns
-    return [Event(*row) for row in rows if row[0] is not None]
+    return stored_events(row for row in rows if row[0] is not None)
 
 
 class RawEvent(NamedTuple):
@@ -66,33 +66,13 @@ def _raw_events(rows: list[Any]) -> list[RawEvent]:
     return [RawEvent(*row) for row in rows if row[0] is not None]
 
 
-def _decoded_events(rows: list[Any]) -> list[Event]:
-    """Events from rows whose data and metadata are JSON text."""
-    return [
-        Event(
-            raw.id,
-            raw.stream,
-            raw.partition,
-            raw.position,
-            raw.key,
-            raw.key_version,
-            raw.type,
-            json.loads(raw.data),
-            json.loads(raw.metadata),
-            raw.occurred_at,
-            raw.recorded_at,
-        )
-        for raw in _raw_events(rows)
-    ]
-
-
 def read_after(
     stream: str, partition: int, after: int, limit: int
 ) -> Query[list[Event | Tombstone]]:
     """Up to `limit` events of one partition after position `after`, in position order;
     first a tombstone when retention removed positions after `after` (DESIGN.md,
     "Retention and gaps"): the events then start at the floor."""
-    return _read_after(stream, partition, after, limit, _decoded_events)
+    return _read_after(stream, partition, after, limit, _events)
 
 
 def read_after_raw(

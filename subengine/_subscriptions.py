@@ -36,7 +36,7 @@ from subengine._errors import (
     SubscriptionMismatch,
     SubscriptionNotFound,
 )
-from subengine._events import Event, Tombstone
+from subengine._events import Event, Tombstone, stored_events
 from subengine._names import INTEGER_MAX, validate_stream_name, validate_whole_number
 from subengine._settings import Settings
 from subengine._sql import Db, Query, Result, Row, first_row, nothing, rowcount
@@ -575,7 +575,7 @@ def _parts(rows: Sequence[Row]) -> list[tuple[_Part | None, int | None]]:
     for (part_partition, old, generation, _, _, _, take), group in groupby(
         rows, key=lambda row: tuple(row[:7])
     ):
-        events = [Event(*row[7:]) for row in group if row[7] is not None]
+        events = stored_events(row[7:] for row in group if row[7] is not None)
         dense = 0
         while dense < min(take, len(events)) and events[dense].position == old + 1 + dense:
             dense += 1

@@ -38,6 +38,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 import subengine
 
 if TYPE_CHECKING:
+    import pytest
     from playwright.sync_api import Page, Route
 
 TESTS = Path(__file__).parent
@@ -376,6 +377,20 @@ def stored_events(items: Sequence[subengine.Event | subengine.Tombstone]) -> lis
     gaps = [item for item in items if isinstance(item, subengine.Tombstone)]
     assert not gaps, f"unexpected gaps: {gaps}"
     return [item for item in items if isinstance(item, subengine.Event)]
+
+
+def count_json_decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The JSON texts the process decodes from now on (json.loads, psycopg's json and
+    jsonb loaders and subengine's events all decode with json.JSONDecoder)."""
+    decoded: list[str] = []
+    original = json.JSONDecoder.decode
+
+    def counting(self: json.JSONDecoder, text: str, *args: Any, **kwargs: Any) -> Any:
+        decoded.append(text)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(json.JSONDecoder, "decode", counting)
+    return decoded
 
 
 def server_now(engine: subengine.Engine) -> datetime:

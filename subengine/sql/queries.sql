@@ -179,7 +179,8 @@ VALUES (%(name)s, %(stream)s, %(partition)s, %(generation)s, %(gap_from)s, %(gap
 -- stream's partition count (a stream with no such row does not exist) and the
 -- partition's floor, read in the same snapshot as the events: positions below it are no
 -- longer stored, and a read from before it meets their gap. Data and metadata come as
--- JSON text: the gateway relays them as they are, and the engine decodes them.
+-- JSON text: the gateway relays them as they are, and the engine decodes them when they
+-- are read.
 SELECT s.partitions, p.floor, e.id, e.stream, e.partition, e.position, e.key,
        e.key_version, e.type, e.data::text, e.metadata::text, e.occurred_at, e.recorded_at
   FROM {schema}.streams s
@@ -196,9 +197,11 @@ SELECT s.partitions, p.floor, e.id, e.stream, e.partition, e.position, e.key,
 -- Up to `limit` events of every partition recorded at or after a time, in recorded order
 -- (ties by partition and position), with the stream's partition count and, in the same
 -- snapshot, the partitions from which retention removed events recorded at or after the
--- time (their floor_time is not older), with their floors.
+-- time (their floor_time is not older), with their floors. Data and metadata come as JSON
+-- text, which the engine decodes when they are read.
 SELECT s.partitions, g.partitions, g.floors, e.id, e.stream, e.partition, e.position,
-       e.key, e.key_version, e.type, e.data, e.metadata, e.occurred_at, e.recorded_at
+       e.key, e.key_version, e.type, e.data::text, e.metadata::text, e.occurred_at,
+       e.recorded_at
   FROM {schema}.streams s
   CROSS JOIN LATERAL (
         SELECT array_agg(p.partition ORDER BY p.partition) AS partitions,
@@ -439,7 +442,8 @@ RETURNING stream, generation
 -- whoever asks). The events'
 -- snapshot may be older than a row lock that waited, never newer than the head read
 -- with it: positions are dense, so no event up to that head is invisible. Nothing when
--- the subscription is not stored for this stream (deleted, perhaps declared anew).
+-- the subscription is not stored for this stream (deleted, perhaps declared anew). Data
+-- and metadata come as JSON text, which the engine decodes when a handler reads them.
 WITH chosen AS MATERIALIZED (
     SELECT sp.partition, sp.position, sp.generation,
            sp.stopped OR s.paused OR coalesce(sp.retry_at > now(), false) AS halted,
@@ -455,8 +459,8 @@ WITH chosen AS MATERIALIZED (
        FOR UPDATE OF sp
 )
 SELECT c.partition, c.position, c.generation, c.halted, c.attempts, c.head, c.take,
-       e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type, e.data,
-       e.metadata, e.occurred_at, e.recorded_at
+       e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type, e.data::text,
+       e.metadata::text, e.occurred_at, e.recorded_at
   FROM chosen c
   LEFT JOIN LATERAL (
         SELECT * FROM {schema}.events e
@@ -469,9 +473,11 @@ SELECT c.partition, c.position, c.generation, c.halted, c.attempts, c.head, c.ta
 -- name: lock_companions
 -- The other partitions a transactional batch carries when its chosen partition left
 -- room: the function lock_companions (migration 0008) says how. The same columns as
--- lock_batch, a partition after the other.
-SELECT * FROM {schema}.lock_companions(
-    %(name)s, %(stream)s, %(partition)s, %(room)s, %(companions)s)
+-- lock_batch, a partition after the other (data and metadata as JSON text).
+SELECT part, part_position, part_generation, halted, attempts, head, take, id, stream,
+       partition, position, key, key_version, type, data::text, metadata::text,
+       occurred_at, recorded_at
+  FROM {schema}.lock_companions(%(name)s, %(stream)s, %(partition)s, %(room)s, %(companions)s)
 
 -- name: commit_position
 -- Compare-and-set the position of a batch of one partition (DESIGN.md invariant 3):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from helpers import server_now, stored_events
+from helpers import count_json_decodes, server_now, stored_events
 
 import subengine
 from subengine import NewEvent
@@ -36,6 +36,19 @@ def test_events_carry_every_field(engine: subengine.Engine, orders: str) -> None
     assert event.occurred_at == event.recorded_at
     with pytest.raises(AttributeError):
         event.position = 5  # type: ignore[misc]
+
+
+def test_reads_decode_data_and_metadata_only_when_they_are_read(
+    engine: subengine.Engine, orders: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = server_now(engine)
+    [stored] = engine.append(orders, [NewEvent("k", "Placed", {"a": 1}, metadata={"m": 2})])
+    decoded = count_json_decodes(monkeypatch)
+    [after] = stored_events(engine.read(orders, stored.partition))
+    [since] = stored_events(engine.read_since(orders, start))
+    assert decoded == []
+    assert (after.data, since.metadata) == ({"a": 1}, {"m": 2})
+    assert decoded == ['{"a": 1}', '{"m": 2}']
 
 
 def test_read_since_spans_partitions_in_recorded_order(

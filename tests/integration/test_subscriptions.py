@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy
-from helpers import async_handler, generator_handler, record
+from helpers import async_handler, count_json_decodes, generator_handler, record
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import subengine
@@ -66,6 +66,26 @@ def test_a_handler_can_take_a_typed_payload(
     with pytest.raises(TypeError, match="totl"):
         engine.process_batch(sub, 0)
     assert engine.subscription_positions("billing")[0].position == 1
+
+
+def test_a_batch_decodes_the_json_of_the_events_its_handlers_read_and_no_other(
+    engine: subengine.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.create_stream("orders", partitions=1)
+    types = ["Placed", "Viewed"] * 3
+    engine.append(
+        "orders",
+        [NewEvent(f"k{n}", kind, {"n": n}, metadata={"m": n}) for n, kind in enumerate(types)],
+    )
+    sub = subengine.App().subscription("billing", stream="orders")
+    seen = []
+    sub.handler("Placed")(lambda event, conn: seen.append(event.data["n"]))
+    sub.handler("Viewed")(lambda event, conn: None)
+    engine.ensure_subscription(sub)
+    decoded = count_json_decodes(monkeypatch)
+    engine.process_batch(sub, 0)
+    assert seen == [0, 2, 4]
+    assert decoded == ['{"n": 0}', '{"n": 2}', '{"n": 4}']
 
 
 def test_a_handler_that_returns_a_generator_fails_its_batch(
