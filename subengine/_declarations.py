@@ -345,10 +345,13 @@ class Subscription:
         if self.batch is not None:
             _returned(self.batch, self.batch(events, conn))
             return
+        handlers, catch_all = self.handlers, self.catch_all
         for event in events:
-            function = self.handlers.get(event.type, self.catch_all)
+            function = handlers.get(event.type, catch_all)
             if function is not None:
-                _returned(function, function(event, conn))
+                value = function(event, conn)
+                if value is not None:  # the common case, checked without a call
+                    _returned(function, value)
 
 
 def _check_runnable(function: object, arguments: str, owner: str) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from itertools import groupby
+from operator import itemgetter
 from typing import Any, Literal
 
 import psycopg
@@ -572,13 +573,17 @@ def _parts(rows: Sequence[Row]) -> list[tuple[_Part | None, int | None]]:
     their positions and its next stored event's time; None for a partition whose next
     position is missing (then with the first position found after it, if any)."""
     parts: list[tuple[_Part | None, int | None]] = []
-    for (part_partition, old, generation, _, _, _, take), group in groupby(
-        rows, key=lambda row: tuple(row[:7])
-    ):
-        events = stored_events(row[7:] for row in group if row[7] is not None)
-        dense = 0
-        while dense < min(take, len(events)) and events[dense].position == old + 1 + dense:
-            dense += 1
+    # a partition's rows repeat its first seven columns: its number tells them apart
+    for _, group in groupby(rows, key=itemgetter(0)):
+        first, *others = group
+        part_partition, old, generation, _, _, _, take = first[:7]
+        events = stored_events(row[7:] for row in (first, *others) if row[7] is not None)
+        dense = min(take, len(events))
+        # positions only grow: when the last one is where no hole puts it, none is before
+        if dense and events[dense - 1].position != old + dense:
+            dense = 0
+            while events[dense].position == old + 1 + dense:
+                dense += 1
         if dense == 0 and take > 0:
             parts.append((None, events[0].position if events else None))
             continue
