@@ -2,7 +2,7 @@
 
 Run it from the repository root:
 
-    .venv/bin/python bench/consume.py            # about 7 minutes on 2 cores
+    .venv/bin/python bench/consume.py            # about 6 minutes on 2 cores
     .venv/bin/python bench/consume.py --quick    # about a minute, for a smoke test
     .venv/bin/python bench/consume.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
