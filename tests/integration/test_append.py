@@ -220,6 +220,33 @@ def test_plain_sql_can_append(
     assert (event.key, event.type, event.data) == ("order-9", "Placed", {"total": 3})
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_what_plain_sql_leaves_out_is_filled_in_alike_for_one_event_and_several(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any], count: int
+) -> None:
+    # append_events stores one event by a path of its own: it must fill in what the
+    # caller left out (ids, metadata, occurred_at) as the path for several events does
+    rows = sql.execute(
+        "SELECT ordinal, partition, position, id, key_version, duplicate"
+        " FROM subengine.append_events('orders', NULL, array_fill('k'::text, ARRAY[%(n)s]),"
+        " array_fill('T'::text, ARRAY[%(n)s]), array_fill('{\"n\": 1}'::jsonb, ARRAY[%(n)s]))"
+        " ORDER BY ordinal",
+        {"n": count},
+    ).fetchall()
+    sql.commit()
+    partition = subengine.partition_for("k", 4)
+    assert [(r[0], r[1], r[2], r[4], r[5]) for r in rows] == [
+        (n, partition, n, n, False) for n in range(1, count + 1)
+    ]
+    read = stored_events(engine.read(orders, partition))
+    assert [e.id for e in read] == [r[3] for r in rows]
+    assert all(e.id.version == 4 for e in read)  # gen_random_uuid()
+    for event in read:
+        assert (event.data, event.metadata) == ({"n": 1}, {})
+        assert event.occurred_at == event.recorded_at
+    assert len({e.recorded_at for e in read}) == 1  # the time the partition's lock was taken
+
+
 def test_one_notification_per_partition_touched(
     engine: subengine.Engine, orders: str, dsn: str
 ) -> None:
