@@ -574,10 +574,10 @@ def _parts(rows: Sequence[Row]) -> list[tuple[_Part | None, int | None]]:
     position is missing (then with the first position found after it, if any)."""
     parts: list[tuple[_Part | None, int | None]] = []
     # a partition's rows repeat its first seven columns: its number tells them apart
-    for _, group in groupby(rows, key=itemgetter(0)):
-        first, *others = group
-        part_partition, old, generation, _, _, _, take = first[:7]
-        events = stored_events(row[7:] for row in (first, *others) if row[7] is not None)
+    for _, grouped in groupby(rows, key=itemgetter(0)):
+        group = list(grouped)
+        part_partition, old, generation, _, _, _, take = group[0][:7]
+        events = stored_events(row[7:] for row in group if row[7] is not None)
         dense = min(take, len(events))
         # positions only grow: when the last one is where no hole puts it, none is before
         if dense and events[dense - 1].position != old + dense:
