@@ -574,7 +574,7 @@ def worker_process(job: WorkerJob, results: Any, ready: Any, go: Any) -> None:
     """One subengine worker process: set up, wait for `go`, work until SIGTERM."""
     logging.basicConfig(level=logging.WARNING)
     import subengine
-    import subengine._worker  # imports are done before the clock starts
+    import subengine.worker._worker  # imports are done before the clock starts
 
     app = build_app(job.handler, job.name, job.stream, job.start, job.batch_size)
     statements: list[float] = []

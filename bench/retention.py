@@ -507,7 +507,7 @@ def print_report(
 
 
 def subengine_default_batch() -> int:
-    from subengine._retention import DEFAULT_PRUNE_BATCH
+    from subengine.streams._retention import DEFAULT_PRUNE_BATCH
 
     return DEFAULT_PRUNE_BATCH
 

@@ -114,8 +114,8 @@ from psycopg import sql
 
 if TYPE_CHECKING:
     import subengine
-    from subengine._sql import Db
-    from subengine._worker import Worker
+    from subengine.db._sql import Db
+    from subengine.worker._worker import Worker
 
 # every Engine here is given it, whatever SUBENGINE_SCHEMA says: the polls name it
 SCHEMA = "subengine"
@@ -146,7 +146,7 @@ def one_look(worker: Worker, db: Db) -> int:
 
     The only place this script reaches into the worker: adapt it when the look changes.
     """
-    from subengine._subscriptions import look_for_work
+    from subengine.subscriptions._subscriptions import look_for_work
 
     look = look_for_work(list(worker.subscriptions), [], [], worker._look_limit)
     found = db.run(look)
@@ -157,7 +157,7 @@ def one_look(worker: Worker, db: Db) -> int:
 def one_poll(worker: Worker, db: Db) -> int:
     """The statement an idle worker sends every poll interval (the heads' sums and
     whether any partition has work; no heartbeat), once; 1 if it says there is work."""
-    from subengine._sql import Query
+    from subengine.db._sql import Query
 
     query = Query(
         "poll_for_work",
@@ -483,8 +483,8 @@ class Looker:
         cls, engine: subengine.Engine, names: Sequence[str], stream: str, poll: bool = False
     ) -> Iterator[Looker]:
         import subengine
-        from subengine._sql import Db, Query, first_row
-        from subengine._worker import Worker
+        from subengine.db._sql import Db, Query, first_row
+        from subengine.worker._worker import Worker
 
         app = subengine.App()
         for name in names:

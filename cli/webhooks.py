@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from subengine._webhooks import describe_streams
+from subengine.outside._webhooks import describe_streams
 
 from . import _render
 from ._context import Context, json_option, pass_context

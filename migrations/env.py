@@ -26,7 +26,7 @@ schema: str = config.attributes["schema"]
 version_table: str = config.attributes["version_table"]
 quoted_schema = sql.Identifier(schema).as_string(None)
 
-# Both statements are built from a validated, quoted identifier (see subengine._names).
+# Both statements are built from a validated, quoted identifier (see subengine.model._names).
 prelude = [
     f"CREATE SCHEMA IF NOT EXISTS {quoted_schema}",
     f"SET LOCAL search_path TO {quoted_schema}",

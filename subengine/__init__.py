@@ -7,67 +7,129 @@ engine.create_stream("orders", partitions=8)
 engine.append("orders", [subengine.NewEvent("order-1", "OrderPlaced", {"total": 10})])
 """
 
+from __future__ import annotations
+
+import importlib
 from os import PathLike
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from subengine import _embedded, _migrate
-from subengine._app import App
-from subengine._append import append
-from subengine._append_async import append_async
-from subengine._async_engine import AsyncEngine
-from subengine._cursor import Cursor
-from subengine._declarations import Retention, Subscription
-from subengine._engine import Engine
-from subengine._errors import (
-    ApiKeyNotFound,
-    ConfigurationError,
-    DatabaseUnavailable,
-    EventIdConflict,
-    Fenced,
-    InvalidEvent,
-    InvalidInput,
-    MigrationError,
-    PartitionNotFound,
-    PositionsMissing,
-    RetryLater,
-    SchemaNotReady,
-    StoppedAtGap,
-    StreamBeingDeleted,
-    StreamExists,
-    StreamNotFound,
-    SubengineError,
-    SubscriptionMismatch,
-    SubscriptionNotFound,
-    WrongExpectedVersion,
-)
-from subengine._events import (
-    Appended,
-    Event,
-    NewEvent,
-    PartitionState,
-    Stream,
-    Tombstone,
-    partition_for,
-)
-from subengine._gateway_keys import ApiKey
-from subengine._logging import configure_logging
-from subengine._names import validate_schema_name
-from subengine._orm import sqlalchemy_session
-from subengine._read import gateway_cursor
-from subengine._records import (
-    DeadLetter,
-    PartitionStatus,
-    StoredSubscription,
-    SubscriptionSummary,
-    WorkerRegistration,
-    WorkerStatus,
-)
-from subengine._reset import reset_subscription
-from subengine._retention import RetentionRun
-from subengine._settings import Settings
-from subengine._stream_deletion import DeletedStream
-from subengine._subscriptions import BatchOutcome, SubscriptionPosition
-from subengine._tail import AsyncTail, Tail
+if TYPE_CHECKING:
+    from subengine.engine._async_engine import AsyncEngine
+    from subengine.engine._engine import Engine
+    from subengine.engine._orm import sqlalchemy_session
+    from subengine.model._cursor import Cursor
+    from subengine.model._declarations import Retention, Subscription
+    from subengine.model._errors import (
+        ApiKeyNotFound,
+        ConfigurationError,
+        DatabaseUnavailable,
+        EventIdConflict,
+        Fenced,
+        InvalidEvent,
+        InvalidInput,
+        MigrationError,
+        PartitionNotFound,
+        PositionsMissing,
+        RetryLater,
+        SchemaNotReady,
+        StoppedAtGap,
+        StreamBeingDeleted,
+        StreamExists,
+        StreamNotFound,
+        SubengineError,
+        SubscriptionMismatch,
+        SubscriptionNotFound,
+        WrongExpectedVersion,
+    )
+    from subengine.model._events import (
+        Appended,
+        Event,
+        NewEvent,
+        PartitionState,
+        Stream,
+        Tombstone,
+        partition_for,
+    )
+    from subengine.model._logging import configure_logging
+    from subengine.model._records import (
+        DeadLetter,
+        PartitionStatus,
+        StoredSubscription,
+        SubscriptionSummary,
+        WorkerRegistration,
+        WorkerStatus,
+    )
+    from subengine.model._settings import Settings
+    from subengine.outside._api_keys import ApiKey
+    from subengine.streams._append import append
+    from subengine.streams._append_async import append_async
+    from subengine.streams._read import gateway_cursor
+    from subengine.streams._retention import RetentionRun
+    from subengine.streams._tail import AsyncTail, Tail
+    from subengine.subscriptions._reset import reset_subscription
+    from subengine.subscriptions._stream_deletion import DeletedStream
+    from subengine.subscriptions._subscriptions import BatchOutcome, SubscriptionPosition
+    from subengine.worker._app import App
+
+# Every public name, and the module that defines it. They are imported on first use (PEP
+# 562), so `import subengine.client`, which speaks only HTTP, loads neither psycopg nor the
+# engine; `from subengine import Engine` works as before.
+_PUBLIC: dict[str, str] = {
+    "AsyncEngine": "subengine.engine._async_engine",
+    "Engine": "subengine.engine._engine",
+    "sqlalchemy_session": "subengine.engine._orm",
+    "Cursor": "subengine.model._cursor",
+    "Retention": "subengine.model._declarations",
+    "Subscription": "subengine.model._declarations",
+    "ApiKeyNotFound": "subengine.model._errors",
+    "ConfigurationError": "subengine.model._errors",
+    "DatabaseUnavailable": "subengine.model._errors",
+    "EventIdConflict": "subengine.model._errors",
+    "Fenced": "subengine.model._errors",
+    "InvalidEvent": "subengine.model._errors",
+    "InvalidInput": "subengine.model._errors",
+    "MigrationError": "subengine.model._errors",
+    "PartitionNotFound": "subengine.model._errors",
+    "PositionsMissing": "subengine.model._errors",
+    "RetryLater": "subengine.model._errors",
+    "SchemaNotReady": "subengine.model._errors",
+    "StoppedAtGap": "subengine.model._errors",
+    "StreamBeingDeleted": "subengine.model._errors",
+    "StreamExists": "subengine.model._errors",
+    "StreamNotFound": "subengine.model._errors",
+    "SubengineError": "subengine.model._errors",
+    "SubscriptionMismatch": "subengine.model._errors",
+    "SubscriptionNotFound": "subengine.model._errors",
+    "WrongExpectedVersion": "subengine.model._errors",
+    "Appended": "subengine.model._events",
+    "Event": "subengine.model._events",
+    "NewEvent": "subengine.model._events",
+    "PartitionState": "subengine.model._events",
+    "Stream": "subengine.model._events",
+    "Tombstone": "subengine.model._events",
+    "partition_for": "subengine.model._events",
+    "configure_logging": "subengine.model._logging",
+    "DeadLetter": "subengine.model._records",
+    "PartitionStatus": "subengine.model._records",
+    "StoredSubscription": "subengine.model._records",
+    "SubscriptionSummary": "subengine.model._records",
+    "WorkerRegistration": "subengine.model._records",
+    "WorkerStatus": "subengine.model._records",
+    "Settings": "subengine.model._settings",
+    "ApiKey": "subengine.outside._api_keys",
+    "append": "subengine.streams._append",
+    "append_async": "subengine.streams._append_async",
+    "gateway_cursor": "subengine.streams._read",
+    "RetentionRun": "subengine.streams._retention",
+    "AsyncTail": "subengine.streams._tail",
+    "Tail": "subengine.streams._tail",
+    "reset_subscription": "subengine.subscriptions._reset",
+    "DeletedStream": "subengine.subscriptions._stream_deletion",
+    "BatchOutcome": "subengine.subscriptions._subscriptions",
+    "SubscriptionPosition": "subengine.subscriptions._subscriptions",
+    "App": "subengine.worker._app",
+}
 
 __all__ = [
     "ApiKey",
@@ -131,6 +193,9 @@ __all__ = [
 def migration_sql(schema: str = "subengine") -> str:
     """The SQL that creates subengine's schema `schema` on an empty database (what
     `Engine.migrate` runs), for a DBA to review and apply; it connects to no database."""
+    from subengine.db import _migrate
+    from subengine.model._names import validate_schema_name
+
     validate_schema_name(schema)
     return _migrate.upgrade_sql(schema)
 
@@ -138,5 +203,21 @@ def migration_sql(schema: str = "subengine") -> str:
 def stop_embedded(home: str | PathLike[str] | None = None) -> bool:
     """Stop the embedded PostgreSQL whose data is in `home` (default: SUBENGINE_HOME, else
     .subengine), the one an Engine without a DSN starts; False if none was running there."""
+    from subengine.db import _embedded
+    from subengine.model._settings import Settings
+
     folder = Settings.from_env().home if home is None else Path(home)
     return _embedded.stop_embedded(folder.expanduser())
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'subengine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

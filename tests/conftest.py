@@ -51,7 +51,7 @@ from pytest_postgresql import factories
 from pytest_postgresql.executors import NoopExecutor
 
 import subengine
-from subengine import _migrate
+from subengine.db import _migrate
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page

@@ -25,7 +25,7 @@ def upgrade() -> None:
         r"""
 -- Whether every element of `patterns` is a stream pattern: '*' (every stream), a stream
 -- name (that stream), or a stream name followed by '*' (the streams it begins). Stream
--- names follow subengine._names.STREAM_NAME. NULL elements are not patterns.
+-- names follow subengine.model._names.STREAM_NAME. NULL elements are not patterns.
 CREATE FUNCTION valid_stream_patterns(patterns text[]) RETURNS boolean
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
 RETURN NOT EXISTS (

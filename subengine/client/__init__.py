@@ -6,13 +6,13 @@ catch-up and live, resuming by the cursor the caller stores with its own state;
 receives a webhook subscription's pushes, and pulls when they fail.
 """
 
-from subengine._events import Tombstone
 from subengine.client._async import AsyncReader
 from subengine.client._core import Reconnect, StreamOptions
 from subengine.client._errors import GatewayError
 from subengine.client._items import Event, Item, Reset
 from subengine.client._sync import Reader
 from subengine.client._webhooks import Subscriber
+from subengine.model._events import Tombstone
 
 __all__ = [
     "AsyncReader",

@@ -19,8 +19,6 @@ from datetime import datetime
 from typing import Any, Literal
 from urllib.parse import quote
 
-from subengine._events import Tombstone
-from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine.client._errors import GatewayError
 from subengine.client._items import (
     Event,
@@ -30,6 +28,8 @@ from subengine.client._items import (
     reset_from_json,
     tombstone_from_json,
 )
+from subengine.model._events import Tombstone
+from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 
 CURSOR_HEADER = "Subengine-Cursor"
 # error frames after which the reader resumes by cursor (docs/gateway.md, "Errors")

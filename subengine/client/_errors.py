@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from subengine._errors import SubengineError
+from subengine.model._errors import SubengineError
 
 # how much of a gateway's message an error repeats
 _MESSAGE_CHARS = 500

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from subengine._events import Tombstone
+from subengine.model._events import Tombstone
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,9 +28,6 @@ import anyio.to_thread
 import httpx
 from standardwebhooks import Webhook
 
-from subengine._events import Tombstone
-from subengine._gateway_cursor import GatewayCursor, StreamPosition
-from subengine._webhooks import new_secret, validate_secret
 from subengine.client._core import Selection, StreamOptions, refusal, selection_of
 from subengine.client._errors import GatewayError
 from subengine.client._items import (
@@ -41,6 +38,9 @@ from subengine.client._items import (
     reset_from_json,
     tombstone_from_json,
 )
+from subengine.model._events import Tombstone
+from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
+from subengine.model._secrets import new_secret, validate_secret
 
 log = logging.getLogger("subengine.client")
 

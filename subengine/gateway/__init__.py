@@ -4,8 +4,8 @@ over server-sent events (DESIGN.md, "The gateway"; the protocol is docs/gateway.
 `create_app()` is the ASGI application; `subengine serve` runs it with uvicorn.
 """
 
-from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine.gateway._app import ApiError, Gateway, GatewayConfig, close_all_streams, create_app
+from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 
 __all__ = [
     "ApiError",

@@ -33,31 +33,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from subengine._async_engine import AsyncEngine
-from subengine._declarations import Start
-from subengine._engine import Engine
-from subengine._errors import (
-    DatabaseUnavailable,
-    EventIdConflict,
-    InvalidEvent,
-    InvalidInput,
-    PartitionNotFound,
-    StreamNotFound,
-    SubengineError,
-    WrongExpectedVersion,
-)
-from subengine._events import NewEvent
-from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
-from subengine._names import validate_key, validate_stream_name, validate_type
-from subengine._settings import Settings
-from subengine._webhooks import (
-    Webhook,
-    WebhookConflict,
-    WebhookDefinition,
-    WebhookNotFound,
-    streams_of,
-    validate_webhook_id,
-)
+from subengine.engine._async_engine import AsyncEngine
+from subengine.engine._engine import Engine
 from subengine.gateway._auth import ANONYMOUS, Authenticator, Denied, Principal
 from subengine.gateway._callbacks import (
     CallbackClient,
@@ -79,6 +56,29 @@ from subengine.gateway._hub import Hub, Watcher, dumps
 from subengine.gateway._metrics import GatewayMetrics
 from subengine.gateway._reading import Reader, Selection
 from subengine.gateway._sse import Blocked, EventStream, Gone, frame_text
+from subengine.model._declarations import Start
+from subengine.model._errors import (
+    DatabaseUnavailable,
+    EventIdConflict,
+    InvalidEvent,
+    InvalidInput,
+    PartitionNotFound,
+    StreamNotFound,
+    SubengineError,
+    WrongExpectedVersion,
+)
+from subengine.model._events import NewEvent
+from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
+from subengine.model._names import validate_key, validate_stream_name, validate_type
+from subengine.model._settings import Settings
+from subengine.outside._webhooks import (
+    Webhook,
+    WebhookConflict,
+    WebhookDefinition,
+    WebhookNotFound,
+    streams_of,
+    validate_webhook_id,
+)
 
 log = logging.getLogger("subengine.gateway")
 

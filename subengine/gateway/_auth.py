@@ -20,8 +20,8 @@ from typing import Generic, TypeVar
 
 from starlette.requests import Request
 
-from subengine._async_engine import AsyncEngine
-from subengine._gateway_keys import ApiKey
+from subengine.engine._async_engine import AsyncEngine
+from subengine.outside._api_keys import ApiKey
 
 CACHE_SECONDS = 2.0
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
-from subengine._errors import InvalidInput, SubengineError
+from subengine.model._errors import InvalidInput, SubengineError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

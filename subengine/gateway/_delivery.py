@@ -29,18 +29,7 @@ from typing import Any
 import psycopg
 from standardwebhooks import Webhook as Signer
 
-from subengine import _webhooks
-from subengine._engine import Engine
-from subengine._errors import RetryLater, SubengineError
-from subengine._events import Event, Tombstone
-from subengine._gateway_cursor import GatewayCursor, StreamPosition
-from subengine._webhooks import (
-    Deliverable,
-    DeliveryContext,
-    WebhookNotFound,
-    WebhookStream,
-)
-from subengine._worker import Worker
+from subengine.engine._engine import Engine
 from subengine.gateway._callbacks import (
     CallbackClient,
     CallbackRefused,
@@ -48,6 +37,17 @@ from subengine.gateway._callbacks import (
     CallbackUnreachable,
 )
 from subengine.gateway._hub import tombstone_body
+from subengine.model._errors import RetryLater, SubengineError
+from subengine.model._events import Event, Tombstone
+from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
+from subengine.outside import _webhooks
+from subengine.outside._webhooks import (
+    Deliverable,
+    DeliveryContext,
+    WebhookNotFound,
+    WebhookStream,
+)
+from subengine.worker._worker import Worker
 
 log = logging.getLogger("subengine.gateway.webhooks")
 

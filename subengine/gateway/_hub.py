@@ -22,11 +22,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from subengine._async_engine import AsyncEngine
-from subengine._errors import DatabaseUnavailable
-from subengine._events import Tombstone
-from subengine._listener import TaskInbox
-from subengine._read import RawEvent
+from subengine.engine._async_engine import AsyncEngine
+from subengine.model._errors import DatabaseUnavailable
+from subengine.model._events import Tombstone
+from subengine.streams._listener import TaskInbox
+from subengine.streams._read import RawEvent
 
 log = logging.getLogger("subengine.gateway")
 

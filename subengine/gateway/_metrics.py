@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from subengine._webhooks import STATES, Webhook
 from subengine.gateway._connections import KINDS, LIMITS, Connections
+from subengine.outside._webhooks import STATES, Webhook
 
 if TYPE_CHECKING:
     from subengine.gateway._delivery import Deliveries

@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from subengine._events import Tombstone, partition_for
-from subengine._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
-from subengine._read import Page, RawEvent
 from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, event_json, tombstone_body
+from subengine.model._events import Tombstone, partition_for
+from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
+from subengine.streams._read import Page, RawEvent
 
 
 @dataclass(frozen=True, slots=True)

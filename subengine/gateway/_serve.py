@@ -17,10 +17,10 @@ import signal
 import uvicorn
 from starlette.applications import Starlette
 
-from subengine._settings import Settings
 from subengine.gateway._app import GatewayConfig, create_app
 from subengine.gateway._callbacks import CallbackPolicy
 from subengine.gateway._delivery import DeliveryConfig
+from subengine.model._settings import Settings
 
 CONFIG_ENVIRONMENT = "SUBENGINE_GATEWAY_CONFIG"
 # A cursor of many partitions travels in a header (Last-Event-ID) and in URLs.

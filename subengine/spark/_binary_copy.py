@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from subengine._errors import SubengineError
+from subengine.model._errors import SubengineError
 
 SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 # The signature, 32 bits of flags and the 32-bit length of a header extension.

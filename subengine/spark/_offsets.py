@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from subengine._errors import InvalidInput
+from subengine.model._errors import InvalidInput
 
 Positions = dict[int, int]
 

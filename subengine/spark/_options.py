@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from subengine._errors import ConfigurationError, InvalidInput
-from subengine._names import (
+from subengine.model._errors import ConfigurationError, InvalidInput
+from subengine.model._names import (
     BIGINT_MAX,
     INTEGER_MAX,
     MAX_PARTITIONS,
     validate_schema_name,
     validate_stream_name,
 )
-from subengine._settings import Settings
+from subengine.model._settings import Settings
 
 DEFAULT_DSN_ENV = "SUBENGINE_DSN"
 DEFAULT_ROWS_PER_SPLIT = 250_000

@@ -29,10 +29,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from subengine._append import prepare
-from subengine._errors import InvalidEvent, InvalidInput
-from subengine._events import NewEvent, partition_for
-from subengine._settings import Settings
+from subengine.model._errors import InvalidEvent, InvalidInput
+from subengine.model._events import NewEvent, partition_for
+from subengine.model._settings import Settings
+from subengine.streams._append import prepare
 
 # uuid5 namespace of the content UUIDs the Spark writer derives (a fixed random UUID).
 SPARK_ID_NAMESPACE = uuid.UUID("0b7e4c1e-5d0a-4f57-9a65-3f2b1c8e6d42")

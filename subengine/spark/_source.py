@@ -43,10 +43,10 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from subengine._errors import ConfigurationError, InvalidInput, SubengineError
-from subengine._events import PartitionState
-from subengine._settings import Settings
-from subengine._sql import Db
+from subengine.db._sql import Db
+from subengine.model._errors import ConfigurationError, InvalidInput, SubengineError
+from subengine.model._events import PartitionState
+from subengine.model._settings import Settings
 from subengine.spark import _offsets, _options, _staging, _store
 from subengine.spark._offsets import Positions
 from subengine.spark._rows import (

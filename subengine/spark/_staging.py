@@ -21,10 +21,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from subengine._append import subengine_errors
-from subengine._errors import InvalidInput, SubengineError, WrongExpectedVersion
-from subengine._sql import Db, Query, Row, first_row, nothing
+from subengine.db._sql import Db, Query, Row, first_row, nothing
+from subengine.model._errors import InvalidInput, SubengineError, WrongExpectedVersion
 from subengine.spark._rows import StagedRow
+from subengine.streams._append import subengine_errors
 
 # Rows per append_events call of a commit; the calls share the commit's transaction.
 APPEND_CHUNK = 5_000

@@ -21,21 +21,21 @@ from datetime import datetime
 import psycopg
 import pyarrow as pa
 
-from subengine import _connection
-from subengine._errors import (
+from subengine.db import _connection
+from subengine.db._sql import SQL, Db, Query, Row, nothing
+from subengine.model._errors import (
     InvalidInput,
     PartitionNotFound,
     SubengineError,
     SubscriptionMismatch,
     SubscriptionNotFound,
 )
-from subengine._events import PartitionState, Tombstone
-from subengine._names import EARLIEST, LATEST
-from subengine._settings import Settings
-from subengine._sql import SQL, Db, Query, Row, nothing
-from subengine._streams import partition_states
+from subengine.model._events import PartitionState, Tombstone
+from subengine.model._names import EARLIEST, LATEST
+from subengine.model._settings import Settings
 from subengine.spark._binary_copy import TIMESTAMP, Decoder, Kind
 from subengine.spark._offsets import Positions
+from subengine.streams._streams import partition_states
 
 log = logging.getLogger("subengine.spark")
 

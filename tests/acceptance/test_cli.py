@@ -14,7 +14,7 @@ from helpers import run_ok as run
 from helpers import stored_events
 
 import subengine
-from subengine import _migrate
+from subengine.db import _migrate
 
 
 def test_migrate_reports_the_revision(cli_env: dict[str, str]) -> None:

@@ -13,7 +13,8 @@ import pytest
 from helpers import README, run_subengine, subengine_command
 
 import subengine
-from subengine import NewEvent, _embedded
+from subengine import NewEvent
+from subengine.db import _embedded
 
 
 @pytest.mark.parametrize(

@@ -113,7 +113,7 @@ def run_worker(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 def connection_lost(error: BaseException) -> bool:
-    from subengine._connection import connection_lost  # where the worker finds it too
+    from subengine.db._connection import connection_lost  # where the worker finds it too
 
     return connection_lost(error)
 

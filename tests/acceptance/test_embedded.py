@@ -12,7 +12,7 @@ import pytest
 from helpers import run_subengine as run
 
 import subengine
-from subengine import _embedded
+from subengine.db import _embedded
 
 
 @pytest.fixture

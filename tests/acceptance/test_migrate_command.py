@@ -12,7 +12,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import subengine
-from subengine import _migrate
+from subengine.db import _migrate
 
 
 def test_four_processes_migrating_at_once_all_succeed(blank_dsn: str, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-from subengine import _migrate
+from subengine.db import _migrate
 
 # One xdist worker builds the wheel for both tests: setuptools builds in the source
 # tree's build/ folder, and two builds at once collide there ("File exists:

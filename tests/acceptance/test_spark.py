@@ -35,8 +35,9 @@ from psycopg.sql import SQL, Identifier
 from pytest_postgresql.executors import NoopExecutor
 
 import subengine
-from subengine import NewEvent, _migrate
-from subengine._logging import extra_fields
+from subengine import NewEvent
+from subengine.db import _migrate
+from subengine.model._logging import extra_fields
 
 pyspark = pytest.importorskip(
     "pyspark", reason="PySpark is not installed: pip install -e '.[spark]'"

@@ -16,8 +16,9 @@ import psycopg
 import pytest
 
 import subengine
-from subengine import ApiKey, _gateway_keys
-from subengine._sql import SQL
+from subengine import ApiKey
+from subengine.db._sql import SQL
+from subengine.outside import _api_keys
 
 TOKEN = re.compile(r"sek_([0-9a-f]{12})_([A-Za-z0-9_-]{43})")
 
@@ -350,28 +351,28 @@ def test_two_first_callers_at_once_get_one_signing_secret(dsn: str) -> None:
     # waits for it, then must return its secret (not none, not its own).
     queries = SQL("subengine")
     with psycopg.connect(dsn) as first, psycopg.connect(dsn) as second:
-        made = queries.run(first, _gateway_keys.signing_secret("watch"))
+        made = queries.run(first, _api_keys.signing_secret("watch"))
         with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(queries.run, second, _gateway_keys.signing_secret("watch"))
+            waiting = pool.submit(queries.run, second, _api_keys.signing_secret("watch"))
             with pytest.raises(TimeoutError):
                 waiting.result(timeout=0.5)  # it waits for the first to commit
             first.commit()
             assert waiting.result(timeout=30) == made
         second.commit()
-        assert queries.run(second, _gateway_keys.signing_secret("watch")) == made
+        assert queries.run(second, _api_keys.signing_secret("watch")) == made
 
 
 def test_a_first_caller_that_rolls_back_leaves_the_secret_to_the_next(dsn: str) -> None:
     queries = SQL("subengine")
     with psycopg.connect(dsn) as first, psycopg.connect(dsn) as second:
-        abandoned = queries.run(first, _gateway_keys.signing_secret("watch"))
+        abandoned = queries.run(first, _api_keys.signing_secret("watch"))
         with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(queries.run, second, _gateway_keys.signing_secret("watch"))
+            waiting = pool.submit(queries.run, second, _api_keys.signing_secret("watch"))
             first.rollback()
             made = waiting.result(timeout=30)
         second.commit()
         assert made != abandoned
-        assert queries.run(first, _gateway_keys.signing_secret("watch")) == made
+        assert queries.run(first, _api_keys.signing_secret("watch")) == made
 
 
 def test_many_engines_asking_at_once_get_one_signing_secret(

@@ -11,7 +11,7 @@ from helpers import Running, wait_for
 
 import subengine
 from subengine import NewEvent
-from subengine._locks import lock_key
+from subengine.db._locks import lock_key
 
 
 def status(

@@ -27,9 +27,10 @@ from helpers import (
 )
 
 import subengine
-from subengine import NewEvent, _metrics
-from subengine._logging import JsonFormatter
-from subengine._metrics import Progress
+from subengine import NewEvent
+from subengine.model._logging import JsonFormatter
+from subengine.worker import _metrics
+from subengine.worker._metrics import Progress
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from helpers import Running, tables, wait_for
 
 import subengine
-from subengine import _migrate
+from subengine.db import _migrate
 
 
 def test_upgrade_from_empty_creates_the_data_model(blank_dsn: str) -> None:

@@ -20,8 +20,9 @@ import pytest
 from helpers import PYTHON, key_in, wait_for
 
 import subengine
-from subengine import NewEvent, Retention, Subscription, _retention
-from subengine._sql import Db
+from subengine import NewEvent, Retention, Subscription
+from subengine.db._sql import Db
+from subengine.streams import _retention
 
 # How long a concurrent test may run before it stops adding load (a bound, not a claim).
 LOAD_SECONDS = 20.0

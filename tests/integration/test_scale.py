@@ -16,8 +16,8 @@ from psycopg import sql as pgsql
 
 import subengine
 from subengine import NewEvent
-from subengine._sql import SQL
-from subengine._subscriptions import look_for_work
+from subengine.db._sql import SQL
+from subengine.subscriptions._subscriptions import look_for_work
 
 PARTITIONS = 1024
 SUBSCRIPTIONS = 100

@@ -190,7 +190,7 @@ def test_what_commits_while_the_listener_reconnects_is_still_delivered(
 ) -> None:
     # a longer pause before reconnecting: the append below surely lands in it, and its
     # notification is lost; only the pull after the reconnection can deliver it
-    monkeypatch.setattr("subengine._listener._FIRST_RECONNECT_SECONDS", 1.0)
+    monkeypatch.setattr("subengine.streams._listener._FIRST_RECONNECT_SECONDS", 1.0)
     with quiet_engine.tail("orders") as tail:
         assert tail.next_event(timeout=0.05) is None
         wait_for(lambda: listener_pids(sql), "the listener")

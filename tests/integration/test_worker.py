@@ -17,8 +17,8 @@ from psycopg.sql import SQL, Identifier
 
 import subengine
 from subengine import NewEvent
-from subengine._declarations import OnError
-from subengine._worker import Worker
+from subengine.model._declarations import OnError
+from subengine.worker._worker import Worker
 
 
 def test_a_worker_handles_every_event_once_and_stops_cleanly(

@@ -21,7 +21,6 @@ from typing import Any, cast
 import pytest
 import trustme
 
-from subengine._errors import InvalidInput
 from subengine.gateway._callbacks import (
     CallbackClient,
     CallbackPolicy,
@@ -31,6 +30,7 @@ from subengine.gateway._callbacks import (
     address_allowed,
     check_callback_url,
 )
+from subengine.model._errors import InvalidInput
 
 LOOPBACK = CallbackPolicy.from_text("127.0.0.0/8,::1/128")
 # Short limits, so that a test of a timeout is quick; no test asserts how long one took.

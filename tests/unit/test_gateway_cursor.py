@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from subengine._gateway_cursor import (
+from subengine.model._gateway_cursor import (
     MAX_CURSOR_TEXT,
     GatewayCursor,
     InvalidCursor,

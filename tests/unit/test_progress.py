@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from subengine._metrics import PartitionLag, Progress
+from subengine.worker._metrics import PartitionLag, Progress
 
 
 def reading(*lags: int, halted: Collection[int] = ()) -> list[PartitionLag]:

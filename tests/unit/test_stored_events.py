@@ -15,7 +15,7 @@ import pytest
 from helpers import count_json_decodes
 
 import subengine
-from subengine._events import stored_events
+from subengine.model._events import stored_events
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 ID = uuid.UUID("01890a5d-ac96-774b-bcce-b302099a8057")

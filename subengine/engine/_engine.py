@@ -1,0 +1,559 @@
+"""`Engine`: the entry point that owns a connection pool and runs subengine's operations.
+
+Thread-safe; close it (or use it as a context manager) to release its connections.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from subengine.db import _embedded, _migrate
+from subengine.db._connection import (
+    APPLICATION_NAME,
+    PgConnection,
+    PooledConnection,
+    PoolWait,
+    connect,
+    connect_options,
+    connection_lost_error,
+    dsn_problem,
+    one_line,
+)
+from subengine.db._sql import SQL, Db
+from subengine.model._cursor import Cursor
+from subengine.model._declarations import Retention, Start, Subscription
+from subengine.model._errors import ConfigurationError, DatabaseUnavailable
+from subengine.model._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
+from subengine.model._records import (
+    DeadLetter,
+    PartitionStatus,
+    StoredSubscription,
+    SubscriptionSummary,
+    WorkerRegistration,
+    WorkerStatus,
+)
+from subengine.model._settings import Settings
+from subengine.outside import _api_keys, _webhooks
+from subengine.outside._api_keys import ApiKey
+from subengine.outside._webhooks import Put, Webhook, WebhookDefinition
+from subengine.streams import _read, _retention, _streams
+from subengine.streams._append import (
+    ExpectedVersion,
+    append_prepared,
+    prepare,
+    schema_not_ready,
+)
+from subengine.streams._retention import PartitionCut, RetentionRun
+from subengine.streams._tail import Tail, close_listener
+from subengine.subscriptions import _inspection, _stream_deletion, _subscriptions
+from subengine.subscriptions._stream_deletion import DeletedStream
+from subengine.subscriptions._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
+
+log = logging.getLogger("subengine")
+# The pool logs every failed connection attempt, from a background thread. Where the
+# application configured no logging they would all land on stderr; subengine reports the
+# failure once, as DatabaseUnavailable. Configured handlers still receive them.
+logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
+
+_announced_homes: set[str] = set()
+
+
+def configured(
+    dsn: str | None, schema: str | None, settings: Settings | None
+) -> tuple[Settings, str]:
+    """The settings an engine runs with and the DSN it connects to: the given DSN once it
+    parses, or the embedded PostgreSQL's, which it starts (or finds) and announces once per
+    data directory and process."""
+    base = settings or Settings.from_env()
+    changes = {k: v for k, v in {"dsn": dsn, "schema": schema}.items() if v is not None}
+    settings = base.with_changes(**changes) if changes else base
+    if settings.dsn is not None:
+        problem = dsn_problem(settings.dsn)
+        if problem is not None:
+            raise ConfigurationError(f"invalid DSN: {problem}")
+        return settings, settings.dsn
+    url = _embedded.embedded_url(settings.home)
+    # A warning, so that it reaches stderr even where logging is not configured: a
+    # production deployment that forgot SUBENGINE_DSN should notice.
+    home = str(settings.home.expanduser().resolve())
+    if home not in _announced_homes:
+        _announced_homes.add(home)
+        log.warning(
+            "subengine: no SUBENGINE_DSN or dsn given; using the embedded PostgreSQL in %s "
+            "(stop it with `subengine db stop`)",
+            home,
+        )
+    return settings, url
+
+
+class Engine:
+    """Streams in one PostgreSQL database and schema.
+
+    `dsn` is a PostgreSQL URL or libpq conninfo; without one (and without SUBENGINE_DSN)
+    an embedded PostgreSQL is started, or reused, in SUBENGINE_HOME.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        schema: str | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        self.settings, self.dsn = configured(dsn, schema, settings)
+        self.embedded = self.settings.dsn is None
+        self.schema = self.settings.schema
+        self.sql = SQL(self.schema)
+        # the pool's count of failed connection attempts when it last gave a connection
+        self._pool_errors_seen = 0
+        self._pool = ConnectionPool(
+            self.dsn,
+            connection_class=PooledConnection,
+            min_size=self.settings.pool_min_size,
+            max_size=self.settings.pool_max_size,
+            timeout=self.settings.connect_timeout,
+            kwargs=connect_options(self.settings.connect_timeout, APPLICATION_NAME),
+            name="subengine",
+            open=True,
+        )
+
+    def close(self) -> None:
+        """End its tails, stop their listener and close every connection of the pool."""
+        close_listener(self)
+        self._pool.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @contextmanager
+    def connection(self, *, autocommit: bool = False) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection in a transaction: committed on success, else rolled back.
+        With `autocommit`, each statement is a transaction of its own instead: for one
+        statement, that saves the round trips of BEGIN and COMMIT.
+
+        Waits up to `connect_timeout` for PostgreSQL while it refuses connections or is
+        starting (saying so on stderr, as a warning, after half a second), and raises
+        ConfigurationError at once for what no retry fixes (a wrong password, database,
+        role or host name). A connection lost on the way (the server restarted, a backend
+        was terminated) raises DatabaseUnavailable, the psycopg error as its cause.
+        """
+        conn = self._checkout()
+        lost = False
+        try:
+            if autocommit:
+                conn.autocommit = True
+            with conn:
+                yield conn
+        except psycopg.Error as error:
+            missing = schema_not_ready(error)
+            if missing is not None:
+                raise missing from error
+            unavailable = connection_lost_error(error, self.dsn)
+            if unavailable is None:
+                raise
+            lost = True
+            raise unavailable from error
+        finally:
+            if autocommit and not conn.closed:
+                if conn.info.transaction_status == TransactionStatus.IDLE:
+                    conn.autocommit = False
+                else:
+                    conn.close()  # not fit to go back as it is: the pool replaces it
+            if isinstance(conn, PooledConnection):
+                self._pool.putconn(conn)
+            else:
+                conn.close()
+            if lost:
+                # The server restarted, or terminated backends: the pool's other idle
+                # connections are most likely gone too. Weed them out now, so the next
+                # call gets a live one (a closed socket fails its check at once).
+                self._pool.check()
+
+    def _checkout(self) -> PgConnection:
+        """A connection of the pool, or of our own; see `connection` for the waiting.
+
+        While the pool fails to connect, a connection attempt of our own tells why: a
+        problem no retry fixes raises at once; one that a starting server explains is
+        reported once and waited out. Once the server answers again, and the pool (which
+        retries with a growing back-off) still has nothing, the caller gets that fresh
+        connection instead of waiting for the pool's next attempt.
+        """
+        wait = PoolWait(self.dsn, self.settings.connect_timeout, self.settings.pool_max_size)
+        while True:
+            errors = self._pool.get_stats().get("connections_errors", 0)
+            try:
+                conn = self._pool.getconn(timeout=wait.look())
+            except PoolTimeout:
+                pass
+            else:
+                self._pool_errors_seen = errors
+                return conn
+            if self._pool.get_stats().get("connections_errors", 0) == self._pool_errors_seen:
+                wait.pool_busy()  # or one connection is on its way
+                continue
+            try:
+                return connect(self.dsn, wait.diagnosis_timeout())
+            except psycopg.Error as error:
+                wait.failed(error)
+
+    def connect(
+        self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False
+    ) -> psycopg.Connection[Any]:
+        """A new connection of its own (not from the pool), with the engine's connect
+        timeout; the caller closes it."""
+        return connect(
+            self.dsn,
+            self.settings.connect_timeout,
+            application_name=application_name,
+            autocommit=autocommit,
+        )
+
+    # schema
+
+    def migrate(self) -> None:
+        """Create or upgrade subengine's schema (safe from many processes at once)."""
+        with self.connection():
+            pass  # waits for a server that is starting, and fails early on a wrong DSN
+        try:
+            _migrate.upgrade(self.dsn, self.schema, self.settings.connect_timeout)
+        except psycopg.OperationalError as error:
+            raise DatabaseUnavailable(f"could not migrate: {one_line(str(error))}") from None
+
+    def schema_revision(self) -> str | None:
+        """The migration revision the database is at (None: never migrated)."""
+        return _migrate.current_revision(self.dsn, self.schema, self.settings.connect_timeout)
+
+    # streams
+
+    def create_stream(
+        self, name: str, partitions: int, *, retention: Retention | None = None
+    ) -> Stream:
+        """Create a stream with a fixed number of partitions and, optionally, a retention
+        policy (without one, every event is kept)."""
+        query = _streams.create_stream(name, partitions, retention)
+        with self.connection() as conn:
+            created = self.sql.run(conn, query)
+            if created is None:
+                raise self.sql.run(conn, _streams.name_taken(name))
+            return created
+
+    def streams(self) -> list[Stream]:
+        """Every stream, by name."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _streams.list_streams())
+
+    def delete_stream(
+        self,
+        name: str,
+        *,
+        force: bool = False,
+        batch: int = _stream_deletion.DEFAULT_DELETE_BATCH,
+    ) -> DeletedStream:
+        """Delete a stream with its partitions and events, `batch` events per transaction.
+
+        Refused while subscriptions of it are stored, unless `force`, which deletes them
+        too (positions, dead letters, gaps), even while connected workers run them.
+        Appends to the stream fail from the delete's first step; running the delete
+        again finishes one that was interrupted. A stream created later under the name
+        has a new epoch."""
+        with self.connect(autocommit=True) as conn:
+            return _stream_deletion.delete_stream(
+                Db(conn, self.sql), name, force=force, batch=batch
+            )
+
+    def set_retention(self, name: str, retention: Retention | None) -> Stream:
+        """Change a stream's retention policy (None: keep every event from now on); the
+        next pruning run applies it."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _retention.set_retention(name, retention))
+
+    def run_retention(
+        self,
+        stream: str | None = None,
+        *,
+        dry_run: bool = False,
+        batch: int = _retention.DEFAULT_PRUNE_BATCH,
+        plan: Callable[[Sequence[PartitionCut]], None] | None = None,
+        progress: _retention.Progress | None = None,
+    ) -> RetentionRun:
+        """Prune what the streams' retention policies no longer keep (every stream with
+        one, or `stream`), `batch` events per transaction; with `dry_run`, only report
+        what would go. If another pruner runs now, returns at once with `locked` set."""
+        with self.connect(autocommit=True) as conn:
+            return _retention.run_retention(
+                Db(conn, self.sql),
+                self.schema,
+                stream,
+                batch=batch,
+                dry_run=dry_run,
+                plan=plan,
+                progress=progress,
+            )
+
+    def stream(self, name: str) -> Stream:
+        """One stream; raises StreamNotFound when it does not exist."""
+        query = _streams.get_stream(name)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    # append and read
+
+    def append(
+        self,
+        stream: str,
+        events: Iterable[NewEvent],
+        expected_version: ExpectedVersion = None,
+    ) -> list[Appended]:
+        """Append events in a transaction of their own; see `subengine.append`."""
+        params = prepare(stream, events, expected_version, self.settings)
+        with self.connection(autocommit=True) as conn:  # one statement: its own transaction
+            return append_prepared(conn, params, self.settings)
+
+    def read(
+        self, stream: str, partition: int, after: int = 0, limit: int | None = None
+    ) -> list[Event | Tombstone]:
+        """Events of one partition after position `after`, in position order; first a
+        `Tombstone` when retention removed positions after `after`."""
+        query = _read.read_after(
+            stream, partition, after, self.settings.read_limit if limit is None else limit
+        )
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def read_since(
+        self, stream: str, since: datetime, limit: int | None = None
+    ) -> list[Event | Tombstone]:
+        """Events of every partition recorded at or after `since`, oldest first.
+
+        For finding a starting point by time; to catch up, keep positions and use `read`.
+        """
+        query = _read.read_since(
+            stream, since, self.settings.read_limit if limit is None else limit
+        )
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def partitions(self, stream: str) -> list[PartitionState]:
+        """Head, head time and floor of every partition of a stream."""
+        query = _streams.partition_states(stream)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    @contextmanager
+    def db(self) -> Iterator[Db]:
+        """`connection()` with the schema's queries: a transaction of its own."""
+        with self.connection() as conn:
+            yield Db(conn, self.sql)
+
+    # subscriptions
+
+    def ensure_subscription(self, subscription: Subscription) -> None:
+        """Store a subscription on first use; raise SubscriptionMismatch if it disagrees."""
+        with self.db() as db:
+            _subscriptions.ensure_subscription(db, subscription)
+
+    def reset_subscription(self, name: str, to: Start, *, dry_run: bool = False) -> dict[int, int]:
+        """Move the positions of subscription `name` to `to` ('beginning', 'end', a time,
+        or a map of partition to position, which moves only the partitions it names) in a
+        new generation; every partition's position after the reset. With `dry_run`, what
+        the reset would do, changing nothing."""
+        with self.db() as db:
+            return _subscriptions.reset_subscription(db, name, to, dry_run=dry_run)
+
+    def delete_subscription(self, name: str, *, force: bool = False) -> Deleted:
+        """Delete a stored subscription with its positions and dead letters, in one
+        transaction. Refused while connected workers run it, unless `force` (their
+        batches then commit nothing, and they leave it alone)."""
+        with self.db() as db:
+            return _subscriptions.delete_subscription(db, name, force=force)
+
+    def skip_gap(self, name: str, partition: int) -> Tombstone:
+        """Accept the gap retention left before subscription `name`'s position in
+        `partition` (state `gap`): record it in the gaps table, move the position past
+        it and restart the partition. The gap it passed; InvalidInput if there is none."""
+        with self.db() as db:
+            return _subscriptions.skip_gap(db, name, partition)
+
+    def subscription_positions(self, name: str) -> list[SubscriptionPosition]:
+        """Every partition's position of a stored subscription."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _subscriptions.positions(name))
+
+    def process_batch(self, subscription: Subscription, partition: int) -> BatchOutcome | None:
+        """Handle the next batch of one partition exactly once (see process_batch)."""
+        with self.db() as db:
+            return _subscriptions.process_batch(db, subscription, partition)
+
+    # operating
+
+    def subscriptions(self) -> list[StoredSubscription]:
+        """Every stored subscription: name, stream, start, generation, paused, created_at."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _inspection.subscriptions())
+
+    def subscription_summary(self, name: str | None = None) -> list[SubscriptionSummary]:
+        """Per subscription: partitions, lag (events, seconds), states, workers."""
+        with self.db() as db:
+            return _inspection.summary(db, name)
+
+    def subscription_status(self, name: str | None = None) -> list[PartitionStatus]:
+        """The subscription_status view's rows (one per subscription and partition)."""
+        with self.db() as db:
+            return _inspection.status(db, name)
+
+    def pause_subscription(self, name: str) -> None:
+        """Stop workers from taking the subscription's partitions (batches in flight end)."""
+        with self.db() as db:
+            _inspection.set_paused(db, name, True)
+
+    def resume_subscription(self, name: str) -> list[int]:
+        """Lift a pause and restart stopped partitions; the partitions restarted."""
+        with self.db() as db:
+            return _inspection.set_paused(db, name, False)
+
+    def workers(self) -> list[WorkerStatus]:
+        """The workers_status view's rows."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _inspection.workers())
+
+    def prune_workers(self) -> list[WorkerRegistration]:
+        """Remove the registrations of workers that are gone; the rows removed."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _inspection.prune_workers())
+
+    def dead_letters(self, name: str | None = None, everything: bool = False) -> list[DeadLetter]:
+        """Unresolved dead letters (all of them with `everything`), oldest first."""
+        query = _inspection.dead_letters(name, everything)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def retry_dead_letter(
+        self, subscription: Subscription, partition: int, position: int
+    ) -> str | None:
+        """Run a dead letter through the handlers again; None on success, else the error."""
+        with self.db() as db:
+            return _inspection.retry_dead_letter(db, subscription, partition, position)
+
+    def discard_dead_letter(self, name: str, partition: int, position: int) -> None:
+        """Mark a dead letter discarded (it stays, resolved)."""
+        with self.db() as db:
+            _inspection.discard_dead_letter(db, name, partition, position)
+
+    def heads(self, stream: str) -> dict[int, int]:
+        """The head (last committed position) of every partition of a stream."""
+        query = _streams.heads(stream)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    # the gateway's API keys and signing secrets
+
+    def create_api_key(
+        self, scopes: Iterable[str], streams: Iterable[str], name: str | None = None
+    ) -> tuple[ApiKey, str]:
+        """Create an API key of the gateway allowed `scopes` (read, append, admin) on the
+        streams matching `streams` (a name, a prefix ending in '*', or '*'); the key and
+        its token, "sek_<id>_<secret>", which nothing can show again: only its hash is
+        stored."""
+        query = _api_keys.create_key(name, scopes, streams)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def api_keys(self) -> list[ApiKey]:
+        """Every API key, revoked ones included, oldest first (never their secrets)."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _api_keys.list_keys())
+
+    def revoke_api_key(self, id: str) -> ApiKey:
+        """Revoke the API key `id` (revoking it again changes nothing); the key. Raises
+        ApiKeyNotFound when there is none."""
+        query = _api_keys.revoke_key(id)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def authenticate(self, token: str) -> ApiKey | None:
+        """The API key of `token`, or None when the token is malformed, unknown, wrong or
+        revoked. Never raises on a bad token."""
+        query = _api_keys.authenticate(token)
+        if query is None:
+            return None
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def any_active_api_key(self) -> bool:
+        """Whether any API key is not revoked; without one the gateway runs open."""
+        with self.connection() as conn:
+            return self.sql.run(conn, _api_keys.any_active_key())
+
+    def signing_secret(self, name: str) -> bytes:
+        """The gateway's signing secret `name` (32 random bytes), made on first use and
+        the same for every caller and process of the schema after."""
+        query = _api_keys.signing_secret(name)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    # webhook subscriptions (the gateway's push; docs/webhooks.md)
+
+    def put_webhook(
+        self,
+        webhook_id: str,
+        definition: WebhookDefinition,
+        starts: Mapping[str, Start] | None = None,
+        *,
+        secret: str | None = None,
+        replaces: str | None = None,
+        key_id: str | None = None,
+    ) -> Put:
+        """Create the webhook subscription `webhook_id` (pending until its callback echoes
+        the challenge; each stream starts at `starts[stream]`, default 'end'), or renew
+        its lease when it exists with the same definition. See `_webhooks.put_webhook`."""
+        with self.db() as db:
+            return _webhooks.put_webhook(
+                db,
+                webhook_id,
+                definition,
+                starts or {},
+                secret=secret,
+                replaces=replaces,
+                key_id=key_id,
+            )
+
+    def webhooks(self) -> list[Webhook]:
+        """Every webhook subscription with its state and lag, oldest first."""
+        with self.db() as db:
+            return _webhooks.webhooks(db)
+
+    def webhook(self, webhook_id: str) -> Webhook:
+        """One webhook subscription; WebhookNotFound when there is none."""
+        with self.db() as db:
+            return _webhooks.webhook(db, webhook_id)
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        """Delete a webhook subscription with its positions: nothing more is delivered
+        under its id (a batch in flight commits nothing). WebhookNotFound if none."""
+        with self.db() as db:
+            _webhooks.delete_webhook(db, webhook_id)
+
+    def tail(
+        self,
+        stream: str,
+        after: Cursor | str | None = None,
+        *,
+        keys: Iterable[str] | None = None,
+        types: Iterable[str] | None = None,
+    ) -> Tail:
+        """Every event of `stream` after the cursor `after` (None: from the beginning),
+        then each new one as it commits: `for event in engine.tail(...)`. `keys` and
+        `types` keep only events of those keys and types; `tail.cursor` is where it
+        stands. All tails of an engine share one listening connection."""
+        return Tail(self, stream, after, keys=keys, types=types)

@@ -1,0 +1,1 @@
+"""What outside subscribers need stored: API keys and webhook subscriptions."""

@@ -1,0 +1,336 @@
+"""One LISTEN connection per engine, shared by all its tails (DESIGN.md, "push only wakes").
+
+`append_events` notifies the schema's channel once per partition it appended to, with the
+partition's new head. The listener hands each notification to the inboxes of the tails of
+that stream; a tail then reads after its cursor. A notification carries no event: a lost
+one costs latency, never an event (invariant 5), because every (re)connection of the
+listener tells every inbox to look at all heads again (the seed's "one last pull"), and
+tails poll besides.
+
+`Listener` runs in a thread, `AsyncListener` in an asyncio task; they share the inboxes'
+bookkeeping. Either runs while at least one tail is registered and reconnects after any
+error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+
+from subengine.db._connection import one_line
+from subengine.db._sql import SQL
+from subengine.model._errors import DatabaseUnavailable
+from subengine.streams._streams import listen
+
+log = logging.getLogger("subengine")
+
+# How often a listener, between notifications, looks whether any tail still needs it.
+_CHECK_SECONDS = 0.25
+# The wait before the first reconnection after an error; doubled up to the longest.
+_FIRST_RECONNECT_SECONDS = 0.1
+_LONGEST_RECONNECT_SECONDS = 5.0
+
+
+class Inbox:
+    """What a tail learnt since it last looked: new heads of its stream's partitions, and
+    whether to look at every head again (`resync`: the listener (re)connected, or a
+    notification could not be read)."""
+
+    def __init__(self, stream: str) -> None:
+        self.stream = stream
+        self._heads: dict[int, int] = {}
+        self._resync = False
+        self._closed = False
+
+    def _offer(self, partition: int, head: int) -> None:
+        if head > self._heads.get(partition, 0):
+            self._heads[partition] = head
+
+    def _take(self) -> tuple[dict[int, int], bool]:
+        heads, resync = self._heads, self._resync
+        self._heads, self._resync = {}, False
+        return heads, resync
+
+    def _ready(self) -> bool:
+        return bool(self._heads) or self._resync or self._closed
+
+    @property
+    def closed(self) -> bool:
+        """True once the listener stopped for good (its engine closed)."""
+        return self._closed
+
+    def offer(self, partition: int, head: int) -> None:
+        raise NotImplementedError
+
+    def resync(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class ThreadInbox(Inbox):
+    """An inbox a thread waits on."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._condition = threading.Condition()
+
+    def offer(self, partition: int, head: int) -> None:
+        with self._condition:
+            self._offer(partition, head)
+            self._condition.notify_all()
+
+    def resync(self) -> None:
+        with self._condition:
+            self._resync = True
+            self._condition.notify_all()
+
+    def close(self) -> None:
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+
+    def take(self) -> tuple[dict[int, int], bool]:
+        """The heads offered and the resync flag since the last take, clearing both."""
+        with self._condition:
+            return self._take()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for something to take (or a close)."""
+        with self._condition:
+            return self._condition.wait_for(self._ready, timeout)
+
+
+class TaskInbox(Inbox):
+    """An inbox a coroutine waits on; offered to from its event loop only."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._event = asyncio.Event()
+
+    def offer(self, partition: int, head: int) -> None:
+        self._offer(partition, head)
+        self._event.set()
+
+    def resync(self) -> None:
+        self._resync = True
+        self._event.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._event.set()
+
+    def take(self) -> tuple[dict[int, int], bool]:
+        taken = self._take()
+        if not self._closed:
+            self._event.clear()
+        return taken
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for something to take (or a close)."""
+        if self._ready():
+            return True
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+class _Inboxes:
+    """The inboxes of the registered tails, by stream."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_stream: dict[str, set[Inbox]] = {}
+        self._closed = False
+        # how often the listener connected and began to LISTEN (for the metrics)
+        self.connects = 0
+
+    def _add(self, inbox: Inbox) -> None:
+        # under the lock
+        if self._closed:
+            raise DatabaseUnavailable("the engine of this tail is closed")
+        self._by_stream.setdefault(inbox.stream, set()).add(inbox)
+
+    def _close_inboxes(self) -> None:
+        """Refuse new tails and end every registered one (the listener then stops)."""
+        with self._lock:
+            self._closed = True
+            inboxes = [inbox for found in self._by_stream.values() for inbox in found]
+            self._by_stream.clear()
+        for inbox in inboxes:
+            inbox.close()
+
+    def unregister(self, inbox: Inbox) -> None:
+        """Stop delivering to `inbox` (the listener stops once no inbox is left)."""
+        with self._lock:
+            inboxes = self._by_stream.get(inbox.stream)
+            if inboxes is not None:
+                inboxes.discard(inbox)
+                if not inboxes:
+                    del self._by_stream[inbox.stream]
+
+    def _all(self) -> list[Inbox]:
+        with self._lock:
+            return [inbox for inboxes in self._by_stream.values() for inbox in inboxes]
+
+    def resync_all(self) -> None:
+        for inbox in self._all():
+            inbox.resync()
+
+    def deliver(self, payload: str) -> None:
+        """Hand a notification's new head to the inboxes of its stream."""
+        try:
+            notice = json.loads(payload)
+            stream, partition, head = notice["stream"], notice["partition"], notice["head"]
+            if not (isinstance(partition, int) and isinstance(head, int)):
+                raise TypeError("partition and head must be integers")
+        except (ValueError, TypeError, KeyError):
+            # not ours to read: whatever it meant, every tail looks at every head again
+            log.warning("subengine: a notification that is not an append's: %.200r", payload)
+            self.resync_all()
+            return
+        with self._lock:
+            inboxes = list(self._by_stream.get(stream, ()))
+        for inbox in inboxes:
+            inbox.offer(partition, head)
+
+
+def _failed(error: Exception, delay: float) -> None:
+    log.warning(
+        "subengine: the tails' listening connection failed (%s); reconnecting in %g s",
+        one_line(str(error)),
+        delay,
+        exc_info=not isinstance(error, psycopg.OperationalError),
+    )
+
+
+class Listener(_Inboxes):
+    """The LISTEN connection of a sync engine's tails, in a daemon thread."""
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], sql: SQL) -> None:
+        super().__init__()
+        self._connect = connect
+        self._sql = sql
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()  # cuts a wait before reconnecting short
+
+    def register(self, stream: str) -> ThreadInbox:
+        """A new inbox for a tail of `stream`; starts the listener if it is not running."""
+        inbox = ThreadInbox(stream)
+        with self._lock:
+            self._add(inbox)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="subengine-tail-listener", daemon=True
+                )
+                self._thread.start()
+        return inbox
+
+    def _needed(self) -> bool:
+        with self._lock:
+            if not self._by_stream:
+                self._thread = None  # under the lock: a new registration starts a new thread
+                return False
+            return True
+
+    def close(self) -> None:
+        """End every tail, refuse new ones, and stop listening."""
+        self._close_inboxes()
+        self._stopped.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=4 * _CHECK_SECONDS)
+
+    def _run(self) -> None:
+        delay = _FIRST_RECONNECT_SECONDS
+        while self._needed():
+            try:
+                with self._connect() as conn:
+                    self._sql.run(conn, listen())
+                    self.connects += 1
+                    delay = _FIRST_RECONNECT_SECONDS
+                    # anything committed while no connection listened: pull again
+                    self.resync_all()
+                    while self._needed():
+                        for notification in conn.notifies(timeout=_CHECK_SECONDS):
+                            self.deliver(notification.payload)
+            except Exception as error:
+                _failed(error, delay)
+                self._stopped.wait(delay)
+                delay = min(2 * delay, _LONGEST_RECONNECT_SECONDS)
+            else:
+                return
+
+
+class AsyncListener(_Inboxes):
+    """The LISTEN connection of an `AsyncEngine`'s tails, in an asyncio task."""
+
+    def __init__(
+        self, connect: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]], sql: SQL
+    ) -> None:
+        super().__init__()
+        self._connect = connect
+        self._sql = sql
+        self._task: asyncio.Task[None] | None = None
+
+    def register(self, stream: str) -> TaskInbox:
+        """A new inbox for a tail of `stream`; starts the listener if it is not running.
+        Call it from the event loop the tail runs in."""
+        inbox = TaskInbox(stream)
+        with self._lock:
+            self._add(inbox)
+            if self._task is None:
+                self._task = asyncio.get_running_loop().create_task(
+                    self._run(), name="subengine-tail-listener"
+                )
+        return inbox
+
+    def _needed(self) -> bool:
+        with self._lock:
+            if not self._by_stream:
+                self._task = None
+                return False
+            return True
+
+    async def close(self) -> None:
+        """End every tail, refuse new ones, and stop listening now."""
+        self._close_inboxes()
+        with self._lock:
+            task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the close itself was cancelled, not only the listener
+
+    async def _run(self) -> None:
+        delay = _FIRST_RECONNECT_SECONDS
+        while self._needed():
+            try:
+                async with await self._connect() as conn:
+                    await self._sql.run_async(conn, listen())
+                    self.connects += 1
+                    delay = _FIRST_RECONNECT_SECONDS
+                    self.resync_all()
+                    while self._needed():
+                        async for notification in conn.notifies(timeout=_CHECK_SECONDS):
+                            self.deliver(notification.payload)
+            except Exception as error:
+                _failed(error, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _LONGEST_RECONNECT_SECONDS)
+            else:
+                return

@@ -1,0 +1,254 @@
+"""Reading streams: by position within a partition, and by time across partitions.
+
+Positions are the cursor a subscriber keeps (DESIGN.md, "Pull for outsiders"): events of a
+partition after position p come back in position order, and none that commits later is
+ever skipped. Reads by time are for finding a starting point, not for catching up.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple, TypeVar
+
+from subengine.db._connection import psycopg_connection
+from subengine.db._sql import SQL, Query, Result
+from subengine.model._errors import (
+    InvalidInput,
+    PartitionNotFound,
+    StreamBeingDeleted,
+    StreamNotFound,
+)
+from subengine.model._events import Event, Tombstone, stored_events
+from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
+from subengine.model._names import (
+    BIGINT_MAX,
+    INTEGER_MAX,
+    MAX_PARTITIONS,
+    validate_stream_name,
+    validate_whole_number,
+)
+from subengine.model._settings import Settings
+
+E = TypeVar("E", Event, "RawEvent")
+
+
+def _limit(limit: int) -> int:
+    return validate_whole_number(limit, "limit", 1, BIGINT_MAX)
+
+
+def _events(rows: list[Any]) -> list[Event]:
+    """Events from rows whose data and metadata are JSON text (decoded when read)."""
+    # a stream with no events in range comes back as one row of NULL event columns
+    return stored_events(row for row in rows if row[0] is not None)
+
+
+class RawEvent(NamedTuple):
+    """A stored event whose data and metadata are still their JSON text: what the
+    gateway relays without decoding and encoding them again."""
+
+    id: uuid.UUID
+    stream: str
+    partition: int
+    position: int
+    key: str
+    key_version: int
+    type: str
+    data: str
+    metadata: str
+    occurred_at: datetime
+    recorded_at: datetime
+
+
+def _raw_events(rows: list[Any]) -> list[RawEvent]:
+    return [RawEvent(*row) for row in rows if row[0] is not None]
+
+
+def read_after(
+    stream: str, partition: int, after: int, limit: int
+) -> Query[list[Event | Tombstone]]:
+    """Up to `limit` events of one partition after position `after`, in position order;
+    first a tombstone when retention removed positions after `after` (DESIGN.md,
+    "Retention and gaps"): the events then start at the floor."""
+    return _read_after(stream, partition, after, limit, _events)
+
+
+def read_after_raw(
+    stream: str, partition: int, after: int, limit: int
+) -> Query[list[RawEvent | Tombstone]]:
+    """`read_after`, with each event's data and metadata as their JSON text."""
+    return _read_after(stream, partition, after, limit, _raw_events)
+
+
+def _read_after(
+    stream: str,
+    partition: int,
+    after: int,
+    limit: int,
+    events: Callable[[list[Any]], Sequence[E]],
+) -> Query[list[E | Tombstone]]:
+    validate_stream_name(stream)
+    validate_whole_number(after, "after", 0, BIGINT_MAX)
+    validate_whole_number(partition, "partition", -INTEGER_MAX, INTEGER_MAX)
+
+    def read(result: Result) -> list[E | Tombstone]:
+        if not result.rows:
+            raise StreamNotFound(stream)
+        partitions, floor = result.rows[0][:2]
+        if not 0 <= partition < partitions:
+            raise PartitionNotFound(stream, partition, partitions)
+        if floor is None:  # its partitions are gone first: `stream delete` is under way
+            raise StreamBeingDeleted(stream)
+        items: list[E | Tombstone] = []
+        if after < floor - 1:
+            items.append(Tombstone(stream, partition, after + 1, floor - 1, floor))
+        items.extend(events([row[2:] for row in result.rows]))
+        return items
+
+    params = {"stream": stream, "partition": partition, "after": after, "limit": _limit(limit)}
+    return Query("read_after", params, read)
+
+
+def read_since(stream: str, since: datetime, limit: int) -> Query[list[Event | Tombstone]]:
+    """Up to `limit` events of every partition recorded at or after `since`, oldest
+    first; before them, a tombstone for each partition from which retention removed
+    events recorded at or after `since`. Their times went with them, so such a
+    tombstone names every position removed from the partition (from 1 to the floor's
+    eve): to read without that doubt, keep positions."""
+    validate_stream_name(stream)
+    if not isinstance(since, datetime) or since.tzinfo is None:
+        raise InvalidInput(f"since must be a datetime with a time zone, not {since!r}")
+
+    def read(result: Result) -> list[Event | Tombstone]:
+        if not result.rows:
+            raise StreamNotFound(stream)
+        _, gapped, floors = result.rows[0][:3]
+        items: list[Event | Tombstone] = [
+            Tombstone(stream, partition, 1, floor - 1, floor)
+            for partition, floor in zip(gapped or [], floors or [], strict=True)
+        ]
+        items.extend(_events([row[3:] for row in result.rows]))
+        return items
+
+    return Query("read_since", {"stream": stream, "since": since, "limit": _limit(limit)}, read)
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """What `read_page` found, in one snapshot: the stream's epoch, the head and floor of
+    every partition (partition order), the tombstones of the gaps after the cursor and
+    the events after it, oldest first across partitions."""
+
+    stream: str
+    epoch: int
+    heads: tuple[int, ...]
+    floors: tuple[int, ...]
+    tombstones: list[Tombstone]
+    events: list[RawEvent]
+    # False: the cursor's positions are not one per partition of the stream (then
+    # `tombstones` and `events` are empty)
+    fits: bool = True
+
+
+def _positions(positions: Sequence[int], what: str) -> list[int]:
+    if isinstance(positions, str | bytes) or not isinstance(positions, Sequence):
+        raise InvalidInput(f"{what} must be a sequence of positions")
+    if len(positions) > MAX_PARTITIONS:
+        raise InvalidInput(f"{what} has more than {MAX_PARTITIONS} positions")
+    return [
+        validate_whole_number(position, f"the position of partition {partition}", 0, BIGINT_MAX)
+        for partition, position in enumerate(positions)
+    ]
+
+
+def read_page(stream: str, positions: Sequence[int], limit: int) -> Query[Page]:
+    """Up to `limit` events of every partition after its position in `positions`
+    (partition order; a partition past its end is at 0), oldest first across
+    partitions; first a tombstone for each partition whose positions after the cursor
+    retention removed. For positions that are not one per partition of the stream, the
+    page has `fits` False and no events (a cursor of an earlier stream of the name: its
+    epoch tells the caller)."""
+    validate_stream_name(stream)
+    after = _positions(positions, "the cursor")
+
+    def read(result: Result) -> Page:
+        if not result.rows:
+            raise StreamNotFound(stream)
+        epoch, partitions, heads, floors = result.rows[0][:4]
+        if heads is None:  # its partitions are gone first: `stream delete` is under way
+            raise StreamBeingDeleted(stream)
+        if after and len(after) != partitions:
+            # not a cursor of this stream: of an earlier one of the name (its epoch
+            # tells), or none at all; the caller decides, nothing of it is read
+            return Page(stream, epoch, tuple(heads), tuple(floors), [], [], fits=False)
+        tombstones = [
+            Tombstone(stream, partition, position + 1, floor - 1, floor)
+            for partition, (position, floor) in enumerate(
+                zip(after or [0] * partitions, floors, strict=True)
+            )
+            if position < floor - 1
+        ]
+        events = _raw_events([row[4:] for row in result.rows])
+        return Page(stream, epoch, tuple(heads), tuple(floors), tombstones, events)
+
+    params = {"stream": stream, "positions": after, "limit": _limit(limit)}
+    return Query("read_page", params, read)
+
+
+def positions_since(stream: str, since: datetime) -> Query[tuple[int, list[int]]]:
+    """The stream's epoch, and the position of every partition just before its first
+    event recorded at or after `since`: exact, because recorded_at never decreases along
+    a partition. A partition from which retention removed events recorded at or after
+    `since` is at 0, so a read from there meets the gap first."""
+    validate_stream_name(stream)
+    if not isinstance(since, datetime) or since.tzinfo is None:
+        raise InvalidInput(f"since must be a datetime with a time zone, not {since!r}")
+
+    def read(result: Result) -> tuple[int, list[int]]:
+        if not result.rows:
+            raise StreamNotFound(stream)
+        epoch, positions = result.rows[0]
+        return epoch, list(positions)
+
+    return Query("positions_since", {"stream": stream, "since": since}, read)
+
+
+def epochs_and_heads(streams: Sequence[str]) -> Query[dict[str, tuple[int, list[int] | None]]]:
+    """The epoch and the heads (partition order) of each of `streams` that exists; heads
+    None for a stream being deleted."""
+    names = [validate_stream_name(stream) for stream in streams]
+
+    def read(result: Result) -> dict[str, tuple[int, list[int] | None]]:
+        return {name: (epoch, heads) for name, epoch, heads in result.rows}
+
+    return Query("epochs_and_heads", {"streams": names}, read)
+
+
+def gateway_cursor(
+    conn: object,
+    streams: str | Iterable[str],
+    *,
+    schema: str | None = None,
+    settings: Settings | None = None,
+) -> str:
+    """The gateway cursor standing at the heads of `streams`, read inside the caller's
+    open transaction (DESIGN.md, the gateway's race-free start): hand it to an outside
+    reader with the data this transaction wrote, and it gets exactly what commits after
+    that data. `conn` is a psycopg connection, a SQLAlchemy Connection or Session.
+    `schema` and `settings` are those of `subengine.append`."""
+    names = [streams] if isinstance(streams, str) else list(streams)
+    if not names:
+        raise InvalidInput("give at least one stream")
+    settings = settings or Settings.from_env()
+    if schema is not None:
+        settings = settings.with_changes(schema=schema)
+    found = SQL(settings.schema).run(psycopg_connection(conn), epochs_and_heads(names))
+    positions: dict[str, StreamPosition] = {}
+    for name in names:
+        epoch, heads = found.get(name, (None, None))
+        if epoch is None or heads is None:
+            raise StreamNotFound(name)
+        positions[name] = StreamPosition(epoch, tuple(heads))
+    return GatewayCursor(positions).encode()

@@ -1,0 +1,3 @@
+"""Subscriptions: their lifecycle, reset, the batch transaction a worker runs, inspection
+(status, dead letters) and deletion with their stream.
+"""
