@@ -18,6 +18,7 @@ Every test under acceptance/ is marked `slow`. Plain helpers live in helpers.py.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import warnings
@@ -78,6 +79,7 @@ def _use_the_server(config: pytest.Config) -> None:
                 warnings.simplefilter("ignore")
                 from pgserver import get_server  # type: ignore[attr-defined]  # not in its __all__
 
+                _ensure_the_server_user()
                 directory = Path(tempfile.mkdtemp(prefix="subengine-test-pg-"))
                 _embedded_server = get_server(directory / "pgdata", cleanup_mode="delete")
         dsn = _embedded_server.get_uri()
@@ -86,6 +88,20 @@ def _use_the_server(config: pytest.Config) -> None:
     config.option.postgresql_port = int(params.get("port") or 5432)
     config.option.postgresql_user = params.get("user", "postgres")
     config.option.postgresql_password = params.get("password") or None
+
+
+def _ensure_the_server_user() -> None:
+    """As root, pgserver runs PostgreSQL as the system user `pgserver`, which it adds on
+    first use; on a new machine every pytest-xdist worker would add it at once, and one
+    of them once failed its initdb. Add it once, under a lock all the workers share."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return
+    from pgserver.utils import ensure_user_exists
+
+    lock = Path(tempfile.gettempdir()) / "subengine-test-pgserver-user.lock"
+    with lock.open("a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        ensure_user_exists("pgserver")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -38,7 +38,7 @@ def test_wheel_maps_cli_and_migrations_under_the_package(wheel: Path) -> None:
     assert not [n for n in names if n.startswith(("cli/", "migrations/", "tests/"))]
     for expected in (
         "subengine/__init__.py",
-        "subengine/sql/queries.sql",
+        "subengine/db/sql/queries.sql",
         "subengine/spark/__init__.py",
         "subengine/cli/main.py",
         "subengine/migrations/env.py",

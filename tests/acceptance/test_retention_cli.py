@@ -345,7 +345,7 @@ def test_retention_run_while_another_pruner_runs_exits_75_and_removes_nothing(
     pruned: str, cli_env: dict[str, str], sql: psycopg.Connection[Any]
 ) -> None:
     before = stored_state(sql)
-    # the lock a running pruner holds (subengine/sql/queries.sql, retention_lock)
+    # the lock a running pruner holds (subengine/db/sql/queries.sql, retention_lock)
     held = "hashtext('subengine retention'), hashtext('subengine')"
     sql.execute(f"SELECT pg_advisory_lock({held})")
     try:
