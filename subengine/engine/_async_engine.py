@@ -9,7 +9,6 @@ validated by the same functions), with `SQL.run_async` on a
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -29,7 +28,7 @@ from subengine.db._connection import (
     connection_lost_error,
 )
 from subengine.db._sql import SQL, Db
-from subengine.engine._engine import configured
+from subengine.engine._configure import configured
 from subengine.model._cursor import Cursor
 from subengine.model._declarations import Retention
 from subengine.model._errors import DatabaseUnavailable
@@ -44,8 +43,6 @@ from subengine.streams._read import Page, RawEvent
 from subengine.streams._tail import LISTENER_APPLICATION_NAME, AsyncTail
 from subengine.subscriptions import _stream_deletion
 from subengine.subscriptions._stream_deletion import DeletedStream
-
-log = logging.getLogger("subengine")
 
 
 class AsyncEngine:
@@ -85,6 +82,11 @@ class AsyncEngine:
         if self._closed:
             raise DatabaseUnavailable("this AsyncEngine is closed")
         await self._pool.open()
+
+    @property
+    def listener(self) -> AsyncListener:
+        """The engine's one LISTEN connection, shared by its tails and by the gateway's hub."""
+        return self._listener
 
     async def close(self) -> None:
         """Stop its tails' listener and close every connection of the pool."""
@@ -364,4 +366,4 @@ class AsyncEngine:
         """Every event of `stream` after the cursor `after` (None: from the beginning),
         then each new one as it commits: `async for event in engine.tail(...)`. `keys`
         and `types` keep only events of those keys and types. See `Tail`."""
-        return AsyncTail(self, self._listener, stream, after, keys=keys, types=types)
+        return AsyncTail(self, stream, after, keys=keys, types=types)

@@ -15,7 +15,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from subengine.db import _embedded, _migrate
+from subengine.db import _migrate
 from subengine.db._connection import (
     APPLICATION_NAME,
     PgConnection,
@@ -24,13 +24,13 @@ from subengine.db._connection import (
     connect,
     connect_options,
     connection_lost_error,
-    dsn_problem,
     one_line,
 )
 from subengine.db._sql import SQL, Db
+from subengine.engine._configure import configured
 from subengine.model._cursor import Cursor
 from subengine.model._declarations import Retention, Start, Subscription
-from subengine.model._errors import ConfigurationError, DatabaseUnavailable
+from subengine.model._errors import DatabaseUnavailable
 from subengine.model._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
 from subengine.model._records import (
     DeadLetter,
@@ -51,47 +51,17 @@ from subengine.streams._append import (
     prepare,
     schema_not_ready,
 )
+from subengine.streams._listener import Listener
 from subengine.streams._retention import PartitionCut, RetentionRun
-from subengine.streams._tail import Tail, close_listener
+from subengine.streams._tail import LISTENER_APPLICATION_NAME, Tail
 from subengine.subscriptions import _inspection, _stream_deletion, _subscriptions
 from subengine.subscriptions._stream_deletion import DeletedStream
 from subengine.subscriptions._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
 
-log = logging.getLogger("subengine")
 # The pool logs every failed connection attempt, from a background thread. Where the
 # application configured no logging they would all land on stderr; subengine reports the
 # failure once, as DatabaseUnavailable. Configured handlers still receive them.
 logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
-
-_announced_homes: set[str] = set()
-
-
-def configured(
-    dsn: str | None, schema: str | None, settings: Settings | None
-) -> tuple[Settings, str]:
-    """The settings an engine runs with and the DSN it connects to: the given DSN once it
-    parses, or the embedded PostgreSQL's, which it starts (or finds) and announces once per
-    data directory and process."""
-    base = settings or Settings.from_env()
-    changes = {k: v for k, v in {"dsn": dsn, "schema": schema}.items() if v is not None}
-    settings = base.with_changes(**changes) if changes else base
-    if settings.dsn is not None:
-        problem = dsn_problem(settings.dsn)
-        if problem is not None:
-            raise ConfigurationError(f"invalid DSN: {problem}")
-        return settings, settings.dsn
-    url = _embedded.embedded_url(settings.home)
-    # A warning, so that it reaches stderr even where logging is not configured: a
-    # production deployment that forgot SUBENGINE_DSN should notice.
-    home = str(settings.home.expanduser().resolve())
-    if home not in _announced_homes:
-        _announced_homes.add(home)
-        log.warning(
-            "subengine: no SUBENGINE_DSN or dsn given; using the embedded PostgreSQL in %s "
-            "(stop it with `subengine db stop`)",
-            home,
-        )
-    return settings, url
 
 
 class Engine:
@@ -124,10 +94,20 @@ class Engine:
             name="subengine",
             open=True,
         )
+        self._closed = False
+        # its tails' LISTEN connection, opened by the first tail
+        self._listener = Listener(self._listening_connection, self.sql)
+
+    @property
+    def listener(self) -> Listener:
+        """The engine's one LISTEN connection, shared by its tails."""
+        return self._listener
 
     def close(self) -> None:
-        """End its tails, stop their listener and close every connection of the pool."""
-        close_listener(self)
+        """End its tails, stop their listener and close every connection of the pool;
+        later tails are refused."""
+        self._closed = True
+        self._listener.close()
         self._pool.close()
 
     def __enter__(self) -> Engine:
@@ -218,6 +198,11 @@ class Engine:
             application_name=application_name,
             autocommit=autocommit,
         )
+
+    def _listening_connection(self) -> psycopg.Connection[Any]:
+        if self._closed:
+            raise DatabaseUnavailable("this Engine is closed")
+        return self.connect(application_name=LISTENER_APPLICATION_NAME, autocommit=True)
 
     # schema
 

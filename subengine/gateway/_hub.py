@@ -202,7 +202,7 @@ class Hub:
         for stream in watcher.partitions:
             feed = self._feeds.get(stream)
             if feed is None:
-                inbox = self.listen_engine._listener.register(stream)
+                inbox = self.listen_engine.listener.register(stream)
                 feed = self._feeds[stream] = _Feed(stream, inbox)
                 feed.task = asyncio.get_running_loop().create_task(
                     self._follow(feed), name=f"subengine-gateway-feed-{stream}"
@@ -223,7 +223,7 @@ class Hub:
             feed.watchers.discard(watcher)
             if not feed.watchers:
                 del self._feeds[stream]
-                self.listen_engine._listener.unregister(feed.inbox)
+                self.listen_engine.listener.unregister(feed.inbox)
                 if feed.task is not None:
                     feed.task.cancel()
 
@@ -365,7 +365,7 @@ class Hub:
         for feed in list(self._feeds.values()):
             for watcher in list(feed.watchers):
                 watcher.wake_all()
-            self.listen_engine._listener.unregister(feed.inbox)
+            self.listen_engine.listener.unregister(feed.inbox)
         self._feeds.clear()
         if self._poller is not None:
             tasks.append(self._poller)

@@ -16,7 +16,6 @@ engine's connections.
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections import deque
@@ -28,7 +27,7 @@ import psycopg
 
 from subengine.db._sql import SQL, Query
 from subengine.model._cursor import Cursor
-from subengine.model._errors import DatabaseUnavailable, InvalidInput
+from subengine.model._errors import InvalidInput
 from subengine.model._events import Event, Tombstone
 from subengine.model._names import validate_key, validate_stream_name, validate_type
 from subengine.model._settings import Settings
@@ -177,46 +176,11 @@ class SyncSource(Protocol):
 
     def connection(self) -> AbstractContextManager[psycopg.Connection[Any]]: ...
 
-    def connect(
-        self, *, application_name: str = ..., autocommit: bool = ...
-    ) -> psycopg.Connection[Any]: ...
+    @property
+    def listener(self) -> Listener: ...
 
 
 LISTENER_APPLICATION_NAME = "subengine-tail"
-
-# The listener of each sync engine, made by its first tail; it goes with the engine.
-_listeners: weakref.WeakKeyDictionary[SyncSource, Listener] = weakref.WeakKeyDictionary()
-_listeners_lock = threading.Lock()
-
-
-def listener_of(engine: SyncSource) -> Listener:
-    """The one listener of `engine`, shared by all its tails."""
-    with _listeners_lock:
-        listener = _listeners.get(engine)
-        if listener is None:
-            source = weakref.ref(engine)  # the listener must not keep the engine alive
-
-            def connect() -> psycopg.Connection[Any]:
-                engine = source()
-                if engine is None:
-                    raise DatabaseUnavailable("the engine of these tails is gone")
-                return engine.connect(application_name=LISTENER_APPLICATION_NAME, autocommit=True)
-
-            listener = _listeners[engine] = Listener(connect, engine.sql)
-        return listener
-
-
-def close_listener(engine: SyncSource) -> None:
-    """End the tails of `engine` and stop its listener; later tails are refused."""
-    with _listeners_lock:
-        listener = _listeners.get(engine)
-        if listener is None:  # none yet: a closed one, so that no tail starts one
-            listener = _listeners[engine] = Listener(_refuse_connecting, engine.sql)
-    listener.close()
-
-
-def _refuse_connecting() -> psycopg.Connection[Any]:
-    raise DatabaseUnavailable("the engine of this tail is closed")
 
 
 class AsyncSource(Protocol):
@@ -226,6 +190,9 @@ class AsyncSource(Protocol):
     sql: SQL
 
     def connection(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]: ...
+
+    @property
+    def listener(self) -> AsyncListener: ...
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -254,7 +221,7 @@ class Tail:
         self._engine = engine
         self._poll_interval = engine.settings.poll_interval
         self._next_poll = 0.0
-        listener = listener_of(engine)
+        listener = engine.listener
         self._inbox = listener.register(stream)
         self._closed = False
         self._unregister = weakref.finalize(self, listener.unregister, self._inbox)
@@ -325,7 +292,6 @@ class AsyncTail:
     def __init__(
         self,
         engine: AsyncSource,
-        listener: AsyncListener,
         stream: str,
         after: After = None,
         *,
@@ -334,7 +300,7 @@ class AsyncTail:
     ) -> None:
         self._state = TailState(stream, after, keys, types, engine.settings.read_limit)
         self._engine = engine
-        self._listener = listener
+        self._listener = engine.listener
         self._poll_interval = engine.settings.poll_interval
         self._next_poll = 0.0
         self._closed = False
