@@ -32,8 +32,8 @@ if tuple(int(part) for part in pyspark.__version__.split(".")[:2]) < (4, 2):
 
 from subengine.spark._options import DEFAULT_DSN_ENV  # noqa: E402
 from subengine.spark._source import SubengineDataSource  # noqa: E402
-from subengine.spark._staging import StagedRowsLost  # noqa: E402
 from subengine.spark._store import RetentionGap  # noqa: E402
+from subengine.streams._staged_append import StagedRowsLost  # noqa: E402
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

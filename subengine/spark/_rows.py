@@ -1,9 +1,9 @@
 """Spark rows to staged events: what a write task sends to the staging table.
 
 A write task does not append: it checks its rows as `append` checks events and stages
-them under an attempt id of its own (see `_staging`). The driver's commit appends the
-rows of the attempts Spark committed, and gives each row without an `id` a deterministic
-one: a UUID of
+them under an attempt id of its own (see `streams/_staged_append`). The driver's commit
+appends the rows of the attempts Spark committed, and gives each row without an `id` a
+deterministic one: a UUID of
 
     the write's identity and stream and the row's content (the row's `content`, a UUID
     (version 5) computed here), and the row's number among the identical rows of the

@@ -47,7 +47,7 @@ from subengine.db._sql import Db
 from subengine.model._errors import ConfigurationError, InvalidInput, SubengineError
 from subengine.model._events import PartitionState
 from subengine.model._settings import Settings
-from subengine.spark import _offsets, _options, _staging, _store
+from subengine.spark import _offsets, _options, _store
 from subengine.spark._offsets import Positions
 from subengine.spark._rows import (
     OPTIONAL_COLUMNS,
@@ -57,7 +57,9 @@ from subengine.spark._rows import (
     TaskRows,
     WriteAttempt,
 )
-from subengine.spark._staging import StagedAttempt
+from subengine.streams import _staged_append
+from subengine.streams._staged_append import StagedAttempt
+from subengine.subscriptions._progress import subscription_positions
 
 log = logging.getLogger("subengine.spark")
 
@@ -153,7 +155,7 @@ def _check_source(options: _options.ReadOptions) -> None:
         chosen = _store.chosen(bounds, target.stream, options.partitions)
         _starting_positions(db, options, bounds, chosen)
         if options.subscription is not None:
-            _store.subscription_positions(db, options.subscription, target.stream)
+            subscription_positions(db, options.subscription, target.stream)
 
 
 def _starting_positions(
@@ -171,7 +173,7 @@ def _starting_positions(
         return {p: bounds[p].head for p in chosen}
     if isinstance(starting, str):
         name = starting.removeprefix(_options.SUBSCRIPTION_PREFIX)
-        positions = _store.subscription_positions(db, name, target.stream)
+        positions = subscription_positions(db, name, target.stream)
         return {p: positions.get(p, 0) for p in chosen}
     for partition, position in starting.items():
         if partition not in chosen:
@@ -391,7 +393,7 @@ def _write_task(
     attempt = WriteAttempt(write_id, batch, uuid.uuid4(), context.partitionId())
     rows = TaskRows(Settings.from_env(schema=target.schema), target.stream, partitions, attempt)
     with _store.connect(target.dsn(ON_EXECUTOR), target.schema) as db:
-        _staging.stage(db, rows.staged(batches))
+        _staged_append.stage(db, rows.staged(batches))
     summary = rows.summary
     staged = StagedAttempt(
         attempt.attempt,
@@ -426,19 +428,19 @@ def _committed(
 
 def _commit(
     target: _options.Target, write_id: str, batch: int, attempts: Sequence[StagedAttempt]
-) -> _staging.CommitCounts:
+) -> _staged_append.CommitCounts:
     """Append the attempts' staged rows in one transaction, then delete the write's
     staged rows, those of failed attempts included."""
     with _store.connect(target.dsn(ON_DRIVER), target.schema) as db:
-        counts = _staging.commit_staged(db, target.stream, write_id, batch, attempts)
+        counts = _staged_append.commit_staged(db, target.stream, write_id, batch, attempts)
         with db.transaction():
-            db.run(_staging.discard_staged(write_id, batch))
+            db.run(_staged_append.discard_staged(write_id, batch))
     return counts
 
 
 def _discard(target: _options.Target, write_id: str, batch: int) -> None:
     with _store.connect(target.dsn(ON_DRIVER), target.schema) as db, db.transaction():
-        db.run(_staging.discard_staged(write_id, batch))
+        db.run(_staged_append.discard_staged(write_id, batch))
 
 
 class BatchWriter(DataSourceArrowWriter):

@@ -1,5 +1,5 @@
 """The Spark data source's database work for reads: partition heads, ranges of events as
-Arrow batches, and a subscription's positions (writes: `_staging`).
+Arrow batches, and a subscription moved forward (writes: `streams/_staged_append`).
 
 Reads come out of PostgreSQL through `COPY ... TO STDOUT (FORMAT binary)`, the server's
 cheapest way out (nothing to escape, times as plain integers), and are decoded into Arrow
@@ -22,20 +22,15 @@ import psycopg
 import pyarrow as pa
 
 from subengine.db import _connection
-from subengine.db._sql import SQL, Db, Query, Row, nothing
-from subengine.model._errors import (
-    InvalidInput,
-    PartitionNotFound,
-    SubengineError,
-    SubscriptionMismatch,
-    SubscriptionNotFound,
-)
+from subengine.db._sql import SQL, Db
+from subengine.model._errors import InvalidInput, PartitionNotFound, SubengineError
 from subengine.model._events import PartitionState, Tombstone
-from subengine.model._names import EARLIEST, LATEST
 from subengine.model._settings import Settings
 from subengine.spark._binary_copy import TIMESTAMP, Decoder, Kind
 from subengine.spark._offsets import Positions
+from subengine.streams._range_copy import copy_range
 from subengine.streams._streams import partition_states
+from subengine.subscriptions._progress import advance_positions
 
 log = logging.getLogger("subengine.spark")
 
@@ -186,21 +181,12 @@ def read_range(
         start = read_start(stream, bounds, after, upto, fail_on_data_loss)
         if start >= upto:
             return
-        db.run(Query("spark_read_plan", {}, nothing))
-        params = {
-            "stream": stream,
-            "partition": partition,
-            "after": start,
-            "upto": upto,
-            "since": since or EARLIEST,
-            "until": until or LATEST,
-        }
         # Dense positions under a checked floor: a range without a time window holds every
         # position, so each batch must continue the last.
         dense = since is None and until is None
         decoder = Decoder(_COPIED)
         following = start + 1
-        copy = db.sql.copy_out(db.conn, Query("spark_read_range", params), BATCH_BYTES)
+        copy = copy_range(db, stream, partition, start, upto, since, until, BATCH_BYTES)
         with closing(copy):
             for run in copy:
                 batch = _batch(decoder.decode(run.data, run.sizes), stream, partition)
@@ -246,23 +232,7 @@ def _batch(columns: list[pa.Array], stream: str, partition: int) -> pa.RecordBat
 # subscriptions
 
 
-def subscription_positions(db: Db, name: str, stream: str) -> Positions:
-    """The positions of subscription `name`, which must read `stream`."""
-    rows: Sequence[Row] = db.run(Query("spark_subscription", {"name": name}))
-    if not rows:
-        raise SubscriptionNotFound(
-            f"no subscription named {name!r}; create it with "
-            f"`subengine subscription create {name} --stream {stream}`"
-        )
-    if rows[0][0] != stream:
-        raise SubscriptionMismatch(
-            f"subscription {name!r} reads stream {rows[0][0]!r}, not {stream!r}"
-        )
-    return {partition: position for _, partition, position in rows if partition is not None}
-
-
 def advance_subscription(dsn: str, schema: str, name: str, positions: Positions) -> None:
     """Move subscription `name` forward to `positions` (never back)."""
-    params = {"name": name, "partitions": list(positions), "positions": list(positions.values())}
     with connect(dsn, schema) as db:
-        db.run(Query("spark_advance_subscription", params, nothing))
+        db.run(advance_positions(name, positions))

@@ -1,4 +1,5 @@
-"""The database work of Spark writes: tasks stage rows, the driver's commit appends them.
+"""Appending staged rows: the database work of Spark writes, whose tasks stage rows and
+whose driver's commit appends them.
 
 Spark runs a write as tasks, and a task may run more than once: retried after a failure,
 copied by speculation, or run again after the stage before it was recomputed, in which
@@ -23,7 +24,6 @@ from typing import Any
 
 from subengine.db._sql import Db, Query, Row, first_row, nothing
 from subengine.model._errors import InvalidInput, SubengineError, WrongExpectedVersion
-from subengine.spark._rows import StagedRow
 from subengine.streams._append import subengine_errors
 
 # Rows per append_events call of a commit; the calls share the commit's transaction.
@@ -54,8 +54,9 @@ class CommitCounts:
     duplicates: int
 
 
-def stage(db: Db, rows: Iterable[StagedRow]) -> None:
-    """Stage `rows` with one COPY, in the connection's transaction."""
+def stage(db: Db, rows: Iterable[Sequence[Any]]) -> None:
+    """Stage `rows` (in the column order of the spark_stage query) with one COPY, in the
+    connection's transaction."""
     db.sql.copy_in(db.conn, "spark_stage", rows)
 
 
