@@ -1,7 +1,8 @@
-"""AsyncEngine and append_async: the sync engine's reads, appends and errors, on asyncio.
+"""AsyncEngine and append_async: the async engine reads what the sync one reads, and
+append_async joins the caller's transaction as append does.
 
-The contract tests run once on `Engine` and once on `AsyncEngine` (through a facade that
-runs each coroutine to its end), so the two engines are held to the same behaviour.
+What both engines must do is in test_engine_contract.py, run over `Engine` and
+`AsyncEngine` alike.
 """
 
 from __future__ import annotations
@@ -26,22 +27,6 @@ def events(*keys: str, type: str = "Happened") -> list[NewEvent]:
     return [NewEvent(key, type, {"n": n}) for n, key in enumerate(keys)]
 
 
-class Synced:
-    """An AsyncEngine whose coroutine methods run to their end on one event loop."""
-
-    def __init__(self, engine: subengine.AsyncEngine, runner: asyncio.Runner) -> None:
-        self._engine = engine
-        self._runner = runner
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._engine, name)
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            return self._runner.run(method(*args, **kwargs))
-
-        return run
-
-
 @pytest.fixture
 def runner() -> Iterator[asyncio.Runner]:
     with asyncio.Runner() as runner:
@@ -54,85 +39,6 @@ def async_engine(dsn: str, runner: asyncio.Runner) -> Iterator[subengine.AsyncEn
     runner.run(engine.open())
     yield engine
     runner.run(engine.close())
-
-
-@pytest.fixture(params=["Engine", "AsyncEngine"])
-def either(
-    request: pytest.FixtureRequest,
-    engine: subengine.Engine,
-    async_engine: subengine.AsyncEngine,
-    runner: asyncio.Runner,
-) -> Any:
-    """The sync engine, or the async one behind a sync facade: the same contract."""
-    return engine if request.param == "Engine" else Synced(async_engine, runner)
-
-
-# the contract: both engines
-
-
-def test_appends_are_dense_and_read_back_in_order(either: Any, orders: str) -> None:
-    stored = either.append(orders, events("a", "a", "b"))
-    assert [s.key_version for s in stored] == [1, 2, 1]
-    for partition in {s.partition for s in stored}:
-        read = either.read(orders, partition)
-        assert [e.position for e in read] == list(range(1, len(read) + 1))
-
-
-def test_create_stream_twice_raises_stream_exists(either: Any) -> None:
-    either.create_stream("letters", 3)
-    with pytest.raises(subengine.StreamExists) as raised:
-        either.create_stream("letters", 5)
-    assert raised.value.partitions == 3
-
-
-def test_a_missing_stream_raises_stream_not_found(either: Any) -> None:
-    with pytest.raises(subengine.StreamNotFound):
-        either.stream("nowhere")
-    with pytest.raises(subengine.StreamNotFound):
-        either.read("nowhere", 0)
-    with pytest.raises(subengine.StreamNotFound):
-        either.heads("nowhere")
-    with pytest.raises(subengine.StreamNotFound):
-        either.append("nowhere", events("k"))
-
-
-def test_a_partition_outside_the_stream_raises_partition_not_found(
-    either: Any, orders: str
-) -> None:
-    with pytest.raises(subengine.PartitionNotFound):
-        either.read(orders, 4)
-
-
-def test_a_wrong_expected_version_raises_and_writes_nothing(
-    either: Any, orders: str, sql: psycopg.Connection[Any]
-) -> None:
-    either.append(orders, events("k"))
-    before = snapshot(sql)
-    with pytest.raises(subengine.WrongExpectedVersion) as raised:
-        either.append(orders, events("k"), expected_version=0)
-    assert (raised.value.expected, raised.value.actual) == (0, 1)
-    assert snapshot(sql) == before
-
-
-def test_a_bad_event_raises_invalid_event_and_writes_nothing(
-    either: Any, orders: str, sql: psycopg.Connection[Any]
-) -> None:
-    before = snapshot(sql)
-    with pytest.raises(subengine.InvalidEvent) as raised:
-        either.append(orders, [NewEvent("k", "Ok", {}), NewEvent("k", "Bad", {1, 2})])
-    assert raised.value.index == 1
-    with pytest.raises(subengine.InvalidInput):
-        either.read(orders, 0, limit=0)
-    assert snapshot(sql) == before
-
-
-def test_an_id_appended_twice_is_stored_once(either: Any, orders: str) -> None:
-    event = NewEvent("k", "Once", {}, id=uuid.uuid4())
-    first = either.append(orders, [event])
-    again = either.append(orders, [event])
-    assert again[0].duplicate and not first[0].duplicate
-    assert again[0].position == first[0].position
-    assert len(either.read(orders, first[0].partition)) == 1
 
 
 # the async engine reads what the sync one reads
@@ -162,67 +68,6 @@ def test_async_reads_equal_sync_reads(
     assert runner.run(async_engine.read_since(orders, started, 25)) == engine.read_since(
         orders, started, 25
     )
-
-
-def test_a_lost_pooled_connection_raises_database_unavailable_then_works(
-    async_engine: subengine.AsyncEngine,
-    runner: asyncio.Runner,
-    orders: str,
-    sql: psycopg.Connection[Any],
-) -> None:
-    async def hold_two() -> None:
-        async with async_engine.connection(), async_engine.connection():
-            pass
-
-    runner.run(hold_two())
-    terminated = sql.execute(  # type: ignore[index]
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-        " WHERE datname = current_database() AND application_name = 'subengine'"
-        " AND pid <> pg_backend_pid()"
-    ).fetchone()[0]
-    assert terminated >= 2
-    with pytest.raises(subengine.DatabaseUnavailable) as raised:
-        runner.run(async_engine.append(orders, events("k")))
-    assert isinstance(raised.value.__cause__, psycopg.OperationalError)
-    stored = runner.run(async_engine.append(orders, events("k")))
-    assert len(runner.run(async_engine.read(orders, stored[0].partition))) == 1
-
-
-def test_a_malformed_dsn_is_refused_without_quoting_its_password() -> None:
-    with pytest.raises(subengine.ConfigurationError) as raised:
-        subengine.AsyncEngine("host=localhost password='s3cret port=x")
-    assert "s3cret" not in str(raised.value)
-
-
-def test_an_unknown_database_fails_at_once(dsn: str, runner: asyncio.Runner) -> None:
-    from psycopg.conninfo import make_conninfo
-
-    wrong = make_conninfo(dsn, dbname="no_such_database")
-    settings = subengine.Settings(dsn=wrong, connect_timeout=20)
-
-    async def attempt() -> None:
-        async with subengine.AsyncEngine(settings=settings) as engine:
-            await engine.streams()
-
-    with pytest.raises(subengine.ConfigurationError, match="no_such_database"):
-        runner.run(asyncio.wait_for(attempt(), 15))
-
-
-def test_the_async_engine_uses_the_engines_schema_and_limits(
-    dsn: str, runner: asyncio.Runner, sql: psycopg.Connection[Any]
-) -> None:
-    subengine.Engine(dsn, schema="second").migrate()
-    settings = subengine.Settings(dsn=dsn, schema="second", max_event_bytes=100)
-
-    async def use() -> list[subengine.Stream]:
-        async with subengine.AsyncEngine(settings=settings) as engine:
-            await engine.create_stream("letters", 2)
-            with pytest.raises(subengine.InvalidEvent, match="SUBENGINE_MAX_EVENT_BYTES"):
-                await engine.append("letters", [NewEvent("k", "Big", "x" * 200)])
-            return await engine.streams()
-
-    assert [s.name for s in runner.run(use())] == ["letters"]
-    assert sql.execute("SELECT count(*) FROM subengine.streams").fetchone()[0] == 0  # type: ignore[index]
 
 
 # append_async in the caller's transaction
@@ -373,37 +218,3 @@ def test_append_async_appends_to_the_schema_it_is_given(
 
     asyncio.run(append())
     assert sql.execute("SELECT count(*) FROM second.events").fetchone()[0] == 1  # type: ignore[index]
-
-
-def test_an_append_is_its_own_transaction_and_leaves_pooled_connections_in_transactions(
-    dsn: str, runner: asyncio.Runner, orders: str
-) -> None:
-    # One connection in each pool, so the append's is the one looked at afterwards.
-    settings = subengine.Settings(dsn=dsn, pool_min_size=1, pool_max_size=1)
-    engine = subengine.Engine(settings=settings)
-    async_engine = subengine.AsyncEngine(settings=settings)
-    runner.run(async_engine.open())
-
-    async def async_state() -> tuple[bool, psycopg.pq.TransactionStatus]:
-        async with async_engine.connection() as conn:
-            await conn.execute("SELECT 1")
-            return conn.autocommit, conn.info.transaction_status
-
-    def state() -> tuple[bool, psycopg.pq.TransactionStatus]:
-        with engine.connection() as conn:
-            conn.execute("SELECT 1")
-            return conn.autocommit, conn.info.transaction_status
-
-    try:
-        for either, look in ((engine, state), (Synced(async_engine, runner), None)):
-            stored = either.append(orders, events("k"))
-            with pytest.raises(subengine.WrongExpectedVersion):
-                either.append(orders, events("k"), expected_version=0)
-            with pytest.raises(subengine.StreamNotFound):
-                either.append("no-such-stream", events("k"))
-            in_transaction = (False, psycopg.pq.TransactionStatus.INTRANS)
-            assert (look() if look else runner.run(async_state())) == in_transaction
-            assert stored[0].key_version == (1 if either is engine else 2)
-    finally:
-        engine.close()
-        runner.run(async_engine.close())
