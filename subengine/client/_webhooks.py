@@ -10,138 +10,39 @@ only state is the cursor, which the application stores with its own changes.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal
-from urllib.parse import quote
 
-import anyio.to_thread
 import httpx
-from standardwebhooks import Webhook
 
-from subengine.client._core import Selection, StreamOptions, refusal, selection_of
-from subengine.client._errors import GatewayError
-from subengine.client._items import (
-    Event,
-    Item,
-    Reset,
-    event_from_json,
-    reset_from_json,
-    tombstone_from_json,
+from subengine.client._asgi import Receive, Scope, Send, serve_deliveries
+from subengine.client._core import Selection, StreamOptions, selection_of
+from subengine.client._deliveries import (
+    Batch,
+    RememberedIds,
+    Signatures,
+    batch_of,
+    last_position,
+    trimmed,
 )
-from subengine.model._events import Tombstone
+from subengine.client._errors import GatewayError
+from subengine.client._items import Item, Reset, reset_from_json
+from subengine.client._subscriber_gateway import SubscriberGateway, page_batches
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 from subengine.model._secrets import new_secret, validate_secret
 
 log = logging.getLogger("subengine.client")
 
-# the largest delivery the ASGI app reads; a larger one is answered 413
-MAX_BODY_BYTES = 4 * 1024 * 1024
-# webhook-ids remembered to answer a repeated delivery at once (older repeats are
-# still recognised by their positions)
-_REMEMBERED_IDS = 4096
-# what the ASGI app asks the gateway to wait before retrying a delivery answered 503
-_RETRY_AFTER_SECONDS = "5"
 # what a background step may fail with; it is logged and tried again later
 _FAILURES = (GatewayError, httpx.HTTPError, ValueError, KeyError, TypeError)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    """Items of one partition covering positions `after` + 1 to `through` (positions
-    without an item were passed over by a filter), in the stream's epoch `epoch`."""
-
-    stream: str
-    partition: int
-    epoch: int
-    after: int
-    through: int
-    items: tuple[Event | Tombstone, ...]
-
-
-def _last(item: Event | Tombstone) -> int:
-    return item.position if isinstance(item, Event) else item.gap_to
-
-
-def _first(item: Event | Tombstone) -> int:
-    return item.position if isinstance(item, Event) else item.gap_from
-
-
-class _Gateway:
-    """Every request the subscriber makes, to one gateway. A status of 400 or more
-    raises GatewayError (a 5xx too: the caller tries again later either way)."""
-
-    def __init__(
-        self, base_url: str, api_key: str | None, timeout: float, client: httpx.Client | None
-    ) -> None:
-        self._base_url = base_url.rstrip("/")
-        self._headers = {"Accept": "application/json"}
-        if api_key is not None:
-            self._headers["Authorization"] = f"Bearer {api_key}"
-        self._timeout = timeout
-        self._owns_client = client is None
-        self._client = client or httpx.Client()
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Sequence[tuple[str, str]] = (),
-        body: Mapping[str, Any] | None = None,
-    ) -> httpx.Response:
-        response = self._client.request(
-            method,
-            self._base_url + path,
-            params=list(params),
-            json=body,
-            headers=self._headers,
-            timeout=self._timeout,
-        )
-        if response.status_code >= 400:
-            raise refusal(response.status_code, response.content)
-        return response
-
-    def stream(self, name: str) -> dict[str, Any]:
-        """GET /v1/streams/{name}: its epoch, partitions and the cursor at its heads."""
-        answer: dict[str, Any] = self._request("GET", f"/v1/streams/{quote(name, safe='')}").json()
-        return answer
-
-    def events(self, name: str, params: Sequence[tuple[str, str]]) -> dict[str, Any]:
-        """One page of GET /v1/streams/{name}/events."""
-        path = f"/v1/streams/{quote(name, safe='')}/events"
-        answer: dict[str, Any] = self._request("GET", path, params=params).json()
-        return answer
-
-    def subscribe(self, subscription: str, body: Mapping[str, Any]) -> None:
-        """PUT /v1/webhooks/{subscription}: create it, or renew its lease."""
-        self._request("PUT", f"/v1/webhooks/{quote(subscription, safe='')}", body=body)
-
-    def cancel(self, subscription: str) -> None:
-        """DELETE /v1/webhooks/{subscription}; one the gateway does not know is fine."""
-        try:
-            self._request("DELETE", f"/v1/webhooks/{quote(subscription, safe='')}")
-        except GatewayError as error:
-            if error.status != 404:
-                raise
-
-    def close(self) -> None:
-        if self._owns_client:
-            self._client.close()
 
 
 def _new_subscription_id() -> str:
@@ -208,14 +109,13 @@ class Subscriber:
         self._start = start
         # the gateway's own rules: a secret it would refuse is refused here, at once
         self._secret = new_secret() if secret is None else validate_secret(secret)
-        self._webhook = Webhook(self._secret)
+        self._signatures = Signatures(self._secret, tolerance.total_seconds())
         self._include_data = include_data
         self._max_events = max_events
         self._lease_seconds = lease_seconds
         self._pull_after = pull_after
-        self._tolerance = tolerance.total_seconds()
         self._max_queued = max_queued
-        self._gateway = _Gateway(gateway_url, api_key, timeout, client)
+        self._gateway = SubscriberGateway(gateway_url, api_key, timeout, client)
 
         # Guards everything below; `get` waits on it for items.
         self._lock = threading.Condition()
@@ -236,8 +136,8 @@ class Subscriber:
         # it accepted: then a pull that finds events says nothing of the pushes
         self._refused = False
         self._resubscriptions = 0
-        # the last webhook-ids taken, oldest first (a dict: looked up by hash)
-        self._seen: dict[str, None] = {}
+        # the last webhook-ids taken
+        self._seen = RememberedIds()
         self._started = self._closed = False
         self._stopped = threading.Event()
         self._timer: threading.Thread | None = None
@@ -356,7 +256,7 @@ class Subscriber:
         with self._lock:
             current = self._subscription if self._started and not self._closed else None
         lowered = {name.lower(): value for name, value in headers.items()}
-        if not self._verified(body, lowered):
+        if not self._signatures.verified(body, lowered):
             # An unknown subscription is one this subscriber left (before a restart,
             # with another secret): 410 has the gateway delete it.
             gone = isinstance(named, str) and named != current
@@ -374,30 +274,9 @@ class Subscriber:
             return 400, b""
         return self._deliver(lowered["webhook-id"], message, named), b""
 
-    def _verified(self, body: bytes, lowered: Mapping[str, str]) -> bool:
-        """Whether one of the signatures (headers with lower-case names) is the secret's
-        over "<id>.<timestamp>.<body>", with the timestamp within `tolerance` of now."""
-        webhook_id = lowered.get("webhook-id")
-        stamp = lowered.get("webhook-timestamp", "")
-        signatures = lowered.get("webhook-signature", "")
-        if not webhook_id or not stamp.isascii() or not stamp.isdigit() or not signatures:
-            return False
-        sent = int(stamp)
-        if abs(time.time() - sent) > self._tolerance:
-            return False
-        try:
-            text = body.decode()
-        except UnicodeDecodeError:
-            return False
-        expected = self._webhook.sign(webhook_id, datetime.fromtimestamp(sent, UTC), text)
-        return any(
-            hmac.compare_digest(expected.encode(), signature.encode())
-            for signature in signatures.split()
-        )
-
     def _deliver(self, webhook_id: str, message: Mapping[str, Any], subscription: str) -> int:
         try:
-            batch = _batch_of(message)
+            batch = batch_of(message)
             if batch.stream not in self._selections:
                 raise ValueError(f"stream {batch.stream!r} is not subscribed to")
         except (KeyError, TypeError, ValueError) as error:
@@ -422,9 +301,7 @@ class Subscriber:
             if accepted is None:
                 return 503
         with self._lock:
-            self._seen[webhook_id] = None
-            if len(self._seen) > _REMEMBERED_IDS:
-                del self._seen[next(iter(self._seen))]
+            self._seen.add(webhook_id)
             if accepted:
                 self._last_accepted = time.monotonic()
                 self._refused = False
@@ -432,39 +309,11 @@ class Subscriber:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app: POSTs to it are deliveries (see `receive`)."""
-        if scope["type"] == "lifespan":
-            while True:
-                event = await receive()
-                if event["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif event["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        if scope["method"] != "POST":
-            await _respond(send, 405, b"")
-            return
-        body = bytearray()
-        while True:
-            event = await receive()
-            if event["type"] == "http.disconnect":
-                return
-            body += event.get("body", b"")
-            if len(body) > MAX_BODY_BYTES:
-                await _respond(send, 413, b"")
-                return
-            if not event.get("more_body", False):
-                break
-        headers = {
-            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
-        }
-        status, answer = await anyio.to_thread.run_sync(self.receive, bytes(body), headers)
-        await _respond(send, status, answer)
+        await serve_deliveries(scope, receive, send, self.receive)
 
     # the queue
 
-    def _offer(self, batch: _Batch) -> list[Item] | None:
+    def _offer(self, batch: Batch) -> list[Item] | None:
         """Accept what `batch` adds to the queue, if it follows what the queue holds of
         its partition: the items accepted (none: it was all there already), or None
         when it starts beyond (or is of another epoch of the stream)."""
@@ -480,11 +329,11 @@ class Subscriber:
             if batch.after > at:
                 return None
             # A batch that overlaps what is accepted adds its part beyond.
-            fresh = [_trimmed(item, at) for item in batch.items if _last(item) > at]
+            fresh = [trimmed(item, at) for item in batch.items if last_position(item) > at]
             for index, item in enumerate(fresh):
                 # the last item carries the batch's end: positions it passed over
                 last = index == len(fresh) - 1
-                positions[batch.partition] = batch.through if last else _last(item)
+                positions[batch.partition] = batch.through if last else last_position(item)
                 self._queue.append((item, self._encode()))
             positions[batch.partition] = batch.through
             self._lock.notify_all()
@@ -512,7 +361,7 @@ class Subscriber:
 
     # pulling
 
-    def _catch_up(self, batch: _Batch, subscription: str) -> None:
+    def _catch_up(self, batch: Batch, subscription: str) -> None:
         """Pull the stream of a batch that starts beyond the queue, up to its start;
         resubscribe when the pull found items the pushes skipped."""
         until = (batch.partition, batch.epoch, batch.after)
@@ -521,7 +370,7 @@ class Subscriber:
             item
             for item in found
             if isinstance(item, Reset)
-            or (item.partition == batch.partition and _last(item) <= batch.after)
+            or (item.partition == batch.partition and last_position(item) <= batch.after)
         ]
         if skipped:
             self._resubscribe(subscription)
@@ -571,22 +420,7 @@ class Subscriber:
             reset = reset_from_json(body)
             if self._reset(reset):
                 found.append(reset)
-        starts = sent if ends.epoch == sent.epoch else StreamPosition(ends.epoch)
-        per_partition: dict[int, list[Event | Tombstone]] = {}
-        for tombstone in map(tombstone_from_json, page["tombstones"]):
-            per_partition.setdefault(tombstone.partition, []).append(tombstone)
-        for event in map(event_from_json, page["events"]):
-            per_partition.setdefault(event.partition, []).append(event)
-        for partition in sorted(set(range(len(ends.positions))) | per_partition.keys()):
-            items = sorted(per_partition.get(partition, ()), key=_first)
-            batch = _Batch(
-                name,
-                partition,
-                ends.epoch,
-                starts.position(partition),
-                ends.position(partition),
-                tuple(items),
-            )
+        for batch in page_batches(name, sent, ends, page):
             found += self._offer(batch) or []
         return found
 
@@ -684,41 +518,3 @@ class Subscriber:
         # did not fail then, and are retried
         if found and subscribed and not refused:
             self._resubscribe(subscription)
-
-
-def _trimmed(item: Event | Tombstone, at: int) -> Event | Tombstone:
-    """`item` without the positions up to `at` (a tombstone that straddles it)."""
-    if isinstance(item, Tombstone) and item.gap_from <= at:
-        return replace(item, gap_from=at + 1)
-    return item
-
-
-def _batch_of(message: Mapping[str, Any]) -> _Batch:
-    """The batch of a delivery's body."""
-    stream = str(message["stream"])
-    epoch = GatewayCursor.decode(message["cursor"]).streams[stream].epoch
-    items: list[Event | Tombstone] = [
-        tombstone_from_json(body) for body in message.get("tombstones") or ()
-    ]
-    items += [event_from_json(body) for body in message.get("events") or ()]
-    for item in items:
-        if item.stream != stream or item.partition != message["partition"]:
-            raise ValueError("an item of another stream or partition")
-    return _Batch(
-        stream,
-        int(message["partition"]),
-        epoch,
-        int(message["after"]),
-        int(message["through"]),
-        tuple(sorted(items, key=_first)),
-    )
-
-
-async def _respond(send: Send, status: int, body: bytes) -> None:
-    headers = [(b"content-length", str(len(body)).encode())]
-    if body:
-        headers.append((b"content-type", b"application/json"))
-    if status == 503:
-        headers.append((b"retry-after", _RETRY_AFTER_SECONDS.encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
