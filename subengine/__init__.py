@@ -67,9 +67,10 @@ if TYPE_CHECKING:
     from subengine.streams._read import gateway_cursor
     from subengine.streams._retention import RetentionRun
     from subengine.streams._tail import AsyncTail, Tail
+    from subengine.subscriptions._batches import BatchOutcome
     from subengine.subscriptions._reset import reset_subscription
     from subengine.subscriptions._stream_deletion import DeletedStream
-    from subengine.subscriptions._subscriptions import BatchOutcome, SubscriptionPosition
+    from subengine.subscriptions._subscriptions import SubscriptionPosition
     from subengine.worker._app import App
 
 # Every public name, and the module that defines it. They are imported on first use (PEP
@@ -126,7 +127,7 @@ _PUBLIC: dict[str, str] = {
     "Tail": "subengine.streams._tail",
     "reset_subscription": "subengine.subscriptions._reset",
     "DeletedStream": "subengine.subscriptions._stream_deletion",
-    "BatchOutcome": "subengine.subscriptions._subscriptions",
+    "BatchOutcome": "subengine.subscriptions._batches",
     "SubscriptionPosition": "subengine.subscriptions._subscriptions",
     "App": "subengine.worker._app",
 }

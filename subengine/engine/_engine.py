@@ -54,9 +54,10 @@ from subengine.streams._append import (
 from subengine.streams._listener import Listener
 from subengine.streams._retention import PartitionCut, RetentionRun
 from subengine.streams._tail import LISTENER_APPLICATION_NAME, Tail
-from subengine.subscriptions import _inspection, _stream_deletion, _subscriptions
+from subengine.subscriptions import _batches, _inspection, _stream_deletion, _subscriptions
+from subengine.subscriptions._batches import BatchOutcome
 from subengine.subscriptions._stream_deletion import DeletedStream
-from subengine.subscriptions._subscriptions import BatchOutcome, Deleted, SubscriptionPosition
+from subengine.subscriptions._subscriptions import Deleted, SubscriptionPosition
 
 # The pool logs every failed connection attempt, from a background thread. Where the
 # application configured no logging they would all land on stderr; subengine reports the
@@ -378,7 +379,7 @@ class Engine:
     def process_batch(self, subscription: Subscription, partition: int) -> BatchOutcome | None:
         """Handle the next batch of one partition exactly once (see process_batch)."""
         with self.db() as db:
-            return _subscriptions.process_batch(db, subscription, partition)
+            return _batches.process_batch(db, subscription, partition)
 
     # operating
 

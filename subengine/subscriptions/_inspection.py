@@ -4,7 +4,9 @@ workers_status, dead_letters) are documented for plain SQL use too."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from subengine.db._sql import Db, Query, Row, first_row, nothing
@@ -26,7 +28,7 @@ from subengine.model._records import (
     WorkerStatus,
 )
 from subengine.streams._read import read_after
-from subengine.subscriptions._subscriptions import error_text
+from subengine.subscriptions._failures import error_text
 
 
 def _check_name(name: str | None) -> None:
@@ -90,13 +92,46 @@ def prune_workers() -> Query[list[WorkerRegistration]]:
     )
 
 
-def register_worker(registration: dict[str, Any]) -> Query[None]:
-    """Record a worker (id, host, pid, names, serves_metrics), for inspection."""
-    return Query("register_worker", registration, nothing)
+def register_worker(db: Db, registration: dict[str, Any]) -> list[WorkerRegistration]:
+    """Record a worker (id, host, pid, names, serves_metrics), for inspection, after
+    removing the registrations of workers that are gone (`prune_workers`); those."""
+    pruned = db.run(prune_workers())
+    db.run(Query("register_worker", registration, nothing))
+    return pruned
 
 
-def unregister_worker(worker_id: Any) -> Query[None]:
-    return Query("unregister_worker", {"id": worker_id}, nothing)
+def unregister_worker(db: Db, worker_id: uuid.UUID) -> None:
+    db.run(Query("unregister_worker", {"id": worker_id}, nothing))
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionLag:
+    """One reading of a subscription in one partition; `halted`: stopped or paused;
+    `reported`: this worker exports the subscription's lag gauges (one worker does)."""
+
+    subscription: str
+    partition: int
+    position: int
+    head: int
+    halted: bool
+    reported: bool = True
+
+    @property
+    def lag(self) -> int:
+        """Events behind: head - position."""
+        return max(self.head - self.position, 0)
+
+
+def read_lag(db: Db, names: Sequence[str], worker: uuid.UUID) -> list[PartitionLag]:
+    """Position and head of every partition of the named subscriptions, in one query, and
+    whether `worker` reports each subscription's lag."""
+    return db.run(
+        Query(
+            "subscription_lag",
+            {"names": list(names), "worker": str(worker)},
+            lambda result: [PartitionLag(*row) for row in result.rows],
+        )
+    )
 
 
 def dead_letters(name: str | None = None, everything: bool = False) -> Query[list[DeadLetter]]:

@@ -2,15 +2,17 @@
 
 Every worker has a registry of its own (never prometheus_client's global one), so workers
 sharing a process keep separate counts. Lag is not read when Prometheus scrapes: the
-worker's progress loop reads it with one query (`read_lag`) at start and then at most once
-per `progress_interval`, and both the lag gauges and the progress lines show that reading.
-One query serves both, its rate does not depend on how many scrapers call or how often,
-and a scrape never waits on the database.
+worker's progress loop (`follow_progress`) reads it with one query (`read_lag`) at start
+and then at most once per `progress_interval`, and both the lag gauges and the progress
+lines show that reading. One query serves both, its rate does not depend on how many
+scrapers call or how often, and a scrape never waits on the database.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,40 +22,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from subengine.db._sql import Query
+from subengine.engine._engine import Engine
 from subengine.model._errors import ConfigurationError
+from subengine.subscriptions._inspection import PartitionLag
+from subengine.subscriptions._inspection import read_lag as read_lag  # looked up here
+
+log = logging.getLogger("subengine.worker")
 
 ALL_INTERFACES = "0.0.0.0"
 _BATCH_SIZE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000)
 _BATCH_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-
-
-@dataclass(frozen=True, slots=True)
-class PartitionLag:
-    """One reading of a subscription in one partition; `halted`: stopped or paused;
-    `reported`: this worker exports the subscription's lag gauges (one worker does)."""
-
-    subscription: str
-    partition: int
-    position: int
-    head: int
-    halted: bool
-    reported: bool = True
-
-    @property
-    def lag(self) -> int:
-        """Events behind: head - position."""
-        return max(self.head - self.position, 0)
-
-
-def read_lag(names: Sequence[str], worker: uuid.UUID) -> Query[list[PartitionLag]]:
-    """Position and head of every partition of the named subscriptions, in one query, and
-    whether `worker` reports each subscription's lag."""
-    return Query(
-        "subscription_lag",
-        {"names": list(names), "worker": str(worker)},
-        lambda result: [PartitionLag(*row) for row in result.rows],
-    )
 
 
 class _LagCollector(Collector):
@@ -375,3 +353,36 @@ def _duration(seconds: float) -> str:
         return f"{minutes} min {seconds:02d} s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min"
+
+
+def follow_progress(
+    engine: Engine,
+    metrics: WorkerMetrics,
+    names: Sequence[str],
+    worker_id: uuid.UUID,
+    stop: threading.Event,
+) -> None:
+    """A worker's progress loop: read the lag at start and then every progress_interval,
+    for the lag gauges and the progress lines; skip the query when nothing can have
+    changed (see Progress)."""
+    progress = Progress(names, time.monotonic())
+    while True:
+        done = metrics.done()
+        if not progress.wants_reading(done, metrics.serving):
+            progress.skip(time.monotonic())
+        else:
+            try:
+                with engine.db() as db:
+                    reading = read_lag(db, names, worker_id)
+            except Exception as error:  # progress is for people: never fatal
+                log.warning("could not read the lag: %s", error, extra=_fields(worker_id))
+            else:
+                metrics.lag_read(reading, time.time())
+                for line in progress.report(time.monotonic(), done, reading):
+                    log.info("%s", line.message(), extra=_fields(worker_id, **line.fields()))
+        if stop.wait(engine.settings.progress_interval):
+            return
+
+
+def _fields(worker_id: uuid.UUID, **fields: Any) -> dict[str, Any]:
+    return {"worker_id": str(worker_id), **fields}

@@ -17,7 +17,7 @@ from psycopg import sql as pgsql
 import subengine
 from subengine import NewEvent
 from subengine.db._sql import SQL
-from subengine.subscriptions._subscriptions import look_for_work
+from subengine.subscriptions._work import look_for_work
 
 PARTITIONS = 1024
 SUBSCRIPTIONS = 100

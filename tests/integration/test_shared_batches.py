@@ -13,7 +13,7 @@ from helpers import Running, count, key_in, poisoned_app, record, wait_for
 
 import subengine
 from subengine import NewEvent, Subscription
-from subengine.subscriptions._subscriptions import handle_batch
+from subengine.subscriptions._batches import handle_batch
 
 
 def events_in(engine: subengine.Engine, per_partition: dict[int, int]) -> None:

@@ -242,7 +242,7 @@ def test_two_workers_on_one_partition_never_handle_an_event_twice(
         with psycopg.connect(dsn) as conn:
             db = subengine.db._sql.Db(conn, subengine.db._sql.SQL("subengine"))
             while (
-                outcome := subengine.subscriptions._subscriptions.process_batch(db, sub, 0)
+                outcome := subengine.subscriptions._batches.process_batch(db, sub, 0)
             ) is not None and outcome.handled:
                 pass
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from subengine.worker._metrics import PartitionLag, Progress
+from subengine.subscriptions._inspection import PartitionLag
+from subengine.worker._metrics import Progress
 
 
 def reading(*lags: int, halted: Collection[int] = ()) -> list[PartitionLag]:

@@ -1,0 +1,367 @@
+"""The batch transaction of the Consume flow (DESIGN.md): lock the position row, read the
+next events, run the handlers on the same connection, compare-and-set the position,
+commit. The handlers' writes and the new position commit together or not at all
+(invariant 2); a gap retention left is passed or stopped before, never skipped silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from itertools import groupby
+from operator import itemgetter
+from typing import Any
+
+import psycopg
+
+from subengine.db._sql import Db, Query, Row, nothing
+from subengine.model._declarations import Subscription
+from subengine.model._errors import (
+    Fenced,
+    PositionsMissing,
+    StoppedAtGap,
+    SubscriptionNotFound,
+)
+from subengine.model._events import Event, Tombstone, stored_events
+from subengine.subscriptions._failures import BatchFailed, database_trouble, stop_partition
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """What one batch did: the events handled and the position after them."""
+
+    partition: int
+    handled: int
+    position: int
+    next_time: datetime | None
+    gap: Tombstone | None = None  # the gap the batch passed (policy skip or a handler)
+
+
+def process_batch(db: Db, subscription: Subscription, partition: int) -> BatchOutcome | None:
+    """Handle the next batch of one partition.
+
+    Transactional subscriptions run the handlers inside the transaction that moves the
+    position: exactly once. At-least-once subscriptions run them between two
+    transactions, without a connection; a crash before the second repeats the batch.
+    Returns None when the partition is stopped, its subscription paused, or its failed
+    event waits for the retry delay (`retry_at`). A handler's exception rolls the batch
+    back and propagates; `Fenced` means the position moved under us (nothing of this
+    batch was committed); `PositionsMissing` means events after the position are no longer
+    stored (the partition is then stopped before them; `StoppedAtGap` when retention
+    removed them and the gap policy is `stop`). A gap the policy passes is an outcome
+    with no events handled and its `gap`.
+    """
+    try:
+        outcomes = handle_batch(db, subscription, partition)
+    except BatchFailed as failed:
+        raise failed.error from None
+    return None if outcomes is None else outcomes[0]
+
+
+def handle_batch(
+    db: Db,
+    subscription: Subscription,
+    partition: int,
+    size: int | None = None,
+    companions: int = 0,
+) -> list[BatchOutcome] | None:
+    """`process_batch` for the worker: at most `size` events (default: the subscription's
+    batch size), from the partition and, for a transactional subscription, from up to
+    `companions` more of its partitions with work (see the `lock_batch` query); the
+    outcome of each partition the batch moved, the chosen one first. A failure of the
+    batch's events arrives as `BatchFailed`.
+
+    Only the handlers' own exceptions, and a commit that fails because of their writes,
+    are the events' failures. Any other error (reading the batch, moving the position,
+    the connection) propagates as it is: it says nothing about the events.
+    """
+    size = size or subscription.batch_size
+    if subscription.ack == "transactional":
+        return _transactional_batch(db, subscription, partition, size, companions)
+    batch: _Batch | None = None
+    try:
+        with db.transaction():
+            batch = _next_batch(db, subscription, partition, size, 0)
+            if batch is not None and batch.parts and batch.parts[0].gap is not None:
+                return _commit_positions(db, subscription, batch)  # with the gap's record
+    except psycopg.Error as error:
+        # a commit that fails after a gap handler ran fails for what it wrote
+        if batch is None or subscription.gap is None or database_trouble(error):
+            raise
+        raise _failed(error, batch, batch.parts[0]) from error
+    if batch is None:
+        return None
+    if batch.missing is not None:
+        raise batch.missing
+    _run_handlers(subscription, batch, None)
+    with db.transaction():
+        return _commit_positions(db, subscription, batch)
+
+
+def _transactional_batch(
+    db: Db,
+    subscription: Subscription,
+    partition: int,
+    size: int,
+    companions: int,
+) -> list[BatchOutcome] | None:
+    batch: _Batch | None = None
+    handled = False
+    outcomes: list[BatchOutcome] | None = None
+    try:
+        with db.transaction():
+            batch = _next_batch(db, subscription, partition, size, companions)
+            if batch is not None and batch.missing is None:
+                _run_handlers(subscription, batch, db.conn)
+                handled = True
+                outcomes = _commit_positions(db, subscription, batch)
+    except psycopg.Error as error:
+        # Once the handlers have run, an error that is not the database's own trouble
+        # comes from what they did: a write that breaks a deferred constraint at COMMIT,
+        # or an error they caught, which left the transaction aborted.
+        if batch is not None and handled and not database_trouble(error):
+            raise _failed(error, batch, batch.parts[0]) from error
+        raise
+    if batch is not None and batch.missing is not None:
+        raise batch.missing  # the partition's stop committed
+    return outcomes
+
+
+def _run_handlers(
+    subscription: Subscription, batch: _Batch, conn: psycopg.Connection[Any] | None
+) -> None:
+    for part in batch.parts:  # each partition's events in one call: its order is kept
+        try:
+            subscription.handle(part.events, conn)
+        except Exception as error:
+            if database_trouble(error):
+                raise  # a database error is never the events' failure (invariant 8)
+            raise _failed(error, batch, part) from error
+
+
+def _failed(error: Exception, batch: _Batch, part: _Part) -> BatchFailed:
+    last = part.events[-1].position if part.events else part.old
+    return BatchFailed(
+        error, len(part.events), last, part.old, part.generation, part.partition,
+        len(batch.parts) > 1,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """A batch's events of one partition, and where the subscription stood there."""
+
+    partition: int
+    old: int
+    generation: int
+    events: list[Event]
+    next_time: datetime | None
+    gap: Tombstone | None = None  # a gap the batch passes instead of events
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """A batch: its partitions' parts, the chosen partition's first (perhaps without
+    events), or the events no longer stored after the chosen partition's position."""
+
+    parts: list[_Part]
+    missing: PositionsMissing | None = None
+
+
+def _next_batch(
+    db: Db,
+    subscription: Subscription,
+    partition: int,
+    size: int,
+    companions: int,
+) -> _Batch | None:
+    """Lock the chosen partition's position row and read the events after it
+    (`lock_batch`), then, when it leaves room in the batch and `companions` allows, the
+    rows and events of other partitions of the subscription (`lock_companions`); None if
+    the partition is stopped or the subscription paused.
+
+    Positions are dense and commit in order (invariant 1), so the events after the
+    position are position + 1, + 2, ... up to the head, all committed: a hole shows
+    events no longer stored. A batch takes a partition's events up to the first hole;
+    a chosen partition whose next position is missing is a gap when retention removed
+    it (below the floor: passed or stopped before by the subscription's gap policy, see
+    `_missing`), and otherwise stopped before it (in this transaction) with the batch
+    naming the missing positions (`missing`): they are never skipped silently. A
+    companion whose next position is missing is left out: its own batch handles it.
+    """
+    params = {
+        "name": subscription.name,
+        "partition": partition,
+        "stream": subscription.stream,
+        "size": size,
+    }
+    rows = db.run(Query("lock_batch", params, lambda result: result.rows))
+    if not rows:
+        raise SubscriptionNotFound(
+            f"subscription {subscription.name!r} is not stored for stream "
+            f"{subscription.stream!r} (deleted?), or has no partition {partition}"
+        )
+    _, old, generation, halted, attempts, head, _ = rows[0][:7]
+    if halted:
+        return None
+    [(chosen, found)] = _parts(rows)
+    if chosen is None:  # the next position is no longer stored
+        return _missing(db, subscription, partition, old, generation, found, head)
+    parts = [chosen]
+    room = size - len(chosen.events)
+    if companions and room > 0 and attempts == 0 and chosen.next_time is None:
+        rows = db.run(
+            Query(
+                "lock_companions",
+                {**params, "room": room, "companions": companions},
+                lambda result: result.rows,
+            )
+        )
+        parts.extend(part for part, _ in _parts(rows) if part is not None)
+    return _Batch(parts)
+
+
+def _missing(
+    db: Db,
+    subscription: Subscription,
+    partition: int,
+    old: int,
+    generation: int,
+    found: int | None,
+    head: int,
+) -> _Batch:
+    """The batch of a partition whose next position is not stored. Below the floor,
+    retention removed it: a gap, which the subscription's policy passes (recorded, after
+    its gap handler if it has one) or stops before. At or above the floor, the events
+    are missing for another reason: the partition stops before them."""
+    floor = db.run(
+        Query(
+            "partition_floor",
+            {"stream": subscription.stream, "partition": partition},
+            lambda result: int(result.rows[0][0]),
+        )
+    )
+    if old + 1 >= floor:
+        last = found - 1 if found is not None else head
+        missing = PositionsMissing(subscription.name, subscription.stream, partition, old + 1, last)
+        db.run(stop_partition(subscription.name, partition, old, generation, missing))
+        return _Batch([], missing)
+    gap = Tombstone(subscription.stream, partition, old + 1, floor - 1, floor)
+    if subscription.on_gap == "stop":
+        stopped = StoppedAtGap(subscription.name, gap)
+        db.run(stop_partition(subscription.name, partition, old, generation, stopped))
+        return _Batch([], stopped)
+    if subscription.gap is not None:
+        try:
+            subscription.handle_gap(gap, db.conn)
+        except Exception as error:
+            if database_trouble(error):
+                raise
+            raise BatchFailed(error, 0, old, old, generation, partition, False) from error
+    try:
+        action = "handled" if subscription.gap else "skipped"
+        db.run(record_gap(subscription.name, generation, gap, action))
+    except psycopg.Error as error:
+        if subscription.gap is None or database_trouble(error):
+            raise
+        # the gap handler left the transaction aborted (an SQL error it caught)
+        raise BatchFailed(error, 0, old, old, generation, partition, False) from error
+    return _Batch([_Part(partition, old, generation, [], None, gap)])
+
+
+def record_gap(name: str, generation: int, gap: Tombstone, action: str) -> Query[None]:
+    """Record a gap a subscription passed in its gaps table: `action` says how (the
+    policy skipped it, its gap handler handled it, or an operator accepted it)."""
+    return Query(
+        "record_gap",
+        {
+            "name": name,
+            "stream": gap.stream,
+            "partition": gap.partition,
+            "generation": generation,
+            "gap_from": gap.gap_from,
+            "gap_to": gap.gap_to,
+            "floor": gap.floor,
+            "reason": gap.reason,
+            "action": action,
+        },
+        nothing,
+    )
+
+
+def _parts(rows: Sequence[Row]) -> list[tuple[_Part | None, int | None]]:
+    """The parts of a batch from the rows of lock_batch or lock_companions (a
+    partition's rows after the other): each partition's events up to the first hole in
+    their positions and its next stored event's time; None for a partition whose next
+    position is missing (then with the first position found after it, if any)."""
+    parts: list[tuple[_Part | None, int | None]] = []
+    # a partition's rows repeat its first seven columns: its number tells them apart
+    for _, grouped in groupby(rows, key=itemgetter(0)):
+        group = list(grouped)
+        part_partition, old, generation, _, _, _, take = group[0][:7]
+        events = stored_events(row[7:] for row in group if row[7] is not None)
+        dense = min(take, len(events))
+        # positions only grow: when the last one is where no hole puts it, none is before
+        if dense and events[dense - 1].position != old + dense:
+            dense = 0
+            while events[dense].position == old + 1 + dense:
+                dense += 1
+        if dense == 0 and take > 0:
+            parts.append((None, events[0].position if events else None))
+            continue
+        # the next stored event's time (after a hole too: its batch must come to stop)
+        next_time = events[dense].occurred_at if len(events) > dense else None
+        parts.append((_Part(part_partition, old, generation, events[:dense], next_time), None))
+    return parts
+
+
+def _commit_positions(db: Db, subscription: Subscription, batch: _Batch) -> list[BatchOutcome]:
+    news = [
+        part.events[-1].position if part.events else part.gap.gap_to if part.gap else part.old
+        for part in batch.parts
+    ]
+    query: Query[dict[int, datetime | None]]
+    if len(batch.parts) == 1:
+        [part] = batch.parts
+        query = Query(
+            "commit_position",
+            {
+                "name": subscription.name,
+                "stream": subscription.stream,
+                "partition": part.partition,
+                "old": part.old,
+                "new": news[0],
+                "generation": part.generation,
+                "next_time": part.next_time,
+            },
+            lambda result: dict(result.rows),
+        )
+    else:
+        query = Query(
+            "commit_positions",
+            {
+                "name": subscription.name,
+                "stream": subscription.stream,
+                "partitions": [part.partition for part in batch.parts],
+                "old": [part.old for part in batch.parts],
+                "new": news,
+                "generations": [part.generation for part in batch.parts],
+                "next_times": [part.next_time for part in batch.parts],
+            },
+            lambda result: dict(result.rows),
+        )
+    moved: dict[int, datetime | None] = db.run(query)
+    if len(moved) != len(batch.parts):
+        fenced = sorted({part.partition for part in batch.parts} - set(moved))
+        raise Fenced(
+            f"the position of {subscription.name!r} in partition"
+            f"{'s' if len(fenced) > 1 else ''} {', '.join(map(str, fenced))} moved during "
+            "the batch; nothing of it was committed"
+        )
+    # each next event's time as stored: events committed since the batch read may have
+    # brought one
+    return [
+        BatchOutcome(part.partition, len(part.events), new, moved[part.partition], part.gap)
+        for part, new in zip(batch.parts, news, strict=True)
+    ]

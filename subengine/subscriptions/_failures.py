@@ -1,0 +1,198 @@
+"""What a failed batch leaves behind: the attempt counted, the retry delay, and at the last
+attempt the error policy's stopped partition or dead letter, each fenced like the position
+(invariant 3); and which errors are the events' failures at all (invariant 8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import psycopg
+
+from subengine.db._sql import Db, Query, first_row, nothing
+from subengine.model._declarations import Subscription
+from subengine.model._errors import PositionsMissing, RetryLater
+from subengine.model._settings import Settings
+
+_MAX_ERROR_LENGTH = 4000
+
+
+class _EventGone(Exception):
+    """The failing event is no longer stored: nothing to dead-letter."""
+
+
+def error_text(error: BaseException) -> str:
+    """An exception as stored in last_error and dead_letters.error."""
+    return f"{type(error).__name__}: {error}"[:_MAX_ERROR_LENGTH]
+
+
+def database_trouble(error: BaseException) -> bool:
+    """Whether an error is the database's trouble (a lost connection, a timeout, a
+    cancelled query, a serialization failure or deadlock, a shutdown, a lack of
+    resources), which a retry may cure and which says nothing about the events. Also
+    for SQLAlchemy's wrappers of such errors, which handlers may raise."""
+    original = getattr(error, "orig", None)
+    if isinstance(original, psycopg.Error):
+        error = original
+    return isinstance(error, psycopg.OperationalError | psycopg.InterfaceError)
+
+
+class BatchFailed(Exception):
+    """The events of a batch failed: a handler raised, or the transaction of a
+    transactional batch failed to commit because of what the handlers wrote (a deferred
+    constraint they broke, say). Nothing of the batch committed. `partition` is the
+    partition whose handlers raised (the chosen one when the commit failed), `events` how
+    many events of it the batch held, `last_position` the last of them, `error` what was
+    raised, and `position` and `generation` where the subscription stood in it when the
+    batch read it (failures are recorded only if it still stands there). `shared`: the
+    batch carried other partitions too."""
+
+    def __init__(
+        self,
+        error: Exception,
+        events: int,
+        last_position: int,
+        position: int,
+        generation: int,
+        partition: int,
+        shared: bool,
+    ) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.events = events
+        self.last_position = last_position
+        self.position = position
+        self.generation = generation
+        self.partition = partition
+        self.shared = shared
+
+
+def stop_partition(
+    name: str,
+    partition: int,
+    position: int,
+    generation: int,
+    error: BaseException | None = None,
+) -> Query[bool]:
+    """Halt a partition of a subscription still at (position, generation), recording
+    `error` as its last error when given; False when the position moved (fenced)."""
+    return Query(
+        "stop_partition",
+        {
+            "name": name,
+            "partition": partition,
+            "position": position,
+            "generation": generation,
+            "error": None if error is None else error_text(error),
+        },
+        lambda result: result.rowcount == 1,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failed batch as recorded: its attempt, and what the error policy did (`retry`:
+    nothing yet; `stopped`; `dead_lettered`: the failing event was recorded and skipped;
+    `missing`: the failing event is no longer stored, so the partition stopped before it;
+    `fenced`: nothing, because the position moved since the batch read it)."""
+
+    attempts: int
+    action: Literal["retry", "stopped", "dead_lettered", "missing", "fenced"]
+
+
+def postpone_batch(db: Db, subscription: Subscription, failed: BatchFailed) -> bool:
+    """Make a partition wait before its next batch, because a handler raised RetryLater;
+    False when the position moved since the batch read it (a reset or another worker:
+    nothing is recorded)."""
+    error = failed.error
+    seconds = error.seconds if isinstance(error, RetryLater) else 0.0
+    params = {
+        "name": subscription.name,
+        "partition": failed.partition,
+        "position": failed.position,
+        "generation": failed.generation,
+        "error": error_text(error),
+        "seconds": seconds,
+    }
+    with db.transaction():
+        return db.run(Query("postpone_batch", params, first_row)) is not None
+
+
+def record_failure(
+    db: Db,
+    subscription: Subscription,
+    partition: int,
+    failed: BatchFailed,
+    settings: Settings,
+) -> Failure:
+    """Count a failed attempt of the event after the position and apply the error policy
+    at the last one. Call it for a batch of that one event only (a failed batch of several
+    is first handled one event at a time, to find the failing one).
+
+    Every write is fenced like the position (invariant 3): when a reset or another worker
+    moved the position since the batch read it, nothing is recorded, so a failure is never
+    charged to an event of another generation.
+    """
+    text = error_text(failed.error)
+    where = {
+        "name": subscription.name,
+        "partition": partition,
+        "position": failed.position,
+        "generation": failed.generation,
+    }
+    with db.transaction():
+        attempts_row = db.run(
+            Query(
+                "record_failure",
+                {
+                    **where,
+                    "error": text,
+                    "delay": settings.retry_delay,
+                    "delay_max": settings.retry_delay_max,
+                },
+                first_row,
+            )
+        )
+        if attempts_row is None:
+            return Failure(0, "fenced")
+        # the row is locked from here on: the writes below cannot be fenced
+        attempts = int(attempts_row[0])
+        if attempts < subscription.max_attempts:
+            return Failure(attempts, "retry")
+        # a gap has no event to dead-letter: a failing gap handler stops the partition,
+        # in state gap, with its error
+        if subscription.on_error == "stop" or failed.events == 0:
+            db.run(stop_partition(subscription.name, partition, failed.position, failed.generation))
+            return Failure(attempts, "stopped")
+        # dead_letter: the event after the position is the failing one
+        failing = failed.position + 1
+        try:
+            with db.transaction():  # the older open dead letter stays open if none follows
+                db.run(Query("supersede_dead_letters", {**where, "position": failing}, nothing))
+                recorded = db.run(
+                    Query(
+                        "dead_letter",
+                        {
+                            **where,
+                            "stream": subscription.stream,
+                            "position": failing,
+                            "error": text,
+                            "attempts": attempts,
+                        },
+                        first_row,
+                    )
+                )
+                if recorded is None:
+                    raise _EventGone
+        except _EventGone:
+            missing = PositionsMissing(
+                subscription.name, subscription.stream, partition, failing, failing
+            )
+            db.run(
+                stop_partition(
+                    subscription.name, partition, failed.position, failed.generation, missing
+                )
+            )
+            return Failure(attempts, "missing")
+        db.run(Query("skip_event", where, nothing))
+        return Failure(attempts, "dead_lettered")

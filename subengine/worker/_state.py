@@ -1,0 +1,90 @@
+"""What the threads of one worker share: its engine and subscriptions, the board and the
+wake-up, the backoff, the metrics, the subscriptions it left, and the error that ends it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from subengine.engine._engine import Engine
+from subengine.model._declarations import Subscription
+from subengine.model._errors import DatabaseUnavailable
+from subengine.worker._board import Board, Wakeup
+from subengine.worker._held import Backoff
+from subengine.worker._metrics import WorkerMetrics
+
+RECONNECT_DELAY_SECONDS = 1.0
+
+
+class WorkerState:
+    """One worker's shared state. The slots and the poller read it; what they change is
+    `left` (a slot), `fatal` (whoever gives up on the database) and `stopping`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        subscriptions: Sequence[Subscription],
+        *,
+        listen: bool,
+        look_limit: int,
+        serves_metrics: bool,
+    ) -> None:
+        self.engine = engine
+        self.settings = engine.settings
+        self.subscriptions = {s.name: s for s in subscriptions}
+        self.listen = listen
+        self.look_limit = look_limit
+        self.serves_metrics = serves_metrics
+        self.id = uuid.uuid4()
+        # every connection of the worker carries it: the status views find the worker's
+        # connections, and the holder of each partition lock, by it
+        self.application_name = f"subengine worker {self.id}"
+        self.board = Board(subscriptions)
+        self.wakeup = Wakeup()
+        self.backoff = Backoff(self.settings)
+        self.metrics = WorkerMetrics(list(self.subscriptions))
+        # subscriptions deleted while the worker runs: it leaves them alone
+        self.left: set[str] = set()
+        # set by a slot or the poller that gave up on the database; run() raises it
+        self.fatal: Exception | None = None
+        self.stopping = False
+
+    def connect(self, autocommit: bool = False) -> psycopg.Connection[Any]:
+        """A new connection of the worker's own, named after it."""
+        return self.engine.connect(application_name=self.application_name, autocommit=autocommit)
+
+    def serving(self) -> list[str]:
+        """The subscriptions the worker runs, but those it left."""
+        return [name for name in self.subscriptions if name not in self.left]
+
+    def registration(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "names": list(self.subscriptions),
+            "serves_metrics": self.serves_metrics,
+        }
+
+    def gave_up(self, outage_since: float, error: Exception, stop: threading.Event) -> bool:
+        """Whether the database has been unreachable since `outage_since` for the outage
+        timeout: then the worker stops, and run() raises the error."""
+        if time.monotonic() - outage_since < self.settings.outage_timeout:
+            return False
+        self.fatal = DatabaseUnavailable(
+            f"the database was unreachable for {self.settings.outage_timeout:g} s "
+            f"(SUBENGINE_OUTAGE_TIMEOUT): {str(error).strip()}"
+        )
+        stop.set()
+        return True
+
+    def fields(self, **fields: Any) -> dict[str, Any]:
+        """Structured log fields (`extra=`): the worker's id and the given ones."""
+        return {"worker_id": str(self.id), **fields}
