@@ -229,7 +229,6 @@ def test_the_client_imports_only_the_vocabulary() -> None:
     assert client_imports_beyond_the_model(package_modules()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="the worker and its metrics still build queries")
 def test_only_the_concept_packages_build_queries() -> None:
     assert queries_built_outside_the_concepts(package_modules()) == []
 
