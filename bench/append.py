@@ -1,67 +1,20 @@
-"""How fast `Engine.append` is, next to plain psycopg inserts of the same rows.
-
-Run it from the repository root:
+"""How fast `Engine.append` is, next to plain psycopg inserts of the same rows: batches of
+`--batch-size` events per transaction against `executemany` and `COPY`, and single-event
+transactions against an INSERT and commit per row (and one in autocommit, the floor).
+The README's performance section explains each figure.
 
     .venv/bin/python bench/append.py            # under a minute on 2 cores
     .venv/bin/python bench/append.py --quick    # a few seconds, for a smoke test
     .venv/bin/python bench/append.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
-Without a DSN it uses the embedded PostgreSQL (`subengine.Engine()`), which keeps running
-afterwards (stop it with `.venv/bin/subengine db stop`).
-
-Method
-------
-Everything runs in one process, one connection at a time, against one database, in a
-scratch schema (`--schema`, default `bench_append`). The schema is dropped and created
-again with `Engine.migrate()` at the start of every run, so runs are repeatable; the
-script refuses to drop a schema it did not create. Beside subengine's `events` table it
-creates three plain tables, `bench_plain`, `bench_plain_copy` and `bench_plain_autocommit`, with
-`CREATE TABLE ... (LIKE events INCLUDING ALL)`: the same columns, constraints and
-indexes, so a plain insert maintains exactly the indexes an append maintains.
-
-All event data is generated up front from a fixed seed: small order events (a JSON
-payload of about 150 bytes and a little metadata) over `--keys` keys, with explicit,
-time-ordered ids. For the plain tables the partition comes from `subengine.partition_for`
-and positions and key versions are numbered in Python, so every plain table ends up
-holding exactly the rows subengine stores; the script checks that at the end. The timed
-sections hold only the calls a real application would make for the same effect:
-
-* `append, N events/txn`: `engine.append(stream, batch)`, one transaction per batch
-  (this includes subengine's validation and JSON encoding, which are part of its cost);
-* `plain executemany`: `cursor.executemany(INSERT ...)` of the batch (psycopg 3
-  pipelines it), then commit;
-* `plain COPY`: `COPY ... FROM STDIN` of the batch, then commit;
-* `append, 1 event/txn`: `engine.append(stream, [event])` per event (one statement in
-  autocommit: `Engine.append` sends no BEGIN or COMMIT of its own);
-* `plain INSERT, 1 row/txn`: one `INSERT` and a commit per row, on one connection, as
-  an application writes it (BEGIN, INSERT, COMMIT: three round trips);
-* `plain INSERT, autocommit`: the same `INSERT` on a connection in autocommit (one round
-  trip): not a goal's yardstick, shown as the floor of a single-row transaction.
-
-The plain variants pass data and metadata as `Jsonb`, so they pay for JSON encoding too.
-Every variant first runs a warm-up (prepared statements, plan caches, the pool), then
-`--rounds` measured rounds. Within a round the variants run one after the other in an
-order that rotates from round to round, so drift and noise on the machine (autovacuum,
-checkpoints, neighbours) hit every variant alike; each variant's rate is the median of
-its rounds; the report prints the median, min and max over the rounds. The goals
-(issue 16) compare the batched append with the faster plain batched variant (at least
-0.8 of it) and the single-event append with the plain single-row insert and commit (at
-least 0.9); each ratio is printed with its range, the ratios of the rounds.
-
-Every commit waits for the WAL flush when `synchronous_commit` is on, a large share of
-what single-event transactions measure; the script prints that setting and `fsync`.
-Appends always send their notifications (one per partition touched); there is no way
-to switch them off without changing `append_events`, so that is not measured apart.
-The single-event append's speed also depends on the plan PostgreSQL caches for the
-statements inside `append_events`, which can change when autovacuum analyzes `events`
-during the run; the per-round rates show such a change.
+It works in a scratch schema (`--schema`, default `bench_append`), dropped and migrated on
+every run (never one it did not make), beside plain tables made `LIKE events INCLUDING
+ALL`; at the end it checks that every plain table holds exactly the rows subengine stored.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import os
 import random
 import statistics
 import sys
@@ -72,15 +25,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import _harness as bench
 import psycopg
-from _scratch import reset_scratch_schema
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
 import subengine
 from subengine import NewEvent, partition_for
 
-SCHEMA_MARKER = "subengine benchmark scratch schema (bench/append.py); dropped on every run"
 PLAIN_TABLE = "bench_plain"
 COPY_TABLE = "bench_plain_copy"
 AUTOCOMMIT_TABLE = "bench_plain_autocommit"
@@ -100,8 +52,6 @@ COLUMNS = (
     "recorded_at",
 )
 FOLLOW_UP_TYPES = ("ItemAdded", "ItemRemoved", "OrderPaid", "OrderShipped")
-SKUS = tuple(f"SKU-{n:05d}" for n in range(0, 50_000, 97))
-CHANNELS = ("web", "app", "store", "phone")
 
 T = TypeVar("T")
 Connection = psycopg.Connection[tuple[Any, ...]]
@@ -161,15 +111,7 @@ class StreamData:
             position = self.heads.get(partition, 0) + 1
             self.heads[partition] = position
             event_type = "OrderPlaced" if version == 1 else self.rng.choice(FOLLOW_UP_TYPES)
-            data = {
-                "order": key,
-                "customer": f"customer-{self.rng.randrange(100_000):05d}",
-                "sku": self.rng.choice(SKUS),
-                "quantity": self.rng.randint(1, 5),
-                "unit_price": f"{self.rng.randint(99, 99_999) / 100:.2f}",
-                "currency": "EUR",
-                "channel": self.rng.choice(CHANNELS),
-            }
+            data = bench.order_data(self.rng, key)
             metadata = {"source": "bench", "correlation": f"req-{self.rng.getrandbits(48):012x}"}
             event_id = self._next_id()
             events.append(NewEvent(key, event_type, data, metadata, id=event_id))
@@ -341,17 +283,11 @@ def measure(measurement: Measurement, runner: Runner, transactions: list[Transac
     measurement.seconds.append(elapsed)
 
 
-def rotated(items: Sequence[T], by: int) -> list[T]:
-    by %= len(items)
-    return [*items[by:], *items[:by]]
-
-
 # database setup and checks
 
 
-def reset_schema(engine: subengine.Engine, partitions: int) -> None:
-    """Drop the scratch schema (only one this script made) and build it again."""
-    reset_scratch_schema(engine, SCHEMA_MARKER, "bench/append.py")
+def prepare(engine: subengine.Engine, partitions: int) -> None:
+    """The plain tables beside subengine's events table, and the streams."""
     schema = sql.Identifier(engine.schema)
     with psycopg.connect(engine.dsn, autocommit=True) as conn:
         for table in (PLAIN_TABLE, COPY_TABLE, AUTOCOMMIT_TABLE):
@@ -362,14 +298,6 @@ def reset_schema(engine: subengine.Engine, partitions: int) -> None:
             )
     for stream in (BATCHED_STREAM, SINGLE_STREAM):
         engine.create_stream(stream, partitions)
-
-
-def server_facts(conn: Connection) -> dict[str, str]:
-    facts: dict[str, str] = {}
-    for setting in ("server_version", "fsync", "synchronous_commit", "wal_sync_method"):
-        row = conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(setting))).fetchone()
-        facts[setting] = str(row[0]) if row else "?"
-    return facts
 
 
 def differing_rows(conn: Connection, schema: str, table: str, stream: str) -> int:
@@ -389,11 +317,6 @@ def differing_rows(conn: Connection, schema: str, table: str, stream: str) -> in
 
 
 # output
-
-
-def percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 def print_report(
@@ -430,8 +353,8 @@ def print_report(
     print()
     for m in singles:
         print(
-            f"latency {m.name + ':':<33} p50 {percentile(m.latencies, 0.5) * 1000:.3f} ms, "
-            f"p99 {percentile(m.latencies, 0.99) * 1000:.3f} ms"
+            f"latency {m.name + ':':<33} p50 {bench.percentile(m.latencies, 0.5) * 1000:.3f} ms, "
+            f"p99 {bench.percentile(m.latencies, 0.99) * 1000:.3f} ms"
         )
     print()
     append_batched, *plain_batched = batched
@@ -445,9 +368,10 @@ def print_report(
     ):
         ratio = ours.rate() / theirs.rate()
         rounds = [a / b for a, b in zip(ours.rates(), theirs.rates(), strict=True)]
-        verdict = "(no goal)" if goal is None else f"(goal >= {goal})  "
-        verdict += "" if goal is None else ("PASS" if ratio >= goal else "MISS")
-        print(f"{label:<58} {ratio:5.2f}  ({min(rounds):.2f}-{max(rounds):.2f})  {verdict}")
+        judged = (
+            "(no goal)" if goal is None else f"(goal >= {goal})  " + bench.verdict(ratio >= goal)
+        )
+        print(f"{label:<58} {ratio:5.2f}  ({min(rounds):.2f}-{max(rounds):.2f})  {judged}")
     print()
     same = "yes" if mismatches == 0 else f"NO, {mismatches} rows differ"
     print(f"plain tables hold exactly the rows subengine stored: {same}")
@@ -456,33 +380,26 @@ def print_report(
 # the run
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
-    parser = argparse.ArgumentParser(
-        description="Benchmark Engine.append against plain psycopg inserts of the same rows."
+def parse_args(argv: Sequence[str] | None) -> tuple[Any, Config]:
+    parser = bench.arguments(
+        "Benchmark Engine.append against plain psycopg inserts of the same rows.",
+        schema="bench_append",
     )
-    parser.add_argument("--dsn", help="PostgreSQL URL or conninfo (default: SUBENGINE_DSN)")
-    parser.add_argument("--schema", default="bench_append", help="scratch schema, dropped first")
-    parser.add_argument("--quick", action="store_true", help="a small run, for a smoke test")
-    parser.add_argument("--rounds", type=int, help="measured rounds per variant (3)")
-    parser.add_argument("--batches", type=int, help="batched transactions per round (40)")
-    parser.add_argument("--batch-size", type=int, default=500, help="events per batch (500)")
-    parser.add_argument("--singles", type=int, help="single-event transactions per round (3000)")
-    parser.add_argument("--keys", type=int, default=1000, help="distinct keys per stream (1000)")
-    parser.add_argument("--partitions", type=int, default=8, help="partitions per stream (8)")
-    parser.add_argument("--seed", type=int, default=20261121, help="seed of the event data")
-    args = parser.parse_args(argv)
+    add = parser.add_argument
+    add("--batches", type=int, help="batched transactions per round (40)")
+    add("--batch-size", type=int, default=500, help="events per batch (500)")
+    add("--singles", type=int, help="single-event transactions per round (3000)")
+    add("--keys", type=int, default=1000, help="distinct keys per stream (1000)")
+    add("--partitions", type=int, default=8, help="partitions per stream (8)")
+    add("--seed", type=int, default=20261121, help="seed of the event data")
+    args = bench.parse(parser, argv)
     quick = args.quick
 
-    def chosen(given: int | None, quick_default: int, default: int) -> int:
-        if given is not None:
-            return given
-        return quick_default if quick else default
-
     config = Config(
-        rounds=chosen(args.rounds, 2, 3),
-        batches=chosen(args.batches, 4, 40),
+        rounds=args.rounds,
+        batches=bench.sized(args, "batches", 4, 40),
         batch_size=args.batch_size,
-        singles=chosen(args.singles, 200, 3000),
+        singles=bench.sized(args, "singles", 200, 3000),
         warmup_batches=2 if quick else 4,
         warmup_singles=50 if quick else 300,
         keys=args.keys,
@@ -497,7 +414,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, config = parse_args(argv)
-    dsn = args.dsn or os.environ.get("SUBENGINE_DSN") or None
     started = time.perf_counter()
     workload = make_workload(config)
     print(
@@ -506,33 +422,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{time.perf_counter() - started:.1f} s",
         file=sys.stderr,
     )
-    with subengine.Engine(dsn, schema=args.schema) as engine:
-        reset_schema(engine, config.partitions)
+    with bench.scratch_engine(args, "bench/append.py") as engine:
+        prepare(engine, config.partitions)
         with psycopg.connect(engine.dsn) as plain:
-            bench = Bench(engine, plain)
-            facts = server_facts(plain)
-            plain.commit()
+            runs = Bench(engine, plain)
+            facts = bench.server_settings(
+                engine.dsn, ("server_version", "fsync", "synchronous_commit", "wal_sync_method")
+            )
             batched_variants: list[tuple[Measurement, Runner]] = [
-                (Measurement(f"append, {config.batch_size} events/txn"), bench.append),
+                (Measurement(f"append, {config.batch_size} events/txn"), runs.append),
                 (
                     Measurement(f"plain executemany, {config.batch_size} rows/txn"),
-                    bench.executemany,
+                    runs.executemany,
                 ),
-                (Measurement(f"plain COPY, {config.batch_size} rows/txn"), bench.copy),
+                (Measurement(f"plain COPY, {config.batch_size} rows/txn"), runs.copy),
             ]
             single_variants: list[tuple[Measurement, Runner]] = [
-                (Measurement("append, 1 event/txn"), bench.append),
-                (Measurement("plain INSERT, 1 row/txn"), bench.insert),
-                (Measurement("plain INSERT, autocommit"), bench.insert_autocommit),
+                (Measurement("append, 1 event/txn"), runs.append),
+                (Measurement("plain INSERT, 1 row/txn"), runs.insert),
+                (Measurement("plain INSERT, autocommit"), runs.insert_autocommit),
             ]
             for _, runner in batched_variants:
                 runner(workload.batched_warmup, None)
             for _, runner in single_variants:
                 runner(workload.single_warmup, None)
             for number in range(config.rounds):
-                for measurement, runner in rotated(batched_variants, number):
+                for measurement, runner in bench.rotated(batched_variants, number):
                     measure(measurement, runner, workload.batched_rounds[number])
-                for measurement, runner in rotated(single_variants, number):
+                for measurement, runner in bench.rotated(single_variants, number):
                     measure(measurement, runner, workload.single_rounds[number])
                 print(f"round {number + 1} of {config.rounds} done", file=sys.stderr)
             mismatches = sum(

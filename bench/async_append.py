@@ -1,33 +1,20 @@
-"""How fast `AsyncEngine.append` is, next to `Engine.append` in the same run.
-
-Run it from the repository root:
+"""How fast `AsyncEngine.append` is, next to `Engine.append` in the same run: one append at
+a time (the cost of the asyncio path, not what concurrency buys), with one event and with
+`--batch-size` events per transaction, rounds in rotating order. Goal: the async rate at
+least 0.9 times the sync rate of the same size.
 
     .venv/bin/python bench/async_append.py            # about a minute on 2 cores
     .venv/bin/python bench/async_append.py --quick    # a few seconds, for a smoke test
     .venv/bin/python bench/async_append.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
-Without a DSN it uses the embedded PostgreSQL, which keeps running afterwards.
-
-Method
-------
-One process, one append at a time (no concurrency: this measures the cost of the asyncio
-path, not what concurrency buys), in a scratch schema (`--schema`, default
-`bench_async_append`) that is dropped and migrated again on every run. The event data is
-generated up front from a fixed seed. Two sizes: one event per transaction and
-`--batch-size` events per transaction; for each, the sync variant
-(`engine.append`) and the async one (`await async_engine.append`, the loop running only
-that) append the same kind of events to streams of their own. Every variant warms up
-first, then runs `--rounds` rounds in an order that rotates from round to round; the
-rates printed are the median, the minimum and the maximum of the rounds. The goal is an
-async rate of at least 0.9 times the sync rate of the same size.
+It works in a scratch schema (`--schema`, default `bench_async_append`), dropped and
+migrated on every run (never one it did not make).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
-import os
 import random
 import statistics
 import sys
@@ -35,12 +22,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from _scratch import reset_scratch_schema
+import _harness as bench
+from _harness import Spread
 
 import subengine
 from subengine import NewEvent
 
-SCHEMA_MARKER = "subengine benchmark scratch schema (bench/async_append.py); dropped on every run"
 GOAL = 0.9
 
 
@@ -68,24 +55,20 @@ def transactions(rng: random.Random, count: int, size: int, keys: int) -> list[l
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="AsyncEngine.append beside Engine.append.")
-    parser.add_argument("--dsn", help="PostgreSQL URL or conninfo (default: SUBENGINE_DSN)")
-    parser.add_argument("--schema", default="bench_async_append", help="scratch schema")
-    parser.add_argument("--quick", action="store_true", help="a small run, for a smoke test")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (3)")
+    parser = bench.arguments(
+        "AsyncEngine.append beside Engine.append.", schema="bench_async_append"
+    )
     parser.add_argument("--singles", type=int, help="1-event transactions per round (1500)")
     parser.add_argument("--batches", type=int, help="batched transactions per round (40)")
     parser.add_argument("--batch-size", type=int, default=200, help="events per batch (200)")
-    args = parser.parse_args(argv)
-    singles = args.singles or (200 if args.quick else 1500)
-    batches = args.batches or (5 if args.quick else 40)
-    rounds = 2 if args.quick else max(3, args.rounds)
-    dsn = args.dsn or os.environ.get("SUBENGINE_DSN") or None
+    args = bench.parse(parser, argv)
+    singles = bench.sized(args, "singles", 200, 1500)
+    batches = bench.sized(args, "batches", 5, 40)
+    rounds = args.rounds
     rng = random.Random(20261121)
     started = time.perf_counter()
 
-    with subengine.Engine(dsn, schema=args.schema) as engine:
-        reset_scratch_schema(engine, SCHEMA_MARKER, "bench/async_append.py")
+    with bench.scratch_engine(args, "bench/async_append.py") as engine:
         streams = ("sync-1", "async-1", f"sync-{args.batch_size}", f"async-{args.batch_size}")
         for stream in streams:
             engine.create_stream(stream, 8)
@@ -118,8 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for number in range(rounds):
             for size, count in sizes:
                 work = transactions(rng, count, size, 1000)
-                variants = pairs[size][number % 2 :] + pairs[size][: number % 2]
-                for variant in variants:
+                for variant in bench.rotated(pairs[size], number):
                     gc.collect()
                     began = time.perf_counter()
                     variant.run(variant.stream, work)
@@ -132,16 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for size, _ in sizes:
         for variant in pairs[size]:
-            rates = variant.rates
-            print(
-                f"{variant.name:<40} {statistics.median(rates):>9,.0f}"
-                f"   ({min(rates):,.0f}, {max(rates):,.0f})"
-            )
+            rates = Spread.of(variant.rates)
+            spread = f"({rates.low:,.0f}, {rates.high:,.0f})"
+            print(f"{variant.name:<40} {rates.median:>9,.0f}   {spread}")
     print()
     for size, _ in sizes:
         sync, asynchronous = pairs[size]
         ratio = statistics.median(asynchronous.rates) / statistics.median(sync.rates)
-        verdict = "PASS" if ratio >= GOAL else "MISS"
+        verdict = bench.verdict(ratio >= GOAL)
         print(f"async / sync, {size} event(s)/txn: {ratio:5.2f}  (goal >= {GOAL})  {verdict}")
     print(f"run time {time.perf_counter() - started:.0f} s")
     return 0

@@ -1,65 +1,22 @@
-"""How fast retention prunes a large stream, and what pruning costs the appends beside it.
+"""How fast retention prunes a large stream, and what pruning costs the appends beside it:
+prune rates per batch size, single-event appends with and without a pruner process at
+work (rate and p99 against the no-pruning figures of the same run), and what a batched
+DELETE and VACUUM cost against dropping a table. The README's performance section
+explains each figure.
 
-Run it from the repository root:
-
-    .venv/bin/python bench/retention.py                   # 3 to 6 minutes on 2 cores
-    .venv/bin/python bench/retention.py --events 500000   # under a minute, a smoke test
+    .venv/bin/python bench/retention.py            # 3 to 6 minutes on 2 cores
+    .venv/bin/python bench/retention.py --quick    # 500,000 events, under a minute
     .venv/bin/python bench/retention.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
-Without a DSN it uses the embedded PostgreSQL, which keeps running afterwards (stop it with
-`.venv/bin/subengine db stop`).
-
-Method
-------
-Everything runs in a scratch schema (`--schema`, default `bench_retention`), dropped and
-migrated again at the start of every run; the script refuses to drop a schema it did not
-create. One stream of `--partitions` partitions is filled with `--events` events.
-
-Filling. Appending 5,000,000 events through `Engine.append` takes minutes on 2 cores, so
-the stream is filled by one `INSERT ... SELECT` over `generate_series` straight into the
-`events` table, followed by setting each partition's `head` and `head_time`: the rows are
-what appends would have stored (dense positions 1..head per partition, each key in the
-partition `partition_for` gives it, key versions 1, 2, ... per key, recorded_at increasing
-along each partition, time-ordered ids as subengine makes them, a JSON payload of about
-150 bytes), only written faster. Then
-ANALYZE. The fill time is printed. Appends measured later go to the same stream, with
-keys of their own.
-
-Prune rate. The stream gets `Retention(max_events=...)` lowered by `--slice` events per
-partition, and `Engine.run_retention(stream, batch=B)` removes that slice; rate = events
-removed / seconds of the run. Each batch size of `--batches` (default 1,000, 5,000 and
-20,000) runs once per round, `--rounds` rounds, in an order rotated by one each round;
-every run removes the oldest events left, so every run works on a table of millions of
-rows with the dead rows of the runs before it (autovacuum as configured on the server).
-
-Appends beside pruning. One connection appends single-event transactions
-(`engine.append(stream, [event])`) to random keys of its own, as fast as it can, for
-`--window` seconds; per-transaction latency is timed around the call. Variants: no
-pruning (the plain counterpart) and pruning with each batch size, where a pruner
-process (as a worker or `subengine retention run` is: a thread of the appending process
-would take the GIL from the appends, up to 5 ms at a time) starts with the appender and
-runs `run_retention` over a slice of `--window-slice` events per partition; the
-appender stops when the pruner finishes or the window ends,
-whichever comes first, so every append of a pruning variant ran while a prune was under
-way. The pruner's coverage (seconds pruned / seconds appended) is printed. The variants
-of a round run in an order rotated by one from the round before; figures are the median
-(min, max) over the rounds, latency percentiles over all appends of a variant. Goals
-(issue): appends during pruning >= 0.9x the rate without pruning, p99 <= 2x the p99
-without, each compared with the plain counterpart measured in the same run.
-
-Delete or drop. What table partitioning of `events` could save: a table of
-`--drop-rows` events shaped like `events` (`CREATE TABLE ... (LIKE events INCLUDING
-ALL)`, filled the same way) is emptied by batched DELETEs of 5,000 positions, then
-VACUUMed; an identical table is dropped. Finally the stream's `events` table, with
-everything the run pruned, is VACUUMed once and timed: the cleanup that pruning leaves.
-
-The machine's other load distorts every figure: the script prints the load average.
+It works in a scratch schema (`--schema`, default `bench_retention`), dropped and migrated
+on every run (never one it did not make). The stream is filled by one INSERT ... SELECT
+with the rows appends would store, only faster.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
+import inspect
 import os
 import random
 import statistics
@@ -69,16 +26,16 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
+import _harness as bench
 import psycopg
-from _scratch import reset_scratch_schema
+from _harness import Spread
 from psycopg import sql
 
 import subengine
 from subengine import NewEvent, Retention, partition_for
 
-SCHEMA_MARKER = "subengine benchmark scratch schema (bench/retention.py); dropped on every run"
 STREAM = "bench-retained"
 OTHER_STREAM = "bench-other"  # pruned beside appends to STREAM: contention without locks
 DROP_TABLES = ("bench_delete_me", "bench_drop_me")
@@ -98,7 +55,6 @@ PRUNING_WINDOW_LIMIT = 120.0
 RATE_GOAL = 0.9
 P99_GOAL = 2.0
 
-T = TypeVar("T")
 Connection = psycopg.Connection[Any]
 
 
@@ -113,25 +69,6 @@ class Config:
     window_slice: int
     drop_rows: int
     seed: int
-
-
-@dataclass(frozen=True, slots=True)
-class Spread:
-    """Median, min and max of some measurements."""
-
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
-        return cls(statistics.median(values), min(values), max(values))
-
-    def text(self, digits: int = 0, unit: str = "") -> str:
-        return (
-            f"{self.median:,.{digits}f}{unit} (min {self.low:,.{digits}f}, "
-            f"max {self.high:,.{digits}f})"
-        )
 
 
 @dataclass(slots=True)
@@ -153,16 +90,6 @@ class AppendVariant:
     pruner: Pruner | None  # None: no pruning
     rounds: list[AppendRound] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
-
-
-def rotated(items: Sequence[T], by: int) -> list[T]:
-    by %= len(items)
-    return [*items[by:], *items[:by]]
-
-
-def percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 # filling
@@ -238,14 +165,6 @@ def set_heads(conn: Connection, schema: str, stream: str) -> None:
         ),
         (stream, stream),
     )
-
-
-def server_facts(conn: Connection) -> str:
-    facts = []
-    for setting in ("server_version", "synchronous_commit", "autovacuum", "shared_buffers"):
-        row = conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(setting))).fetchone()
-        facts.append(f"{setting}={row[0] if row else '?'}")
-    return ", ".join(facts)
 
 
 def autovacuums(conn: Connection, schema: str) -> int:
@@ -417,10 +336,6 @@ def delete_or_drop(engine: subengine.Engine, rows: int, partitions: int) -> dict
 # output
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def print_report(
     config: Config,
     facts: str,
@@ -448,7 +363,7 @@ def print_report(
     print()
     plain = variants[0]
     plain_rate = Spread.of([r.rate for r in plain.rounds])
-    plain_p99 = percentile(plain.latencies, 0.99)
+    plain_p99 = bench.percentile(plain.latencies, 0.99)
     print(
         f"single-event appends for up to {config.window:.0f} s per round, beside a pruner "
         f"removing {config.window_slice:,} events per partition or not "
@@ -461,8 +376,8 @@ def print_report(
     print(header)
     for variant in variants:
         rate = Spread.of([r.rate for r in variant.rounds])
-        p50 = percentile(variant.latencies, 0.5)
-        p99 = percentile(variant.latencies, 0.99)
+        p50 = bench.percentile(variant.latencies, 0.5)
+        p99 = bench.percentile(variant.latencies, 0.99)
         if variant.pruner is None:
             rate_goal = p99_goal = "(reference)"
             rate_ratio = p99_ratio = "1.00"
@@ -472,8 +387,8 @@ def print_report(
             p99_ratio_value = p99 / plain_p99
             rate_ratio = f"{rate_ratio_value:.2f}"
             p99_ratio = f"{p99_ratio_value:.2f}"
-            rate_goal = f">= {RATE_GOAL} {verdict(rate_ratio_value >= RATE_GOAL)}"
-            p99_goal = f"<= {P99_GOAL} {verdict(p99_ratio_value <= P99_GOAL)}"
+            rate_goal = f">= {RATE_GOAL} {bench.verdict(rate_ratio_value >= RATE_GOAL)}"
+            p99_goal = f"<= {P99_GOAL} {bench.verdict(p99_ratio_value <= P99_GOAL)}"
             pruned_rate = statistics.median(r.pruned / r.pruning_seconds for r in variant.rounds)
             pruned = f"{pruned_rate:,.0f}"
             covered = [min(1.0, r.pruning_seconds / r.seconds) for r in variant.rounds]
@@ -507,26 +422,25 @@ def print_report(
 
 
 def subengine_default_batch() -> int:
-    from subengine.streams._retention import DEFAULT_PRUNE_BATCH
-
-    return DEFAULT_PRUNE_BATCH
+    """`Engine.run_retention`'s default batch, read from its signature (public API)."""
+    default: int = inspect.signature(subengine.Engine.run_retention).parameters["batch"].default
+    return default
 
 
 # the run
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
-    parser = argparse.ArgumentParser(
-        description="Benchmark retention pruning and appends beside it."
+def parse_args(argv: Sequence[str] | None) -> tuple[Any, Config]:
+    parser = bench.arguments(
+        "Benchmark retention pruning and appends beside it.",
+        quick="500,000 events, for a smoke test",
+        schema="bench_retention",
     )
-    parser.add_argument("--dsn", help="PostgreSQL URL or conninfo (default: SUBENGINE_DSN)")
-    parser.add_argument("--schema", default="bench_retention", help="scratch schema, dropped")
-    parser.add_argument("--events", type=int, default=5_000_000, help="events (5,000,000)")
+    parser.add_argument("--events", type=int, help="events (5,000,000; quick 500,000)")
     parser.add_argument("--partitions", type=int, default=8, help="partitions (8)")
     parser.add_argument(
         "--batches", default="1000,5000,20000", help="prune batch sizes (1000,5000,20000)"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, at least 3 (3)")
     parser.add_argument(
         "--slice", type=int, help="events per partition a prune-rate run removes (1%% of all)"
     )
@@ -538,21 +452,20 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
     )
     parser.add_argument("--drop-rows", type=int, help="rows of the delete-or-drop tables (10%%)")
     parser.add_argument("--seed", type=int, default=20261123, help="seed of the live keys")
-    args = parser.parse_args(argv)
-    per_partition = args.events // args.partitions
+    args = bench.parse(parser, argv)
+    events = bench.sized(args, "events", 500_000, 5_000_000)
+    per_partition = events // args.partitions
     config = Config(
-        events=args.events,
+        events=events,
         partitions=args.partitions,
         batches=tuple(int(b) for b in args.batches.split(",")),
         rounds=args.rounds,
         slice=args.slice or max(1, per_partition // 100),
         window=args.window,
         window_slice=args.window_slice or max(1, per_partition * 5 // 100),
-        drop_rows=args.drop_rows or max(1, args.events // 10),
+        drop_rows=args.drop_rows or max(1, events // 10),
         seed=args.seed,
     )
-    if config.rounds < 3:
-        parser.error("--rounds must be at least 3")
     needed = config.rounds * len(config.batches) * (config.slice + config.window_slice)
     if needed >= per_partition:
         parser.error(
@@ -564,17 +477,19 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, config = parse_args(argv)
-    dsn = args.dsn or os.environ.get("SUBENGINE_DSN") or None
     run_started = time.perf_counter()
     rng = random.Random(config.seed)
-    with subengine.Engine(dsn, schema=args.schema) as engine:
-        reset_scratch_schema(engine, SCHEMA_MARKER, "bench/retention.py")
+    with bench.scratch_engine(args, "bench/retention.py") as engine:
         engine.create_stream(STREAM, config.partitions)
         engine.create_stream(OTHER_STREAM, config.partitions)
         other_events = config.partitions * (config.rounds * config.window_slice + 1)
         schema = engine.schema
         with psycopg.connect(engine.dsn, autocommit=True) as conn:
-            facts = server_facts(conn)
+            settings = ("server_version", "synchronous_commit", "autovacuum", "shared_buffers")
+            facts = ", ".join(
+                f"{name}={value}"
+                for name, value in bench.server_settings(engine.dsn, settings).items()
+            )
             started = time.perf_counter()
             fill(conn, schema, "events", STREAM, config.events, config.partitions)
             set_heads(conn, schema, STREAM)
@@ -590,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         other = Pruner(engine, OTHER_STREAM, config.partitions, other_events)
         prune_rates: dict[int, list[float]] = {batch: [] for batch in config.batches}
         for number in range(config.rounds):
-            for batch in rotated(config.batches, number):
+            for batch in bench.rotated(config.batches, number):
                 removed, seconds = pruner.prune(config.slice, batch)
                 prune_rates[batch].append(removed / seconds)
             print(f"prune rate round {number + 1} of {config.rounds} done", file=sys.stderr)
@@ -604,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _ in range(200):  # warm up: pool, prepared statements, plans
             engine.append(STREAM, [NewEvent(f"live-{rng.randrange(LIVE_KEYS)}", "Live", {})])
         for number in range(config.rounds):
-            for variant in rotated(variants, number):
+            for variant in bench.rotated(variants, number):
                 append_window(engine, variant, config, rng)
             print(f"append round {number + 1} of {config.rounds} done", file=sys.stderr)
 
@@ -621,16 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             conn.execute(sql.SQL("VACUUM {}").format(sql.Identifier(schema, "events")))
             vacuum = (int(removed_row[0]) if removed_row else 0, time.perf_counter() - started)
 
-    print_report(
-        config,
-        facts,
-        fill_seconds,
-        prune_rates,
-        variants,
-        drop,
-        vacuum,
-        autovacuum_runs,
-    )
+    print_report(config, facts, fill_seconds, prune_rates, variants, drop, vacuum, autovacuum_runs)
     print(f"run time {time.perf_counter() - run_started:.0f} s, with setup")
     return 0
 

@@ -1,69 +1,30 @@
-"""How fast Spark reads a stream through subengine's data source, next to a plain COPY.
-
-Run it from the repository root:
+"""How fast Spark reads a stream through subengine's data source, next to a plain COPY of
+the same rows: every event and column of a stream, read by `spark.read.format("subengine")`
+into Spark's `noop` sink and by one psycopg `COPY ... TO STDOUT`, rounds in rotating order.
+The README's performance section and docs/spark.md explain the figures.
 
     .venv/bin/python bench/spark_read.py            # 1,000,000 events, a few minutes
     .venv/bin/python bench/spark_read.py --quick    # 50,000 events, for a smoke test
     .venv/bin/python bench/spark_read.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
-Without a DSN it uses the embedded PostgreSQL (`subengine.Engine()`), which keeps running
-afterwards (stop it with `.venv/bin/subengine db stop`).
-
-Method
-------
-The script works in a scratch schema (`--schema`, default `bench_spark`), dropped and
-migrated again at the start of every run; it refuses to drop a schema it did not create.
-It fills one stream of `--partitions` partitions with `--events` small order events (a
-JSON payload of about 150 bytes and a little metadata) through the `append_events`
-function, `--fill-batch` events per call, with ids and times left to the database.
-
-Two variants read every event of the stream, every column:
-
-* `plain COPY`: one psycopg connection runs `COPY (SELECT <the 11 columns> FROM events
-  WHERE stream = ...) TO STDOUT` and receives every chunk: the floor of what any client
-  pays to get the rows out of PostgreSQL, with no parsing at all;
-* `subengine data source`: `spark.read.format("subengine")...load()` written to Spark's
-  `noop` sink, which makes Spark produce every row and column and discard them, in a
-  local SparkSession with one task slot per core (`--master`, default local[2]). The
-  data source makes one task per partition, cut every `--rows-per-split` events.
-
-Each variant runs once to warm up (the JVM, Python workers, the server's cache), then
-`--rounds` measured rounds (at least 3), the variants' order rotating from round to
-round. For each variant the script prints the median, the fastest and the slowest round;
-the data source's rate is compared with the plain COPY's as the ratio of their medians
-(each round's own ratio is printed beside it). Spark's time includes planning the query
-(a query for the partition heads) and starting its tasks, as a user's job pays them. The
-goal is a data source at least 0.8 times as fast as the plain COPY on the same machine.
-Rates on a shared machine are noisy: compare the variants of one run, not runs.
+It works in a scratch schema (`--schema`, default `bench_spark`), dropped and migrated on
+every run (never one it did not make).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
+import _harness as bench
 import psycopg
-from _scratch import reset_scratch_schema
 from psycopg import sql
 
 import subengine
 
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
-
-
-def register(spark: SparkSession) -> None:
-    import subengine.spark  # needs pyspark; imported only once the session exists
-
-    subengine.spark.register(spark)
-
-
-SCHEMA_MARKER = "subengine benchmark scratch schema (bench/spark_read.py); dropped on every run"
 STREAM = "bench-orders"
 DSN_ENV = "SUBENGINE_BENCH_DSN"
 GOAL = 0.8  # the data source's rate over the plain COPY's
@@ -71,12 +32,6 @@ COLUMNS = (
     "stream, partition, position, id, key, key_version, type, data, metadata, "
     "occurred_at, recorded_at"
 )
-
-
-def reset_schema(engine: subengine.Engine, partitions: int) -> None:
-    """Drop the scratch schema (only one this script made), build it again, add the stream."""
-    reset_scratch_schema(engine, SCHEMA_MARKER, "bench/spark_read.py")
-    engine.create_stream(STREAM, partitions)
 
 
 def fill(engine: subengine.Engine, events: int, batch: int) -> None:
@@ -126,7 +81,7 @@ def plain_copy(dsn: str, schema: str) -> Callable[[], int]:
     return run
 
 
-def data_source(spark: SparkSession, schema: str, rows_per_split: int) -> Callable[[], int]:
+def data_source(spark: Any, schema: str, rows_per_split: int) -> Callable[[], int]:
     def run() -> int:
         frame = (
             spark.read.format("subengine")
@@ -143,30 +98,24 @@ def data_source(spark: SparkSession, schema: str, rows_per_split: int) -> Callab
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Benchmark Spark reads through subengine's data source against plain COPY."
+    parser = bench.arguments(
+        "Benchmark Spark reads through subengine's data source against plain COPY.",
+        quick="50,000 events, for a smoke test",
+        schema="bench_spark",
     )
-    parser.add_argument("--dsn", help="PostgreSQL URL or conninfo (default: SUBENGINE_DSN)")
-    parser.add_argument("--schema", default="bench_spark", help="scratch schema, dropped first")
-    parser.add_argument("--quick", action="store_true", help="50,000 events, for a smoke test")
-    parser.add_argument("--events", type=int, help="events in the stream (1,000,000)")
-    parser.add_argument("--partitions", type=int, default=8, help="partitions of the stream (8)")
-    parser.add_argument(
-        "--rounds", type=int, default=3, help="measured rounds per variant (3, at least 3)"
-    )
-    parser.add_argument("--fill-batch", type=int, default=20_000, help="events per append call")
-    parser.add_argument("--rows-per-split", type=int, default=250_000, help="rowsPerSplit option")
-    parser.add_argument("--master", default="local[2]", help="Spark master (local[2])")
-    args = parser.parse_args(argv)
-    events = args.events or (50_000 if args.quick else 1_000_000)
-    if args.rounds < 3:
-        parser.error("--rounds must be at least 3: the script reports a median, min and max")
+    add = parser.add_argument
+    add("--events", type=int, help="events in the stream (1,000,000)")
+    add("--partitions", type=int, default=8, help="partitions of the stream (8)")
+    add("--fill-batch", type=int, default=20_000, help="events per append call")
+    add("--rows-per-split", type=int, default=250_000, help="rowsPerSplit option")
+    add("--master", default="local[2]", help="Spark master (local[2])")
+    args = bench.parse(parser, argv)
+    events = bench.sized(args, "events", 50_000, 1_000_000)
     rounds = args.rounds
-    dsn = args.dsn or os.environ.get("SUBENGINE_DSN") or None
     started = time.perf_counter()
 
-    with subengine.Engine(dsn, schema=args.schema) as engine:
-        reset_schema(engine, args.partitions)
+    with bench.scratch_engine(args, "bench/spark_read.py") as engine:
+        engine.create_stream(STREAM, args.partitions)
         fill_started = time.perf_counter()
         fill(engine, events, args.fill_batch)
         fill_seconds = time.perf_counter() - fill_started
@@ -182,21 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             ).fetchone()
 
-        # Python workers inherit the JVM's environment, fixed when the session starts.
-        os.environ[DSN_ENV] = engine.dsn
-        os.environ["PYSPARK_PYTHON"] = sys.executable
-        from pyspark.sql import SparkSession
-
-        spark = (
-            SparkSession.builder.master(args.master)
-            .appName("subengine-bench")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.sql.session.timeZone", "UTC")
-            .getOrCreate()
-        )
-        spark.sparkContext.setLogLevel("ERROR")
-        register(spark)
+        spark = bench.spark_session(args.master, "subengine-bench", DSN_ENV, engine.dsn)
         variants: list[tuple[str, Callable[[], int]]] = [
             ("plain COPY, 1 connection", plain_copy(engine.dsn, engine.schema)),
             (
@@ -209,13 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if copied != events:
             raise SystemExit(f"plain COPY read {copied:,} rows, not {events:,}")
         variants[1][1]()
-        for number in range(rounds):
-            turn = number % len(variants)
-            for name, run in variants[turn:] + variants[:turn]:
-                began = time.perf_counter()
-                run()
-                seconds[name].append(time.perf_counter() - began)
-            print(f"round {number + 1} of {rounds} done", file=sys.stderr)
+        for number, (name, run) in bench.rotating(variants, rounds):
+            began = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - began)
+            if name == variants[number % len(variants) - 1][0]:
+                print(f"round {number + 1} of {rounds} done", file=sys.stderr)
         counted = (
             spark.read.format("subengine")
             .option("stream", STREAM)
@@ -257,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     each = " ".join(
         f"{copied / read:.2f}" for copied, read in zip(seconds[plain], seconds[ours], strict=True)
     )
-    verdict = "PASS" if ratio >= GOAL else "MISS"
+    verdict = bench.verdict(ratio >= GOAL)
     print(
         f"data source / plain COPY {ratio:5.2f} (ratio of medians; rounds: {each})"
         f"  goal >= {GOAL}  {verdict}"

@@ -1,60 +1,31 @@
-"""How fast Spark appends a DataFrame to a stream through subengine's data source.
-
-Run it from the repository root:
+"""How fast Spark appends a DataFrame to a stream through subengine's data source: rows
+generated from `spark.range` written with `df.write.format("subengine")` to a new stream
+per round, each round checked to hold exactly its rows. docs/spark.md explains the
+figures. It uses nothing but the public API, so it runs unchanged against another
+installed version of subengine: run it with each environment's Python to compare them.
 
     .venv/bin/python bench/spark_write.py            # 1,000,000 rows, a few minutes
     .venv/bin/python bench/spark_write.py --quick    # 50,000 rows, for a smoke test
     .venv/bin/python bench/spark_write.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
-Without a DSN it uses the embedded PostgreSQL (`subengine.Engine()`), which keeps running
-afterwards (stop it with `.venv/bin/subengine db stop`).
-
-Method
-------
-The script works in a scratch schema (`--schema`, default `bench_spark_write`), dropped
-and migrated again at the start of every run; it refuses to drop a schema it did not
-create. Every round appends `--rows` small distinct order rows (key, type and a JSON
-payload of about 130 bytes), which Spark generates from `spark.range` in `--tasks`
-partitions, with `df.write.format("subengine")` to a new stream of `--partitions`
-partitions, in a local SparkSession with one task slot per core (`--master`, default
-local[2]). A round's time is the `save()` call's, from planning to the driver's commit,
-as a user's job pays it; each round then checks that its stream holds exactly `--rows`
-events. One small write first warms up the JVM, the Python workers and the server.
-
-The script uses nothing but the public API, so it runs unchanged against another version
-of subengine installed in another environment: to compare two versions, run it with each
-environment's Python in turn, several times, and compare the medians. The `appending`
-column is the span of the events' `recorded_at` times in a round: how long the appends
-held the partitions' append locks, from the first append to the last.
+It works in a scratch schema (`--schema`, default `bench_spark_write`), dropped and
+migrated on every run (never one it did not make).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+import _harness as bench
 import psycopg
-from _scratch import reset_scratch_schema
 from psycopg import sql
 
 import subengine
 
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
-
-
-def register(spark: SparkSession) -> None:
-    import subengine.spark  # needs pyspark; imported only once the session exists
-
-    subengine.spark.register(spark)
-
-
-SCHEMA_MARKER = "subengine benchmark scratch schema (bench/spark_write.py); dropped on every run"
 DSN_ENV = "SUBENGINE_BENCH_DSN"
 
 
@@ -70,44 +41,26 @@ def stored(dsn: str, schema: str, stream: str) -> tuple[int, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Benchmark Spark writes through subengine's data source."
+    parser = bench.arguments(
+        "Benchmark Spark writes through subengine's data source.",
+        quick="50,000 rows, for a smoke test",
+        schema="bench_spark_write",
     )
-    parser.add_argument("--dsn", help="PostgreSQL URL or conninfo (default: SUBENGINE_DSN)")
-    parser.add_argument("--schema", default="bench_spark_write", help="scratch schema")
-    parser.add_argument("--quick", action="store_true", help="50,000 rows, for a smoke test")
-    parser.add_argument("--rows", type=int, help="rows per write (1,000,000)")
-    parser.add_argument("--partitions", type=int, default=8, help="partitions of the stream (8)")
-    parser.add_argument("--tasks", type=int, default=8, help="Spark partitions of a write (8)")
-    parser.add_argument("--rounds", type=int, default=3, help="measured writes (3)")
-    parser.add_argument("--master", default="local[2]", help="Spark master (local[2])")
-    args = parser.parse_args(argv)
-    rows = args.rows or (50_000 if args.quick else 1_000_000)
-    rounds = 1 if args.quick else args.rounds
-    dsn = args.dsn or os.environ.get("SUBENGINE_DSN") or None
+    add = parser.add_argument
+    add("--rows", type=int, help="rows per write (1,000,000)")
+    add("--partitions", type=int, default=8, help="partitions of the stream (8)")
+    add("--tasks", type=int, default=8, help="Spark partitions of a write (8)")
+    add("--master", default="local[2]", help="Spark master (local[2])")
+    args = bench.parse(parser, argv)
+    rows = bench.sized(args, "rows", 50_000, 1_000_000)
+    rounds = args.rounds
     started = time.perf_counter()
 
-    with subengine.Engine(dsn, schema=args.schema) as engine:
-        reset_scratch_schema(engine, SCHEMA_MARKER, "bench/spark_write.py")
-        with psycopg.connect(engine.dsn) as conn:
-            version = conn.execute("SHOW server_version").fetchone()
+    with bench.scratch_engine(args, "bench/spark_write.py") as engine:
+        version = bench.server_settings(engine.dsn, ("server_version",))["server_version"]
 
-        # Python workers inherit the JVM's environment, fixed when the session starts.
-        os.environ[DSN_ENV] = engine.dsn
-        os.environ["PYSPARK_PYTHON"] = sys.executable
-        from pyspark.sql import SparkSession
+        spark = bench.spark_session(args.master, "subengine-bench-write", DSN_ENV, engine.dsn)
         from pyspark.sql import functions as F
-
-        spark = (
-            SparkSession.builder.master(args.master)
-            .appName("subengine-bench-write")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.sql.session.timeZone", "UTC")
-            .getOrCreate()
-        )
-        spark.sparkContext.setLogLevel("ERROR")
-        register(spark)
 
         def write(stream: str, count: int) -> float:
             engine.create_stream(stream, args.partitions)
@@ -147,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(
         f"subengine from {os.path.dirname(subengine.__file__)}\n"
-        f"PostgreSQL {version[0] if version else '?'} ({'embedded' if engine.embedded else 'DSN'});"
+        f"PostgreSQL {version} ({'embedded' if engine.embedded else 'DSN'});"
         f" {rows:,} rows from {args.tasks} Spark partitions into {args.partitions} stream"
         f" partitions, {args.master}; {rounds} rounds, medians"
     )

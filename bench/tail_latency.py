@@ -1,55 +1,34 @@
-"""How soon a live tail delivers an event after its append commits, at 200 events/s.
-
-Run it from the repository root:
+"""How soon a live tail delivers an event after its append commits, at 200 events/s: from
+an append's return to the event reaching `Engine.tail`, `AsyncEngine.tail` and, as the
+floor any push-based reader stands on, a bare LISTEN connection; rounds in rotating
+order. Goals: the tails' p50 <= 2 ms and p99 <= 10 ms.
 
     .venv/bin/python bench/tail_latency.py            # about a minute
     .venv/bin/python bench/tail_latency.py --quick    # a few seconds, for a smoke test
     .venv/bin/python bench/tail_latency.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
-Without a DSN it uses the embedded PostgreSQL, which keeps running afterwards.
-
-Method
-------
-One process, in a scratch schema (`--schema`, default `bench_tail_latency`) dropped and
-migrated again on every run. A writer thread appends one event per transaction with
-`Engine.append` at `--rate` events/s (paced by a schedule, not by sleeping a fixed time),
-and notes the clock when each append returned, that is when its commit was acknowledged.
-The reader notes the clock when it gets the event. Latency is the difference (a reader
-that gets an event before the writer thread ran again would give a negative difference;
-those count as 0, and their number is printed).
-
-Three readers, one at a time, each `--rounds` times in an order that rotates from round
-to round, each round `--seconds` long:
-
-* `Engine.tail` (sync, iterating in a thread);
-* `AsyncEngine.tail` (`async for`, its loop in a thread);
-* plain LISTEN: a psycopg connection receiving the raw notification of the append, the
-  floor any push-based reader stands on (the counterpart of the ratios).
-
-p50 and p99 are over all events of a variant's rounds; min and max are the rounds' p50.
-The goals: the tails' p50 <= 2 ms and p99 <= 10 ms.
+It works in a scratch schema (`--schema`, default `bench_tail_latency`), dropped and
+migrated on every run (never one it did not make).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import _harness as bench
 import psycopg
-from _scratch import reset_scratch_schema
+from _harness import percentile
 from psycopg import sql
 
 import subengine
 from subengine import NewEvent
 
-SCHEMA_MARKER = "subengine benchmark scratch schema (bench/tail_latency.py); dropped on every run"
 STREAM = "bench-tail"
 GOAL_P50_MS = 2.0
 GOAL_P99_MS = 10.0
@@ -68,27 +47,16 @@ class Variant:
     clamped: int = 0
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Append-to-tail delivery latency.")
-    parser.add_argument("--dsn", help="PostgreSQL URL or conninfo (default: SUBENGINE_DSN)")
-    parser.add_argument("--schema", default="bench_tail_latency", help="scratch schema")
-    parser.add_argument("--quick", action="store_true", help="a small run, for a smoke test")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per variant (3)")
+    parser = bench.arguments("Append-to-tail delivery latency.", schema="bench_tail_latency")
     parser.add_argument("--seconds", type=float, help="seconds per round (8)")
     parser.add_argument("--rate", type=float, default=200.0, help="events per second (200)")
-    args = parser.parse_args(argv)
-    seconds = args.seconds or (2.0 if args.quick else 8.0)
-    rounds = max(3, args.rounds)
-    dsn = args.dsn or os.environ.get("SUBENGINE_DSN") or None
+    args = bench.parse(parser, argv)
+    seconds = bench.sized(args, "seconds", 2.0, 8.0)
+    rounds = args.rounds
     started = time.perf_counter()
 
-    with subengine.Engine(dsn, schema=args.schema) as engine:
-        reset_scratch_schema(engine, SCHEMA_MARKER, "bench/tail_latency.py")
+    with bench.scratch_engine(args, "bench/tail_latency.py") as engine:
         engine.create_stream(STREAM, 8)
 
         def sync_tail(ready: threading.Event, stop: threading.Event, got: dict[str, float]) -> None:
@@ -176,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             variant.round_p50.append(percentile(latencies, 0.5))
 
         for number in range(rounds):
-            for variant in variants[number % 3 :] + variants[: number % 3]:
+            for variant in bench.rotated(variants, number):
                 one_round(variant)
             print(f"round {number + 1} of {rounds} done", file=sys.stderr)
 
@@ -207,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p50 = percentile(variant.latencies, 0.5) * 1000
         p99 = percentile(variant.latencies, 0.99) * 1000
         ratio = percentile(variant.latencies, 0.5) / plain_p50 if plain_p50 else float("inf")
-        verdict = "PASS" if p50 <= GOAL_P50_MS and p99 <= GOAL_P99_MS else "MISS"
+        verdict = bench.verdict(p50 <= GOAL_P50_MS and p99 <= GOAL_P99_MS)
         print(
             f"{variant.name}: p50 {p50:.3f} ms (goal <= {GOAL_P50_MS:g}), p99 {p99:.3f} ms "
             f"(goal <= {GOAL_P99_MS:g})  {verdict}; p50 / plain LISTEN p50 {ratio:.2f}"
