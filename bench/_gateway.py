@@ -70,8 +70,7 @@ class TransactionCount:
 
     async def settled(self) -> int:
         """The count once no client is connected to the database: complete."""
-        await asyncio.sleep(0.1)
-        return bench.settled_xacts(self.database, STOP_TIMEOUT, "xact_commit")
+        return bench.settled_xacts(self.database, STOP_TIMEOUT, "xact_commit", pause=0.1)
 
     def close(self) -> None:
         self.conn.close()

@@ -257,10 +257,13 @@ def client_count(conn: Connection, database: Database) -> int:
     return int(row[0]) if row else 0
 
 
-def settled_xacts(database: Database, timeout: float = 30.0, column: str = "") -> int:
+def settled_xacts(
+    database: Database, timeout: float = 30.0, column: str = "", pause: float = 0.0
+) -> int:
     """The database's transactions (xact_commit + xact_rollback, or `column` alone) once
-    no client is connected to it: a backend reports its statistics when it exits, so the
-    count is then complete. Autovacuum is not a client and may still add to it."""
+    no client is connected to it (and `pause` seconds more): a backend reports its
+    statistics when it exits, so the count is then complete. Autovacuum is not a client
+    and may still add to it."""
     counted = sql.SQL(column or "xact_commit + xact_rollback")
     deadline = time.monotonic() + timeout
     with psycopg.connect(database.admin_dsn, autocommit=True) as conn:
@@ -268,6 +271,7 @@ def settled_xacts(database: Database, timeout: float = 30.0, column: str = "") -
             time.sleep(0.05)
         if client_count(conn, database):
             progress(f"warning: clients still connected to {database.name}; counts may be short")
+        time.sleep(pause)
         row = conn.execute(
             sql.SQL("SELECT {} FROM pg_stat_database WHERE datname = %s").format(counted),
             (database.name,),
