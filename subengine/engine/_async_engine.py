@@ -33,16 +33,23 @@ from subengine.model._cursor import Cursor
 from subengine.model._declarations import Retention
 from subengine.model._errors import DatabaseUnavailable
 from subengine.model._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
+from subengine.model._records import (
+    DeadLetter,
+    StoredSubscription,
+    WorkerRegistration,
+    WorkerStatus,
+)
 from subengine.model._settings import Settings
 from subengine.outside import _api_keys
 from subengine.outside._api_keys import ApiKey
-from subengine.streams import _read, _streams
+from subengine.streams import _read, _retention, _streams
 from subengine.streams._append import ExpectedVersion, append_events, prepare, schema_not_ready
 from subengine.streams._listener import AsyncListener
 from subengine.streams._read import Page, RawEvent
 from subengine.streams._tail import LISTENER_APPLICATION_NAME, AsyncTail
-from subengine.subscriptions import _stream_deletion
+from subengine.subscriptions import _inspection, _stream_deletion, _subscriptions
 from subengine.subscriptions._stream_deletion import DeletedStream
+from subengine.subscriptions._subscriptions import SubscriptionPosition
 
 
 class AsyncEngine:
@@ -218,6 +225,12 @@ class AsyncEngine:
                 Db(conn, self.sql), name, force=force, batch=batch
             )
 
+    async def set_retention(self, name: str, retention: Retention | None) -> Stream:
+        """Change a stream's retention policy (None: keep every event from now on); the
+        next pruning run applies it."""
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, _retention.set_retention(name, retention))
+
     async def stream(self, name: str) -> Stream:
         """One stream; raises StreamNotFound when it does not exist."""
         query = _streams.get_stream(name)
@@ -311,6 +324,36 @@ class AsyncEngine:
         query = _streams.heads(stream)
         async with self.connection() as conn:
             return await self.sql.run_async(conn, query)
+
+    # subscriptions and workers, as the sync engine reports them
+
+    async def subscriptions(self) -> list[StoredSubscription]:
+        """Every stored subscription: name, stream, start, generation, paused, created_at."""
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, _inspection.subscriptions())
+
+    async def subscription_positions(self, name: str) -> list[SubscriptionPosition]:
+        """Every partition's position of a stored subscription."""
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, _subscriptions.positions(name))
+
+    async def dead_letters(
+        self, name: str | None = None, everything: bool = False
+    ) -> list[DeadLetter]:
+        """Unresolved dead letters (all of them with `everything`), oldest first."""
+        query = _inspection.dead_letters(name, everything)
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def workers(self) -> list[WorkerStatus]:
+        """The workers_status view's rows."""
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, _inspection.workers())
+
+    async def prune_workers(self) -> list[WorkerRegistration]:
+        """Remove the registrations of workers that are gone; the rows removed."""
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, _inspection.prune_workers())
 
     # the gateway's API keys and signing secrets
 

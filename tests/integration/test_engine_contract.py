@@ -252,3 +252,41 @@ def test_the_engine_uses_its_schema_and_limits(
             engine.append("letters", [NewEvent("k", "Big", "x" * 200)])
         assert [s.name for s in engine.streams()] == ["letters"]
     assert sql.execute("SELECT count(*) FROM subengine.streams").fetchone()[0] == 0  # type: ignore[index]
+
+
+# retention policies, subscriptions and workers as the engine reports them
+
+
+def test_a_retention_policy_is_set_and_lifted(either: Any, orders: str) -> None:
+    policy = subengine.Retention(max_events=5)
+    changed = either.set_retention(orders, policy)
+    assert changed.retention is not None
+    assert subengine.Retention.from_json(changed.retention) == policy
+    assert either.stream(orders) == changed
+    assert either.set_retention(orders, None).retention is None
+    with pytest.raises(subengine.StreamNotFound):
+        either.set_retention("nowhere", policy)
+
+
+def test_stored_subscriptions_and_their_positions_are_reported(
+    either: Any, engine: subengine.Engine, orders: str
+) -> None:
+    assert (either.subscriptions(), either.dead_letters(), either.dead_letters("billing")) == (
+        [],
+        [],
+        [],
+    )
+    engine.ensure_subscription(subengine.App().subscription("billing", stream=orders))
+    [stored] = either.subscriptions()
+    assert (stored.name, stored.stream) == ("billing", orders)
+    assert either.subscriptions() == engine.subscriptions()
+    positions = either.subscription_positions("billing")
+    assert [(p.partition, p.position, p.stopped) for p in positions] == [
+        (partition, 0, False) for partition in range(4)
+    ]
+    assert either.dead_letters(everything=True) == []
+
+
+def test_without_workers_there_are_none_to_report_or_prune(either: Any) -> None:
+    assert either.workers() == []
+    assert either.prune_workers() == []
