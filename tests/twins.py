@@ -134,3 +134,11 @@ def twin_fixture(request: pytest.FixtureRequest) -> Iterator[Twin]:
     made = Twin(request.param)
     yield made
     made.close()
+
+
+@pytest.fixture(name="either")
+def either_fixture(twin: Twin, dsn: str) -> Iterator[Any]:
+    """`either`: `Engine(dsn)`, or `AsyncEngine(dsn)` behind its sync facade, each in turn
+    (it takes `twin`). A contract module imports it (`from twins import either_fixture`)."""
+    with twin.engine(dsn) as engine:
+        yield engine

@@ -7,7 +7,6 @@ reads, append_async) are in test_async_engine.py.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -15,7 +14,7 @@ import psycopg
 import pytest
 from helpers import count_json_decodes, server_now, snapshot, stored_events
 from psycopg.conninfo import make_conninfo
-from twins import Twin, twin_fixture  # noqa: F401  (the fixture `twin`)
+from twins import Twin, either_fixture, twin_fixture  # noqa: F401  (the fixtures)
 
 import subengine
 from subengine import NewEvent
@@ -23,13 +22,6 @@ from subengine import NewEvent
 
 def events(*keys: str, type: str = "Happened") -> list[NewEvent]:
     return [NewEvent(key, type, {"n": n}) for n, key in enumerate(keys)]
-
-
-@pytest.fixture
-def either(twin: Twin, dsn: str) -> Iterator[Any]:
-    """`Engine(dsn)`, or `AsyncEngine(dsn)` behind its sync facade: the same contract."""
-    with twin.engine(dsn) as engine:
-        yield engine
 
 
 # appends and their errors

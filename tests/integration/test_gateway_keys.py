@@ -1,6 +1,10 @@
 """The gateway's API keys and signing secrets: tokens shown once and stored as hashes,
 strict authentication, scopes and stream patterns, revocation, and one signing secret
-per name however many ask at once."""
+per name however many ask at once.
+
+The engines' part of it is theirs alike: those tests take `either`, which runs them over
+both twins (`Engine` and `AsyncEngine`) as test_engine_contract.py does.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from twins import Twin, either_fixture, twin_fixture  # noqa: F401  (the fixtures)
 
 import subengine
 from subengine import ApiKey
@@ -43,8 +48,8 @@ def other_secret(token: str) -> str:
     return token[:-1] + ("A" if token[-1] != "A" else "B")
 
 
-def test_a_created_key_authenticates_with_its_token(engine: subengine.Engine) -> None:
-    key, token = engine.create_api_key(["read", "append"], ["orders*"], name="billing")
+def test_a_created_key_authenticates_with_its_token(either: Any) -> None:
+    key, token = either.create_api_key(["read", "append"], ["orders*"], name="billing")
     match = TOKEN.fullmatch(token)
     assert match is not None and match.group(1) == key.id
     assert (key.name, key.scopes, key.streams, key.revoked_at) == (
@@ -53,21 +58,21 @@ def test_a_created_key_authenticates_with_its_token(engine: subengine.Engine) ->
         ("orders*",),
         None,
     )
-    assert engine.authenticate(token) == key
-    assert engine.api_keys() == [key]
+    assert either.authenticate(token) == key
+    assert either.api_keys() == [key]
 
 
-def test_every_key_has_its_own_id_and_secret(engine: subengine.Engine) -> None:
-    made = [engine.create_api_key(["read"], ["*"]) for _ in range(5)]
+def test_every_key_has_its_own_id_and_secret(either: Any) -> None:
+    made = [either.create_api_key(["read"], ["*"]) for _ in range(5)]
     assert len({key.id for key, _ in made}) == len({token for _, token in made}) == 5
     for key, token in made:
-        assert engine.authenticate(token) == key
+        assert either.authenticate(token) == key
 
 
 def test_the_database_keeps_only_the_hash_of_the_secret(
-    engine: subengine.Engine, sql: psycopg.Connection[Any]
+    either: Any, sql: psycopg.Connection[Any]
 ) -> None:
-    _, token = engine.create_api_key(["read"], ["orders"])
+    _, token = either.create_api_key(["read"], ["orders"])
     secret = secret_of(token)
     [row] = sql.execute(
         "SELECT secret_hash, to_jsonb(k)::text FROM subengine.gateway_keys k"
@@ -85,16 +90,16 @@ def test_the_database_keeps_only_the_hash_of_the_secret(
     ],
     ids=["one-character", "whole-secret", "other-id"],
 )
-def test_a_wrong_secret_or_id_does_not_authenticate(engine: subengine.Engine, change: Any) -> None:
-    _, token = engine.create_api_key(["read"], ["orders"])
-    assert engine.authenticate(change(token)) is None
+def test_a_wrong_secret_or_id_does_not_authenticate(either: Any, change: Any) -> None:
+    _, token = either.create_api_key(["read"], ["orders"])
+    assert either.authenticate(change(token)) is None
 
 
-def test_a_secret_does_not_authenticate_under_another_keys_id(engine: subengine.Engine) -> None:
-    _, first_token = engine.create_api_key(["read"], ["orders"])
-    second, _ = engine.create_api_key(["admin"], ["*"])
+def test_a_secret_does_not_authenticate_under_another_keys_id(either: Any) -> None:
+    _, first_token = either.create_api_key(["read"], ["orders"])
+    second, _ = either.create_api_key(["admin"], ["*"])
     swapped = f"sek_{second.id}_{secret_of(first_token)}"
-    assert engine.authenticate(swapped) is None
+    assert either.authenticate(swapped) is None
 
 
 MALFORMED: list[Any] = [
@@ -118,77 +123,75 @@ MALFORMED: list[Any] = [
 ]
 
 
-def test_malformed_tokens_are_refused_without_touching_the_database(dsn: str) -> None:
-    engine = subengine.Engine(dsn)
+def test_malformed_tokens_are_refused_without_touching_the_database(twin: Twin, dsn: str) -> None:
+    engine = twin.engine(dsn)
     engine.close()  # a query would fail: a malformed token must need none
     for token in MALFORMED:
         assert engine.authenticate(token) is None, token
 
 
-def test_a_well_formed_token_of_no_key_does_not_authenticate(engine: subengine.Engine) -> None:
-    assert engine.authenticate("sek_0123456789ab_" + "A" * 43) is None
+def test_a_well_formed_token_of_no_key_does_not_authenticate(either: Any) -> None:
+    assert either.authenticate("sek_0123456789ab_" + "A" * 43) is None
 
 
-def test_a_revoked_key_no_longer_authenticates(
-    engine: subengine.Engine, sql: psycopg.Connection[Any]
-) -> None:
-    key, token = engine.create_api_key(["read"], ["orders"])
-    other, other_token = engine.create_api_key(["read"], ["orders"])
-    revoked = engine.revoke_api_key(key.id)
+def test_a_revoked_key_no_longer_authenticates(either: Any, sql: psycopg.Connection[Any]) -> None:
+    key, token = either.create_api_key(["read"], ["orders"])
+    other, other_token = either.create_api_key(["read"], ["orders"])
+    revoked = either.revoke_api_key(key.id)
     assert revoked.id == key.id and revoked.revoked_at is not None
     assert revoked.revoked_at >= key.created_at
-    assert engine.authenticate(token) is None
-    assert engine.authenticate(other_token) == other
-    assert engine.api_keys() == [revoked, other]
+    assert either.authenticate(token) is None
+    assert either.authenticate(other_token) == other
+    assert either.api_keys() == [revoked, other]
     [stored] = sql.execute(
         "SELECT revoked_at FROM subengine.gateway_keys WHERE id = %s", (key.id,)
     ).fetchall()
     assert stored == (revoked.revoked_at,)
 
 
-def test_revoking_a_key_again_keeps_the_first_revocation(engine: subengine.Engine) -> None:
-    key, _ = engine.create_api_key(["read"], ["orders"])
-    first = engine.revoke_api_key(key.id)
-    assert engine.revoke_api_key(key.id) == first
+def test_revoking_a_key_again_keeps_the_first_revocation(either: Any) -> None:
+    key, _ = either.create_api_key(["read"], ["orders"])
+    first = either.revoke_api_key(key.id)
+    assert either.revoke_api_key(key.id) == first
 
 
-def test_any_active_key_follows_creation_and_revocation(engine: subengine.Engine) -> None:
-    assert engine.any_active_api_key() is False
-    key, _ = engine.create_api_key(["read"], ["*"])
-    assert engine.any_active_api_key() is True
-    engine.revoke_api_key(key.id)
-    assert engine.any_active_api_key() is False
+def test_any_active_key_follows_creation_and_revocation(either: Any) -> None:
+    assert either.any_active_api_key() is False
+    key, _ = either.create_api_key(["read"], ["*"])
+    assert either.any_active_api_key() is True
+    either.revoke_api_key(key.id)
+    assert either.any_active_api_key() is False
 
 
 def test_revoking_an_unknown_key_raises_and_changes_nothing(
-    engine: subengine.Engine, sql: psycopg.Connection[Any]
+    either: Any, sql: psycopg.Connection[Any]
 ) -> None:
-    engine.create_api_key(["read"], ["orders"])
+    either.create_api_key(["read"], ["orders"])
     before = keys_table(sql)
     with pytest.raises(subengine.ApiKeyNotFound, match="'0123456789ab' does not exist"):
-        engine.revoke_api_key("0123456789ab")
+        either.revoke_api_key("0123456789ab")
     assert keys_table(sql) == before
 
 
 @pytest.mark.parametrize("key_id", ["", "0123456789AB", "0123456789a", "0123456789abc", "x' --"])
-def test_a_malformed_key_id_is_refused(engine: subengine.Engine, key_id: str) -> None:
+def test_a_malformed_key_id_is_refused(either: Any, key_id: str) -> None:
     with pytest.raises(subengine.InvalidInput, match="invalid API key id"):
-        engine.revoke_api_key(key_id)
+        either.revoke_api_key(key_id)
 
 
-def test_errors_never_quote_a_token(engine: subengine.Engine, sql: psycopg.Connection[Any]) -> None:
-    key, token = engine.create_api_key(["read"], ["orders"])
+def test_errors_never_quote_a_token(either: Any, sql: psycopg.Connection[Any]) -> None:
+    key, token = either.create_api_key(["read"], ["orders"])
     secret = secret_of(token)
     before = keys_table(sql)
     misuses: list[Callable[[], object]] = [
-        lambda: engine.revoke_api_key(token),
-        lambda: engine.revoke_api_key(f" {token}"),
-        lambda: engine.create_api_key([token], ["orders"]),
-        lambda: engine.create_api_key(["read"], [token]),
-        lambda: engine.create_api_key(["read"], [f"{token}*"]),
-        lambda: engine.create_api_key(["read"], ["orders"], name=token),
-        lambda: engine.create_api_key(["read"], ["orders"], name=f"ci {token}"),
-        lambda: engine.signing_secret(token),
+        lambda: either.revoke_api_key(token),
+        lambda: either.revoke_api_key(f" {token}"),
+        lambda: either.create_api_key([token], ["orders"]),
+        lambda: either.create_api_key(["read"], [token]),
+        lambda: either.create_api_key(["read"], [f"{token}*"]),
+        lambda: either.create_api_key(["read"], ["orders"], name=token),
+        lambda: either.create_api_key(["read"], ["orders"], name=f"ci {token}"),
+        lambda: either.signing_secret(token),
         lambda: key.allows("orders", token),
     ]
     for misuse in misuses:
@@ -216,16 +219,16 @@ ALLOWED = [
 
 @pytest.mark.parametrize(("patterns", "stream", "allowed"), ALLOWED)
 def test_stream_patterns_match_names_prefixes_or_everything(
-    engine: subengine.Engine, patterns: list[str], stream: str, allowed: bool
+    either: Any, patterns: list[str], stream: str, allowed: bool
 ) -> None:
-    key, _ = engine.create_api_key(["read"], patterns)
+    key, _ = either.create_api_key(["read"], patterns)
     assert key.allows(stream, "read") is allowed
 
 
-def test_a_key_allows_only_its_scopes(engine: subengine.Engine) -> None:
-    reader, _ = engine.create_api_key(["read"], ["*"])
-    writer, _ = engine.create_api_key(["append", "read"], ["*"])
-    admin, _ = engine.create_api_key(["admin"], ["*"])
+def test_a_key_allows_only_its_scopes(either: Any) -> None:
+    reader, _ = either.create_api_key(["read"], ["*"])
+    writer, _ = either.create_api_key(["append", "read"], ["*"])
+    admin, _ = either.create_api_key(["admin"], ["*"])
     table = {
         key.id: [scope for scope in ("read", "append", "admin") if key.allows("s", scope)]
         for key in (reader, writer, admin)
@@ -233,25 +236,25 @@ def test_a_key_allows_only_its_scopes(engine: subengine.Engine) -> None:
     assert table == {reader.id: ["read"], writer.id: ["read", "append"], admin.id: ["admin"]}
 
 
-def test_a_revoked_key_allows_nothing(engine: subengine.Engine) -> None:
-    key, _ = engine.create_api_key(["read", "append", "admin"], ["*"])
-    revoked = engine.revoke_api_key(key.id)
+def test_a_revoked_key_allows_nothing(either: Any) -> None:
+    key, _ = either.create_api_key(["read", "append", "admin"], ["*"])
+    revoked = either.revoke_api_key(key.id)
     assert not any(revoked.allows("s", scope) for scope in ApiKey.SCOPES)
 
 
-def test_asking_for_an_unknown_scope_is_an_error_not_a_refusal(engine: subengine.Engine) -> None:
-    key, _ = engine.create_api_key(["read"], ["*"])
+def test_asking_for_an_unknown_scope_is_an_error_not_a_refusal(either: Any) -> None:
+    key, _ = either.create_api_key(["read"], ["*"])
     with pytest.raises(subengine.InvalidInput, match="unknown scope 'raed'"):
         key.allows("orders", "raed")
 
 
-def test_repeated_scopes_and_patterns_are_stored_once(engine: subengine.Engine) -> None:
-    key, _ = engine.create_api_key(
+def test_repeated_scopes_and_patterns_are_stored_once(either: Any) -> None:
+    key, _ = either.create_api_key(
         iter(["read", "append", "read"]), ("b*", "a", "b*", "*"), name="twice"
     )
     assert key.scopes == ("append", "read")
     assert key.streams == ("b*", "a", "*")
-    assert engine.api_keys() == [key]
+    assert either.api_keys() == [key]
 
 
 BAD_KEYS: list[tuple[Any, Any, Any, str]] = [
@@ -283,17 +286,17 @@ BAD_KEYS: list[tuple[Any, Any, Any, str]] = [
 
 @pytest.mark.parametrize(("scopes", "streams", "name", "message"), BAD_KEYS)
 def test_bad_key_inputs_are_refused_and_change_nothing(
-    engine: subengine.Engine,
+    either: Any,
     sql: psycopg.Connection[Any],
     scopes: Any,
     streams: Any,
     name: Any,
     message: str,
 ) -> None:
-    engine.create_api_key(["read"], ["orders"])
+    either.create_api_key(["read"], ["orders"])
     before = keys_table(sql)
     with pytest.raises(subengine.InvalidInput, match=re.escape(message)) as raised:
-        engine.create_api_key(scopes, streams, name=name)
+        either.create_api_key(scopes, streams, name=name)
     assert "\n" not in str(raised.value)
     assert keys_table(sql) == before
 
@@ -332,17 +335,17 @@ def test_the_table_refuses_rows_the_module_would_refuse(
 
 
 def test_a_signing_secret_is_made_once_and_kept(
-    engine: subengine.Engine, dsn: str, sql: psycopg.Connection[Any]
+    either: Any, dsn: str, sql: psycopg.Connection[Any]
 ) -> None:
-    secret = engine.signing_secret("watch")
+    secret = either.signing_secret("watch")
     assert isinstance(secret, bytes) and len(secret) == 32
-    assert engine.signing_secret("watch") == secret
+    assert either.signing_secret("watch") == secret
     with subengine.Engine(dsn) as another:
         assert another.signing_secret("watch") == secret
-    assert engine.signing_secret("webhooks") != secret
+    assert either.signing_secret("webhooks") != secret
     assert [(name, bytes(value)) for name, value, _ in secrets_table(sql)] == [
         ("watch", secret),
-        ("webhooks", engine.signing_secret("webhooks")),
+        ("webhooks", either.signing_secret("webhooks")),
     ]
 
 
@@ -400,10 +403,10 @@ def test_many_engines_asking_at_once_get_one_signing_secret(
 
 @pytest.mark.parametrize("name", ["", "Watch", "1watch", "watch-ids", "w" * 64, None])
 def test_invalid_secret_names_are_refused_and_change_nothing(
-    engine: subengine.Engine, sql: psycopg.Connection[Any], name: Any
+    either: Any, sql: psycopg.Connection[Any], name: Any
 ) -> None:
     with pytest.raises(subengine.InvalidInput, match="invalid secret name"):
-        engine.signing_secret(name)
+        either.signing_secret(name)
     assert secrets_table(sql) == []
 
 
