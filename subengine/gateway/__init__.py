@@ -4,7 +4,9 @@ over server-sent events (DESIGN.md, "The gateway"; the protocol is docs/gateway.
 `create_app()` is the ASGI application; `subengine serve` runs it with uvicorn.
 """
 
-from subengine.gateway._app import ApiError, Gateway, GatewayConfig, close_all_streams, create_app
+from subengine.gateway._app import close_all_streams, create_app
+from subengine.gateway._http import ApiError
+from subengine.gateway._state import Gateway, GatewayConfig
 from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 
 __all__ = [

@@ -17,9 +17,10 @@ import signal
 import uvicorn
 from starlette.applications import Starlette
 
-from subengine.gateway._app import GatewayConfig, create_app
+from subengine.gateway._app import create_app
 from subengine.gateway._callbacks import CallbackPolicy
 from subengine.gateway._delivery import DeliveryConfig
+from subengine.gateway._state import GatewayConfig
 from subengine.model._settings import Settings
 
 CONFIG_ENVIRONMENT = "SUBENGINE_GATEWAY_CONFIG"

@@ -1,0 +1,75 @@
+"""The endpoint that appends events to a stream: one transaction per request, and a retry
+of the same events is answered as such, not stored twice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from subengine.gateway._http import (
+    ApiError,
+    bad_request,
+    json_response,
+    path_stream,
+    read_json_body,
+)
+from subengine.gateway._state import gateway_of
+from subengine.model._errors import InvalidInput
+from subengine.model._events import NewEvent
+
+
+async def append_events(request: Request) -> Response:
+    """Append a JSON array of events, or `{"events": [...], "expected_version": ...}`, in
+    one transaction: 201 when any event was stored now, 200 when every one was stored
+    before (a retry), with where each event is."""
+    gateway = gateway_of(request)
+    stream = path_stream(request)
+    (await gateway.auth.principal(request)).require(stream, "append")
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        # a browser sends a cross-origin POST of another type without asking first (no
+        # CORS preflight); a write must not be one
+        raise ApiError(
+            415, "unsupported_media_type", "send the events as Content-Type: application/json"
+        )
+    body = await read_json_body(request, gateway.config.max_body_bytes)
+    given, expected_version = _append_request(body)
+    events = []
+    for index, fields in enumerate(given):
+        try:
+            events.append(NewEvent.from_json(fields))
+        except InvalidInput as error:
+            raise ApiError(400, "bad_event", f"event {index}: {error}") from None
+    stored = await gateway.engine.append(stream, events, expected_version)
+    appended = [
+        {
+            "partition": a.partition,
+            "position": a.position,
+            "id": str(a.id),
+            "key_version": a.key_version,
+            "duplicate": a.duplicate,
+        }
+        for a in stored
+    ]
+    every_one_stored_before = all(a.duplicate for a in stored)
+    return json_response({"appended": appended}, 200 if every_one_stored_before else 201)
+
+
+def _append_request(body: Any) -> tuple[list[Any], Any]:
+    """The events and expected version of an append's body (checked by the engine)."""
+    if isinstance(body, list):
+        events, expected_version = body, None
+    elif isinstance(body, dict):
+        unknown = set(body) - {"events", "expected_version"}
+        if unknown:
+            raise bad_request(f"unknown field {sorted(unknown)[0]!r}")
+        if not isinstance(body.get("events"), list):
+            raise bad_request('expected {"events": [...], "expected_version": ...}')
+        events, expected_version = body["events"], body.get("expected_version")
+    else:
+        raise bad_request('expected an array of events or {"events": [...]}')
+    if not events:
+        raise bad_request("the append holds no event")
+    return events, expected_version

@@ -1,0 +1,191 @@
+"""What every endpoint of the gateway shares: JSON answers, errors that name the problem,
+and the parsing of query parameters and request bodies.
+
+Every response is JSON (or an event stream) with an explicit Cache-Control; every error is
+`{"error": {"code": ..., "message": ...}}` with a 4xx or 5xx status, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from subengine.gateway._auth import Denied
+from subengine.gateway._callbacks import CallbackRefused
+from subengine.gateway._connections import Busy
+from subengine.gateway._hub import dumps
+from subengine.model._errors import (
+    DatabaseUnavailable,
+    EventIdConflict,
+    InvalidEvent,
+    InvalidInput,
+    PartitionNotFound,
+    StreamNotFound,
+    SubengineError,
+    WrongExpectedVersion,
+)
+from subengine.model._gateway_cursor import InvalidCursor
+from subengine.model._names import validate_stream_name
+from subengine.outside._webhooks import WebhookConflict, WebhookNotFound
+
+NO_STORE = "no-store"
+CURSOR_HEADER = "Subengine-Cursor"
+UP_TO_DATE_HEADER = "Subengine-Up-To-Date"
+
+
+class ApiError(Exception):
+    """An answer with a 4xx or 5xx status and a JSON error naming the problem."""
+
+    def __init__(
+        self, status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+def json_response(
+    body: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    text = body if isinstance(body, str) else dumps(body)
+    return Response(
+        text,
+        status_code=status,
+        media_type="application/json",
+        headers={"Cache-Control": NO_STORE, **(headers or {})},
+    )
+
+
+def error_response(error: ApiError) -> Response:
+    body = {"error": {"code": error.code, "message": error.message}}
+    return json_response(body, error.status, error.headers)
+
+
+def bad_request(message: str, code: str = "bad_request") -> ApiError:
+    return ApiError(400, code, message)
+
+
+def api_error(error: Exception) -> ApiError:
+    """The answer to `error`; an error the gateway does not expect is raised again."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, Denied):
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+        return ApiError(error.status, error.code, error.message, headers)
+    if isinstance(error, Busy):
+        return ApiError(429, error.code, error.message, {"Retry-After": str(error.retry_after)})
+    if isinstance(error, InvalidCursor):
+        return ApiError(400, "bad_cursor", str(error))
+    if isinstance(error, WebhookNotFound):
+        return ApiError(404, "webhook_not_found", str(error))
+    if isinstance(error, WebhookConflict):
+        return ApiError(409, "webhook_conflict", str(error))
+    if isinstance(error, CallbackRefused):
+        return ApiError(400, "callback_refused", str(error))
+    if isinstance(error, StreamNotFound):
+        return ApiError(404, "stream_not_found", str(error))
+    if isinstance(error, PartitionNotFound):
+        return ApiError(404, "partition_not_found", str(error))
+    if isinstance(error, WrongExpectedVersion):
+        return ApiError(409, "wrong_expected_version", str(error))
+    if isinstance(error, EventIdConflict):
+        return ApiError(409, "event_id_conflict", str(error))
+    if isinstance(error, InvalidEvent):
+        return ApiError(400, "bad_event", str(error))
+    if isinstance(error, InvalidInput):
+        return ApiError(400, "bad_request", str(error))
+    if isinstance(error, DatabaseUnavailable):
+        return ApiError(503, "unavailable", str(error), {"Retry-After": "1"})
+    if isinstance(error, SubengineError):
+        return ApiError(400, "bad_request", str(error))
+    raise error
+
+
+def parse_time(text: str, what: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        raise bad_request(f"{what} is not an RFC 3339 time: {text[:64]!r}") from None
+    if parsed.tzinfo is None:
+        raise bad_request(f"{what} has no time zone: {text[:64]!r}")
+    return parsed
+
+
+def parse_flag(value: str | None, what: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0"):
+        return False
+    raise bad_request(f"{what} must be true or false, not {value[:32]!r}")
+
+
+def parse_number(value: str | None, what: str, low: float, high: float, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise bad_request(f"{what} must be a number, not {value[:32]!r}") from None
+    if not low <= number <= high:  # NaN fails too
+        raise bad_request(f"{what} must be from {low:g} to {high:g}, not {value[:32]!r}")
+    return number
+
+
+def parse_whole(value: str | None, what: str, low: int, high: int, default: int) -> int:
+    if value is None:
+        return default
+    if not (value.isascii() and value.isdecimal()) or not low <= int(value) <= high:
+        raise bad_request(f"{what} must be a whole number from {low} to {high}, not {value[:32]!r}")
+    return int(value)
+
+
+def parse_names(values: list[str], what: str, validate: Any) -> frozenset[str] | None:
+    if not values:
+        return None
+    try:
+        return frozenset(validate(value) for value in values)
+    except InvalidInput as error:
+        raise bad_request(f"{what}: {error}") from None
+
+
+def parse_stream_name(name: str) -> str:
+    try:
+        return validate_stream_name(name)
+    except InvalidInput as error:
+        raise bad_request(str(error), "bad_stream_name") from None
+
+
+def path_stream(request: Request) -> str:
+    """The stream the request's path names."""
+    return parse_stream_name(request.path_params["stream"])
+
+
+async def read_json_body(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if (
+        declared is not None
+        and declared.isascii()
+        and declared.isdecimal()
+        and int(declared) > limit
+    ):
+        raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):
+        raise bad_request("the body is not JSON") from None
