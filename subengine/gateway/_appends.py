@@ -14,6 +14,7 @@ from subengine.gateway._http import (
     json_response,
     path_stream,
     read_json_body,
+    refuse_unknown_fields,
 )
 from subengine.gateway._state import gateway_of
 from subengine.model._errors import InvalidInput
@@ -62,9 +63,7 @@ def _append_request(body: Any) -> tuple[list[Any], Any]:
     if isinstance(body, list):
         events, expected_version = body, None
     elif isinstance(body, dict):
-        unknown = set(body) - {"events", "expected_version"}
-        if unknown:
-            raise bad_request(f"unknown field {sorted(unknown)[0]!r}")
+        refuse_unknown_fields(body, ("events", "expected_version"))
         if not isinstance(body.get("events"), list):
             raise bad_request('expected {"events": [...], "expected_version": ...}')
         events, expected_version = body["events"], body.get("expected_version")

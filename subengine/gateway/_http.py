@@ -8,7 +8,7 @@ Every response is JSON (or an event stream) with an explicit Cache-Control; ever
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -72,6 +72,24 @@ def bad_request(message: str, code: str = "bad_request") -> ApiError:
     return ApiError(400, code, message)
 
 
+# The answer to each error of the engine and of the gateway's parts: the first whose type
+# fits (a subclass before its base).
+_ANSWERS: tuple[tuple[type[Exception], int, str, Mapping[str, str]], ...] = (
+    (InvalidCursor, 400, "bad_cursor", {}),
+    (WebhookNotFound, 404, "webhook_not_found", {}),
+    (WebhookConflict, 409, "webhook_conflict", {}),
+    (CallbackRefused, 400, "callback_refused", {}),
+    (StreamNotFound, 404, "stream_not_found", {}),
+    (PartitionNotFound, 404, "partition_not_found", {}),
+    (WrongExpectedVersion, 409, "wrong_expected_version", {}),
+    (EventIdConflict, 409, "event_id_conflict", {}),
+    (InvalidEvent, 400, "bad_event", {}),
+    (InvalidInput, 400, "bad_request", {}),
+    (DatabaseUnavailable, 503, "unavailable", {"Retry-After": "1"}),
+    (SubengineError, 400, "bad_request", {}),
+)
+
+
 def api_error(error: Exception) -> ApiError:
     """The answer to `error`; an error the gateway does not expect is raised again."""
     if isinstance(error, ApiError):
@@ -81,30 +99,9 @@ def api_error(error: Exception) -> ApiError:
         return ApiError(error.status, error.code, error.message, headers)
     if isinstance(error, Busy):
         return ApiError(429, error.code, error.message, {"Retry-After": str(error.retry_after)})
-    if isinstance(error, InvalidCursor):
-        return ApiError(400, "bad_cursor", str(error))
-    if isinstance(error, WebhookNotFound):
-        return ApiError(404, "webhook_not_found", str(error))
-    if isinstance(error, WebhookConflict):
-        return ApiError(409, "webhook_conflict", str(error))
-    if isinstance(error, CallbackRefused):
-        return ApiError(400, "callback_refused", str(error))
-    if isinstance(error, StreamNotFound):
-        return ApiError(404, "stream_not_found", str(error))
-    if isinstance(error, PartitionNotFound):
-        return ApiError(404, "partition_not_found", str(error))
-    if isinstance(error, WrongExpectedVersion):
-        return ApiError(409, "wrong_expected_version", str(error))
-    if isinstance(error, EventIdConflict):
-        return ApiError(409, "event_id_conflict", str(error))
-    if isinstance(error, InvalidEvent):
-        return ApiError(400, "bad_event", str(error))
-    if isinstance(error, InvalidInput):
-        return ApiError(400, "bad_request", str(error))
-    if isinstance(error, DatabaseUnavailable):
-        return ApiError(503, "unavailable", str(error), {"Retry-After": "1"})
-    if isinstance(error, SubengineError):
-        return ApiError(400, "bad_request", str(error))
+    for kind, status, code, answer_headers in _ANSWERS:
+        if isinstance(error, kind):
+            return ApiError(status, code, str(error), answer_headers)
     raise error
 
 
@@ -167,6 +164,13 @@ def parse_stream_name(name: str) -> str:
 def path_stream(request: Request) -> str:
     """The stream the request's path names."""
     return parse_stream_name(request.path_params["stream"])
+
+
+def refuse_unknown_fields(body: Mapping[str, Any], known: Iterable[str]) -> None:
+    """Refuse a body that names a field the endpoint does not know."""
+    unknown = set(body) - set(known)
+    if unknown:
+        raise bad_request(f"unknown field {sorted(unknown)[0]!r}")
 
 
 async def read_json_body(request: Request, limit: int) -> Any:

@@ -20,7 +20,9 @@ from subengine.gateway._http import (
     ApiError,
     bad_request,
     json_response,
+    parse_stream_name,
     read_json_body,
+    refuse_unknown_fields,
 )
 from subengine.gateway._reading import Selection
 from subengine.gateway._sse_response import (
@@ -31,7 +33,7 @@ from subengine.gateway._sse_response import (
 from subengine.gateway._state import Gateway, gateway_of
 from subengine.model._errors import InvalidInput
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
-from subengine.model._names import validate_key, validate_stream_name, validate_type
+from subengine.model._names import validate_key, validate_type
 
 
 def _b64(data: bytes) -> str:
@@ -58,19 +60,14 @@ async def create_watch(request: Request) -> Response:
             "split these into several watches",
             "too_many_streams",
         )
-    unknown = set(body) - {"streams", "heartbeat"}
-    if unknown:
-        raise bad_request(f"unknown field {sorted(unknown)[0]!r}")
+    refuse_unknown_fields(body, ("streams", "heartbeat"))
     heartbeat = body.get("heartbeat", gateway.config.heartbeat)
     if not isinstance(heartbeat, int | float) or not 1 <= heartbeat <= 60:
         raise bad_request("heartbeat must be a number of seconds from 1 to 60")
     spec = []
     positions: dict[str, StreamPosition] = {}
     for name, options in streams.items():
-        try:
-            validate_stream_name(name)
-        except InvalidInput as error:
-            raise bad_request(str(error), "bad_stream_name") from None
+        parse_stream_name(name)
         principal.require(name, "read")
         if not isinstance(options, dict):
             raise bad_request(f"the options of stream {name!r} must be an object")
@@ -128,10 +125,13 @@ async def _signing_key(gateway: Gateway) -> bytes:
     return secret
 
 
+async def _mac(gateway: Gateway, body: str) -> bytes:
+    return hmac.new(await _signing_key(gateway), body.encode(), hashlib.sha256).digest()
+
+
 async def _sign(gateway: Gateway, payload: dict[str, Any]) -> str:
     body = _b64(json.dumps(payload, separators=(",", ":")).encode())
-    mac = hmac.new(await _signing_key(gateway), body.encode(), hashlib.sha256).digest()
-    return f"w1.{body}.{_b64(mac)}"
+    return f"w1.{body}.{_b64(await _mac(gateway, body))}"
 
 
 async def _verify(gateway: Gateway, wid: str) -> dict[str, Any]:
@@ -139,7 +139,7 @@ async def _verify(gateway: Gateway, wid: str) -> dict[str, Any]:
     if len(parts) != 3 or parts[0] != "w1" or len(wid) > 32_768:
         raise ApiError(404, "watch_not_found", "no such watch (malformed id)")
     _, body, mac = parts
-    expected = hmac.new(await _signing_key(gateway), body.encode(), hashlib.sha256).digest()
+    expected = await _mac(gateway, body)
     try:
         given = _unb64(mac)
         payload = json.loads(_unb64(body))

@@ -18,6 +18,7 @@ from subengine.gateway._http import (
     json_response,
     parse_time,
     read_json_body,
+    refuse_unknown_fields,
 )
 from subengine.gateway._state import Gateway, gateway_of
 from subengine.model._declarations import Start
@@ -54,9 +55,7 @@ async def put_webhook(request: Request) -> Response:
     body = await read_json_body(request, gateway.config.max_body_bytes)
     if not isinstance(body, dict):
         raise bad_request('expected {"callback": "...", "streams": {...}, ...}')
-    unknown = set(body) - _WEBHOOK_FIELDS
-    if unknown:
-        raise bad_request(f"unknown field {sorted(unknown)[0]!r}")
+    refuse_unknown_fields(body, _WEBHOOK_FIELDS)
     if not isinstance(body.get("callback"), str):
         raise bad_request("callback must be the URL deliveries are posted to")
     callback = check_callback_url(body["callback"])
