@@ -287,8 +287,8 @@ def autovacuum_off(conn: Connection, schema: str | None = SCHEMA) -> None:
         "SELECT n.nspname, c.relname FROM pg_class c"
         " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind = 'r'"
         " AND n.nspname NOT IN ('pg_catalog', 'information_schema')"
-        " AND (n.nspname = %s OR %s IS NULL)",
-        (schema, schema),
+        " AND (n.nspname = %(schema)s::text OR %(schema)s::text IS NULL)",
+        {"schema": schema},
     ).fetchall()
     for namespace, table in tables:
         conn.execute(
