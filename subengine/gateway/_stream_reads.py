@@ -10,6 +10,7 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive
 
 from subengine.gateway._auth import Denied
 from subengine.gateway._connections import LONG_POLL, PULL, SSE
@@ -124,7 +125,7 @@ async def read_events(request: Request) -> Response | EventStreamResponse:
             events, tombstones, up_to_date = await reader.page(stream, limit)
             answer = _page(reader, events, tombstones, up_to_date)
         else:
-            answer = await _long_poll(gateway, reader, stream, limit, wait)
+            answer = await _long_poll(gateway, request, reader, stream, limit, wait)
     finally:
         slot.release()
     gateway.metrics.sent(slot.kind, None, len(answer.body))
@@ -148,12 +149,14 @@ def _page(
 
 
 async def _long_poll(
-    gateway: Gateway, reader: Reader, stream: str, limit: int, wait: float
+    gateway: Gateway, request: Request, reader: Reader, stream: str, limit: int, wait: float
 ) -> Response:
-    """A page as soon as anything after the cursor exists, or 204 when `wait` ends."""
+    """A page as soon as anything after the cursor exists, or 204 when `wait` ends or
+    the client leaves (noticed at once: a client gone holds no slot)."""
     deadline = time.monotonic() + wait
     watcher = await gateway.watcher(reader.selections)
     gateway.hub.add(watcher)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
     try:
         while True:
             watcher.take()  # what moves from now on wakes the wait below
@@ -161,7 +164,7 @@ async def _long_poll(
             if events or tombstones or reader.frames_out:
                 return _page(reader, events, tombstones, up_to_date)
             left = deadline - time.monotonic()
-            if left <= 0 or gateway.closing.is_set():
+            if left <= 0 or gateway.closing.is_set() or gone.done():
                 break
             if up_to_date:
                 closing = asyncio.ensure_future(gateway.closing.wait())
@@ -169,19 +172,26 @@ async def _long_poll(
                 gateway.metrics.long_polls_waiting.inc()
                 try:
                     await asyncio.wait(
-                        {woken, closing}, timeout=left, return_when="FIRST_COMPLETED"
+                        {woken, closing, gone}, timeout=left, return_when="FIRST_COMPLETED"
                     )
                 finally:
                     gateway.metrics.long_polls_waiting.dec()
                     woken.cancel()
                     closing.cancel()
     finally:
+        gone.cancel()
         gateway.hub.remove(watcher)
     cursor = reader.cursor.encode()
     return Response(
         status_code=204,
         headers={"Cache-Control": NO_STORE, CURSOR_HEADER: cursor, UP_TO_DATE_HEADER: "true"},
     )
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client has disconnected (a GET's body is read on the way)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _selection(request: Request, stream: str) -> Selection:

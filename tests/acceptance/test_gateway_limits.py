@@ -158,3 +158,27 @@ def test_serve_documents_each_limit_and_its_default(cli_env: dict[str, str]) -> 
     for option, default in options.items():
         described = text.split(option, 1)[1].split(" --", 1)[0]
         assert f"[default: {default};" in described, (option, described)
+
+
+def test_a_long_poll_whose_client_left_gives_its_place_back_at_once(
+    orders: str, small: GatewayProcess
+) -> None:
+    """Two clients that give up on a minute's long-poll after a second do not lock their
+    key out for the rest of that minute."""
+    url = f"{small.url}/v1/streams/orders/events"
+    params = {"live": "long-poll", "after": "now", "wait": "60"}
+    for _ in range(2):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.get(url, params=params, timeout=httpx.Timeout(30.0, read=1.0))
+    wait_for(
+        lambda: (
+            connections(small, "long_poll") == 0
+            and value(scrape(small.port), "subengine_gateway_long_polls_waiting") == 0
+        ),
+        "the long-polls of the clients gone to end",
+        timeout=20,
+    )
+    again = httpx.get(url, params={**params, "wait": "0.2"}, timeout=TIMEOUT)
+    assert again.status_code == 204
+    samples = scrape(small.port)
+    assert value(samples, "subengine_gateway_rejected_total", limit="too_many_connections") == 0
