@@ -3,9 +3,11 @@
 While no active key exists in the database the gateway is open to its own host only
 (requests from loopback addresses; `subengine serve` also refuses to listen on others);
 once one exists, every request needs one. Keys are checked
-in the database, which stores only their hashes; a key's answer is kept for a few
-seconds, so a revoked key stops working within `CACHE_SECONDS`. A token never appears
-in a log line or an error.
+in the database, which stores only their hashes. Answers are cached until a key changes:
+a change notifies every gateway process (DESIGN.md, known pitfalls: a timer cache is a
+window of wrong answers), so a revoked key is refused from the next request on. While
+the process's LISTEN connection is down, nothing cached is trusted: every request reads
+the database. A token never appears in a log line or an error.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -22,8 +23,8 @@ from starlette.requests import Request
 
 from subengine.engine._async_engine import AsyncEngine
 from subengine.outside._api_keys import ApiKey
+from subengine.streams._listener import Changes
 
-CACHE_SECONDS = 2.0
 T = TypeVar("T")
 ANONYMOUS = "anonymous"
 
@@ -57,13 +58,20 @@ class Principal:
 
 
 class Authenticator:
-    """Checks Bearer tokens against the database, with a short cache."""
+    """Checks Bearer tokens against the database, with a cache that a change of any key
+    (a notification) empties. Make it in the event loop it serves; `close` it."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self._required = _Cached(engine.any_active_api_key)
-        self._tokens: dict[bytes, tuple[float, ApiKey | None]] = {}
-        self._by_id = _Cached(self._active_keys)
+        self._changes = engine.listener.watch_changes()
+        self._required = _Cached(engine.any_active_api_key, self._changes)
+        # the answer for each token's digest, read at version `_tokens_version`
+        self._tokens: dict[bytes, ApiKey | None] = {}
+        self._tokens_version = -1
+        self._by_id = _Cached(self._active_keys, self._changes)
+
+    def close(self) -> None:
+        self.engine.listener.unwatch_changes(self._changes)
 
     async def required(self) -> bool:
         return await self._required.get()
@@ -97,15 +105,19 @@ class Authenticator:
 
     async def _key(self, token: str) -> ApiKey | None:
         digest = hashlib.sha256(token.encode(errors="replace")).digest()
-        now = time.monotonic()
-        cached = self._tokens.get(digest)
-        if cached is not None and now - cached[0] <= CACHE_SECONDS:
-            return cached[1]
+        version = self._changes.version
+        if self._trusted(self._tokens_version) and digest in self._tokens:
+            return self._tokens[digest]
         key = await self.engine.authenticate(token)
-        if len(self._tokens) > 10_000:
-            self._tokens.clear()
-        self._tokens[digest] = (now, key)
+        # an answer read before a change is not kept: it may be the old one
+        if version > self._tokens_version or len(self._tokens) > 10_000:
+            self._tokens, self._tokens_version = {}, version
+        if version == self._tokens_version:
+            self._tokens[digest] = key
         return key
+
+    def _trusted(self, version: int) -> bool:
+        return self._changes.listening and version == self._changes.version
 
     async def key_by_id(self, key_id: str) -> ApiKey | None:
         """The active key of this id (for a watch id, which names its key)."""
@@ -116,29 +128,34 @@ class Authenticator:
 
 
 class _Cached(Generic[T]):
-    """A value read from the database at most once per CACHE_SECONDS: callers that find
-    it stale while it is being read again wait for that one read (a thousand event
-    streams checking their key at once make one query, not a thousand)."""
+    """A value read from the database again after every change `changes` counts, and
+    at every call while the listener is not listening. Callers that find it stale while
+    it is being read again (since that change) wait for that one read: a thousand event
+    streams checking their key at once make one query, not a thousand."""
 
-    def __init__(self, read: Callable[[], Awaitable[T]]) -> None:
+    def __init__(self, read: Callable[[], Awaitable[T]], changes: Changes) -> None:
         self._read = read
-        self._value: tuple[float, T] | None = None
-        self._reading: asyncio.Future[T] | None = None
+        self._changes = changes
+        self._value: tuple[int, T] | None = None
+        self._reading: tuple[int, asyncio.Future[T]] | None = None
 
     async def get(self) -> T:
-        if self._value is not None and time.monotonic() - self._value[0] <= CACHE_SECONDS:
+        version = self._changes.version
+        if self._value is not None and self._changes.listening and self._value[0] == version:
             return self._value[1]
-        if self._reading is None:
-            self._reading = asyncio.ensure_future(self._refresh())
-        return await asyncio.shield(self._reading)
+        if self._reading is None or self._reading[0] != version:
+            self._reading = (version, asyncio.ensure_future(self._refresh(version)))
+        return await asyncio.shield(self._reading[1])
 
-    async def _refresh(self) -> T:
+    async def _refresh(self, version: int) -> T:
         try:
             value = await self._read()
-            self._value = (time.monotonic(), value)
+            if self._value is None or self._value[0] <= version:
+                self._value = (version, value)
             return value
         finally:
-            self._reading = None
+            if self._reading is not None and self._reading[0] == version:
+                self._reading = None
 
 
 def _loopback(request: Request) -> bool:

@@ -139,6 +139,7 @@ class Gateway:
         if self.deliveries is not None:
             await asyncio.to_thread(self.deliveries.stop)
         self.callbacks.close()
+        self.auth.close()
         await asyncio.to_thread(self.sync_engine.close)
         await self.hub.close()
         if self.own_engines:

@@ -7,9 +7,14 @@ one costs latency, never an event (invariant 5), because every (re)connection of
 listener tells every inbox to look at all heads again (the seed's "one last pull"), and
 tails poll besides.
 
+The gateway's API keys are cached by every gateway process; a change of a key notifies
+the same channel (`KEYS_CHANGED`), and a `Changes` registered with the listener counts
+those notifications and the listener's (re)connections and losses, so that a cache is
+trusted only while notifications arrive and nothing changed since it was read.
+
 `Listener` runs in a thread, `AsyncListener` in an asyncio task; they share the inboxes'
-bookkeeping. Either runs while at least one tail is registered and reconnects after any
-error.
+bookkeeping. Either runs while at least one tail (or `Changes`) is registered and
+reconnects after any error.
 """
 
 from __future__ import annotations
@@ -35,6 +40,24 @@ _CHECK_SECONDS = 0.25
 # The wait before the first reconnection after an error; doubled up to the longest.
 _FIRST_RECONNECT_SECONDS = 0.1
 _LONGEST_RECONNECT_SECONDS = 5.0
+# The payload of the notification a change of the gateway's API keys sends (sql/queries.sql).
+KEYS_CHANGED = "gateway_keys"
+
+
+class Changes:
+    """What a cache of the gateway's API keys knows of the listener: `version` moves
+    whenever a cached answer may have gone stale (a key changed, the listener connected,
+    or it lost its connection), and `listening` says whether notifications arrive now. A
+    cache trusts an answer only while listening, and only at the version it read it at."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.listening = False
+
+    def _moved(self, listening: bool | None = None) -> None:
+        if listening is not None:
+            self.listening = listening
+        self.version += 1
 
 
 class Inbox:
@@ -150,6 +173,7 @@ class _Inboxes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_stream: dict[str, set[Inbox]] = {}
+        self._changes: set[Changes] = set()
         self._closed = False
         # how often the listener connected and began to LISTEN (for the metrics)
         self.connects = 0
@@ -166,8 +190,37 @@ class _Inboxes:
             self._closed = True
             inboxes = [inbox for found in self._by_stream.values() for inbox in found]
             self._by_stream.clear()
+            changes, self._changes = list(self._changes), set()
         for inbox in inboxes:
             inbox.close()
+        for change in changes:
+            change._moved(listening=False)
+
+    def _add_changes(self) -> Changes:
+        # under the lock
+        if self._closed:
+            raise DatabaseUnavailable("the engine of this listener is closed")
+        changes = Changes()
+        self._changes.add(changes)
+        return changes
+
+    def unwatch_changes(self, changes: Changes) -> None:
+        """Stop counting for `changes` (the listener stops once nothing else needs it)."""
+        with self._lock:
+            self._changes.discard(changes)
+        changes._moved(listening=False)
+
+    def _wanted(self) -> bool:
+        # under the lock
+        return bool(self._by_stream or self._changes)
+
+    def _listening(self, listening: bool) -> None:
+        """The listener connected (and listens) or lost its connection: every cached
+        answer may be stale."""
+        with self._lock:
+            changes = list(self._changes)
+        for change in changes:
+            change._moved(listening)
 
     def unregister(self, inbox: Inbox) -> None:
         """Stop delivering to `inbox` (the listener stops once no inbox is left)."""
@@ -188,6 +241,12 @@ class _Inboxes:
 
     def deliver(self, payload: str) -> None:
         """Hand a notification's new head to the inboxes of its stream."""
+        if payload == KEYS_CHANGED:
+            with self._lock:
+                changes = list(self._changes)
+            for change in changes:
+                change._moved()
+            return
         try:
             notice = json.loads(payload)
             stream, partition, head = notice["stream"], notice["partition"], notice["head"]
@@ -237,7 +296,7 @@ class Listener(_Inboxes):
 
     def _needed(self) -> bool:
         with self._lock:
-            if not self._by_stream:
+            if not self._wanted():
                 self._thread = None  # under the lock: a new registration starts a new thread
                 return False
             return True
@@ -261,10 +320,12 @@ class Listener(_Inboxes):
                     delay = _FIRST_RECONNECT_SECONDS
                     # anything committed while no connection listened: pull again
                     self.resync_all()
+                    self._listening(True)
                     while self._needed():
                         for notification in conn.notifies(timeout=_CHECK_SECONDS):
                             self.deliver(notification.payload)
             except Exception as error:
+                self._listening(False)
                 _failed(error, delay)
                 self._stopped.wait(delay)
                 delay = min(2 * delay, _LONGEST_RECONNECT_SECONDS)
@@ -289,15 +350,28 @@ class AsyncListener(_Inboxes):
         inbox = TaskInbox(stream)
         with self._lock:
             self._add(inbox)
-            if self._task is None:
-                self._task = asyncio.get_running_loop().create_task(
-                    self._run(), name="subengine-tail-listener"
-                )
+            self._start()
         return inbox
+
+    def watch_changes(self) -> Changes:
+        """A count of the changes of the gateway's API keys and of this listener's
+        connection, kept from now until `unwatch_changes`; starts the listener if it is
+        not running. Call it from the event loop the listener runs in."""
+        with self._lock:
+            changes = self._add_changes()
+            self._start()
+        return changes
+
+    def _start(self) -> None:
+        # under the lock
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="subengine-tail-listener"
+            )
 
     def _needed(self) -> bool:
         with self._lock:
-            if not self._by_stream:
+            if not self._wanted():
                 self._task = None
                 return False
             return True
@@ -325,10 +399,12 @@ class AsyncListener(_Inboxes):
                     self.connects += 1
                     delay = _FIRST_RECONNECT_SECONDS
                     self.resync_all()
+                    self._listening(True)
                     while self._needed():
                         async for notification in conn.notifies(timeout=_CHECK_SECONDS):
                             self.deliver(notification.payload)
             except Exception as error:
+                self._listening(False)
                 _failed(error, delay)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, _LONGEST_RECONNECT_SECONDS)

@@ -157,3 +157,33 @@ def test_with_its_last_key_revoked_the_gateway_answers_only_its_own_host(
         assert answer.json()["error"]["code"] == "unauthorized"
         local = httpx.get(f"{gateway.url}/v1/streams/orders/events", timeout=TIMEOUT)
         assert local.status_code == 200
+
+
+def test_a_key_change_takes_effect_on_every_gateway_process_from_the_next_request(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """No cache window: a key revoked is refused, and a gateway left without a key is open
+    (to its host), by each process from the very next request; a first key closes them."""
+    _, token = engine.create_api_key(["read"], ["*"], name="only")
+    key_id = token.split("_")[1]
+    url = "/v1/streams/orders/events"
+    with (
+        GatewayProcess(cli_env, tmp=tmp_path) as first,
+        GatewayProcess(cli_env, tmp=tmp_path) as second,
+    ):
+        processes = (first, second)
+
+        def statuses(headers: dict[str, str]) -> list[int]:
+            return [
+                httpx.get(p.url + url, headers=headers, timeout=TIMEOUT).status_code
+                for p in processes
+            ]
+
+        for _ in range(3):  # answers each process has cached
+            assert statuses(bearer(token)) == [200, 200]
+            assert statuses({}) == [401, 401]
+        engine.revoke_api_key(key_id)
+        assert statuses(bearer(token)) == [401, 401]
+        assert statuses({}) == [200, 200]
+        engine.create_api_key(["read"], ["*"], name="next")
+        assert statuses({}) == [401, 401]

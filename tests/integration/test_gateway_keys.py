@@ -433,3 +433,39 @@ def test_the_async_engine_manages_keys_and_secrets_as_the_sync_one(
             return set(await asyncio.gather(*asked))
 
     assert asyncio.run(scenario()) == {engine.signing_secret("watch")}
+
+
+def test_a_key_change_or_a_lost_listener_moves_the_gateways_cache_version(
+    engine: subengine.Engine, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
+    """What the gateway's key cache trusts: the listener's count of key changes
+    (notified in the transaction that changes a key) and of its own connection."""
+
+    async def until(condition: Callable[[], bool]) -> None:
+        for _ in range(600):
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("timed out")
+
+    async def scenario() -> None:
+        async with subengine.AsyncEngine(dsn) as watching:
+            changes = watching.listener.watch_changes()
+            await until(lambda: changes.listening)
+            seen = changes.version
+            key, _ = engine.create_api_key(["read"], ["*"])
+            await until(lambda: changes.version > seen)
+            seen = changes.version
+            engine.revoke_api_key(key.id)
+            await until(lambda: changes.version > seen)
+            seen = changes.version
+            sql.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = 'subengine-tail' AND pid <> pg_backend_pid()"
+            )
+            # lost, then back: nothing read before the loss is trusted after it
+            await until(lambda: changes.version >= seen + 2 and changes.listening)
+            watching.listener.unwatch_changes(changes)
+            assert not changes.listening
+
+    asyncio.run(scenario())

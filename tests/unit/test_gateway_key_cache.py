@@ -7,6 +7,13 @@ from __future__ import annotations
 import asyncio
 
 from subengine.gateway import _auth
+from subengine.streams._listener import Changes
+
+
+def listening() -> Changes:
+    changes = Changes()
+    changes.listening = True
+    return changes
 
 
 def test_callers_that_find_the_value_stale_together_share_one_read() -> None:
@@ -19,7 +26,7 @@ def test_callers_that_find_the_value_stale_together_share_one_read() -> None:
         return reads
 
     async def crowd() -> list[int]:
-        cached = _auth._Cached(read)
+        cached = _auth._Cached(read, listening())
         return await asyncio.gather(*(cached.get() for _ in range(1000)))
 
     assert asyncio.run(crowd()) == [1] * 1000
@@ -37,9 +44,42 @@ def test_a_failed_read_is_tried_again_by_the_next_caller() -> None:
         return "ok"
 
     async def twice() -> tuple[BaseException | str, str]:
-        cached = _auth._Cached(read)
+        cached = _auth._Cached(read, listening())
         first = await asyncio.gather(cached.get(), return_exceptions=True)
         return first[0], await cached.get()
 
     first, second = asyncio.run(twice())
     assert isinstance(first, ConnectionError) and second == "ok"
+
+
+def test_a_change_makes_the_next_caller_read_again() -> None:
+    reads = 0
+
+    async def read() -> int:
+        nonlocal reads
+        reads += 1
+        return reads
+
+    async def around_a_change() -> list[int]:
+        changes = listening()
+        cached = _auth._Cached(read, changes)
+        before = [await cached.get(), await cached.get()]
+        changes._moved()
+        return [*before, await cached.get(), await cached.get()]
+
+    assert asyncio.run(around_a_change()) == [1, 1, 2, 2]
+
+
+def test_nothing_is_trusted_while_the_listener_is_not_listening() -> None:
+    reads = 0
+
+    async def read() -> int:
+        nonlocal reads
+        reads += 1
+        return reads
+
+    async def unheard() -> list[int]:
+        cached = _auth._Cached(read, Changes())
+        return [await cached.get() for _ in range(3)]
+
+    assert asyncio.run(unheard()) == [1, 2, 3]

@@ -824,11 +824,13 @@ UPDATE {schema}.dead_letters
 
 -- name: create_gateway_key
 -- Store a new API key of the gateway (the SHA-256 of its secret, never the secret);
--- returns nothing when the id drawn for it is taken already.
+-- returns nothing when the id drawn for it is taken already. Notifies the gateways, in
+-- the same transaction, that their cached keys are stale (sql/listen.sql).
 INSERT INTO {schema}.gateway_keys (id, name, secret_hash, scopes, streams)
 VALUES (%(id)s, %(name)s, %(secret_hash)s, %(scopes)s, %(streams)s)
 ON CONFLICT (id) DO NOTHING
-RETURNING id, name, scopes, streams, created_at, revoked_at
+RETURNING id, name, scopes, streams, created_at, revoked_at,
+          pg_notify((parse_ident('{schema}'))[1], 'gateway_keys')::text
 
 -- name: list_gateway_keys
 -- Every API key, revoked ones included, oldest first (no hashes).
@@ -837,10 +839,12 @@ SELECT id, name, scopes, streams, created_at, revoked_at FROM {schema}.gateway_k
 
 -- name: revoke_gateway_key
 -- Revoke an API key; a key revoked already keeps the time it was first revoked. The
--- clock, not the transaction's start, so that it never precedes created_at.
+-- clock, not the transaction's start, so that it never precedes created_at. Notifies
+-- the gateways, in the same transaction, that their cached keys are stale.
 UPDATE {schema}.gateway_keys SET revoked_at = coalesce(revoked_at, clock_timestamp())
  WHERE id = %(id)s
-RETURNING id, name, scopes, streams, created_at, revoked_at
+RETURNING id, name, scopes, streams, created_at, revoked_at,
+          pg_notify((parse_ident('{schema}'))[1], 'gateway_keys')::text
 
 -- name: gateway_key_for_token
 -- The API key a token names by its id, with the hash its secret must have.
