@@ -657,6 +657,7 @@ CREATE TABLE subengine.subscription_positions (
     stopped boolean DEFAULT false NOT NULL,
     retry_at timestamp with time zone,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    batch_through bigint,
     CONSTRAINT subscription_positions_attempts_check CHECK ((attempts >= 0)),
     CONSTRAINT subscription_positions_generation_check CHECK ((generation >= 1)),
     CONSTRAINT subscription_positions_partition_check CHECK ((partition >= 0)),
@@ -664,6 +665,8 @@ CREATE TABLE subengine.subscription_positions (
 );
 
 COMMENT ON COLUMN subengine.subscription_positions.next_time IS 'When the row was last written: the time of the next event after position (next_event_time), NULL when there was none. Workers take the oldest first.';
+
+COMMENT ON COLUMN subengine.subscription_positions.batch_through IS 'The last position of an at_least_once batch read and not committed yet: a retry of the partition''s next batch ends there (the same batch). Ignored unless above position.';
 
 CREATE TABLE subengine.subscriptions (
     name text NOT NULL,

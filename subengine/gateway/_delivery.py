@@ -78,7 +78,8 @@ def message_id(
     serial: int, stream: str, partition: int, generation: int, after: int, through: int
 ) -> str:
     """The webhook-id of a batch: the same for every attempt to send it, wherever it is
-    sent from (a re-sent batch after a crash covers the same positions)."""
+    sent from. Its bounds are stored when the engine first reads it (at_least_once), so
+    a batch sent again, after a failure or a crash, covers the same positions."""
     text = f"{serial}/{stream}/{partition}/{generation}/{after}/{through}"
     return "msg_" + hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -85,6 +85,8 @@ def handle_batch(
             batch = _next_batch(db, subscription, partition, size, 0)
             if batch is not None and batch.parts and batch.parts[0].gap is not None:
                 return _commit_positions(db, subscription, batch)  # with the gap's record
+            if batch is not None and batch.missing is None and batch.parts[0].events:
+                _fix_bounds(db, subscription, batch.parts[0])
     except psycopg.Error as error:
         # a commit that fails after a gap handler ran fails for what it wrote
         if batch is None or subscription.gap is None or database_trouble(error):
@@ -97,6 +99,22 @@ def handle_batch(
     _run_handlers(subscription, batch, None)
     with db.transaction():
         return _commit_positions(db, subscription, batch)
+
+
+def _fix_bounds(db: Db, subscription: Subscription, part: _Part) -> None:
+    """Store where an at_least_once batch ends, before its handlers run: until its
+    position commits, every retry of it (after RetryLater, a failure, a crash, from any
+    process) reads that batch again and no more, however many events came since
+    (DESIGN.md, "A retry is the same batch"). A handler that sends it somewhere can
+    name it by its bounds."""
+    params = {
+        "name": subscription.name,
+        "partition": part.partition,
+        "position": part.old,
+        "generation": part.generation,
+        "through": part.events[-1].position,
+    }
+    db.run(Query("fix_batch", params, nothing))
 
 
 def _transactional_batch(
@@ -235,11 +253,11 @@ def _missing(
     retention removed it: a gap, which the subscription's policy passes (recorded, after
     its gap handler if it has one) or stops before. At or above the floor, the events
     are missing for another reason: the partition stops before them."""
-    floor = db.run(
+    floor, kept = db.run(
         Query(
             "partition_floor",
-            {"stream": subscription.stream, "partition": partition},
-            lambda result: int(result.rows[0][0]),
+            {"name": subscription.name, "stream": subscription.stream, "partition": partition},
+            lambda result: (int(result.rows[0][0]), result.rows[0][1]),
         )
     )
     if old + 1 >= floor:
@@ -247,7 +265,9 @@ def _missing(
         missing = PositionsMissing(subscription.name, subscription.stream, partition, old + 1, last)
         db.run(stop_partition(subscription.name, partition, old, generation, missing))
         return _Batch([], missing)
-    gap = Tombstone(subscription.stream, partition, old + 1, floor - 1, floor)
+    # a gap retried after RetryLater keeps its bounds, though retention removed more since
+    last = floor - 1 if kept is None or kept <= old else min(floor - 1, int(kept))
+    gap = Tombstone(subscription.stream, partition, old + 1, last, floor)
     if subscription.on_gap == "stop":
         stopped = StoppedAtGap(subscription.name, gap)
         db.run(stop_partition(subscription.name, partition, old, generation, stopped))
@@ -258,7 +278,7 @@ def _missing(
         except Exception as error:
             if database_trouble(error):
                 raise
-            raise BatchFailed(error, 0, old, old, generation, partition, False) from error
+            raise BatchFailed(error, 0, gap.gap_to, old, generation, partition, False) from error
     try:
         action = "handled" if subscription.gap else "skipped"
         db.run(record_gap(subscription.name, generation, gap, action))

@@ -42,10 +42,10 @@ class BatchFailed(Exception):
     transactional batch failed to commit because of what the handlers wrote (a deferred
     constraint they broke, say). Nothing of the batch committed. `partition` is the
     partition whose handlers raised (the chosen one when the commit failed), `events` how
-    many events of it the batch held, `last_position` the last of them, `error` what was
-    raised, and `position` and `generation` where the subscription stood in it when the
-    batch read it (failures are recorded only if it still stands there). `shared`: the
-    batch carried other partitions too."""
+    many events of it the batch held, `last_position` the last of them (of a gap, its
+    end), `error` what was raised, and `position` and `generation` where the
+    subscription stood in it when the batch read it (failures are recorded only if it
+    still stands there). `shared`: the batch carried other partitions too."""
 
     def __init__(
         self,
@@ -101,9 +101,10 @@ class Failure:
 
 
 def postpone_batch(db: Db, subscription: Subscription, failed: BatchFailed) -> bool:
-    """Make a partition wait before its next batch, because a handler raised RetryLater;
-    False when the position moved since the batch read it (a reset or another worker:
-    nothing is recorded)."""
+    """Make a partition wait before its next batch, because a handler raised RetryLater,
+    and keep the batch's bounds (its next attempt is the same batch); False when the
+    position moved since the batch read it (a reset or another worker: nothing is
+    recorded)."""
     error = failed.error
     seconds = error.seconds if isinstance(error, RetryLater) else 0.0
     params = {
@@ -113,6 +114,7 @@ def postpone_batch(db: Db, subscription: Subscription, failed: BatchFailed) -> b
         "generation": failed.generation,
         "error": error_text(error),
         "seconds": seconds,
+        "through": failed.last_position,
     }
     with db.transaction():
         return db.run(Query("postpone_batch", params, first_row)) is not None

@@ -163,8 +163,13 @@ UPDATE {schema}.subscription_positions
  WHERE subscription = %(name)s AND partition = %(partition)s
 
 -- name: partition_floor
--- A partition's floor, read after its events were found missing (it may have risen).
-SELECT floor FROM {schema}.partitions WHERE stream = %(stream)s AND partition = %(partition)s
+-- A partition's floor, read after its events were found missing (it may have risen), and
+-- the bounds a retried batch of the subscription's partition keeps (see fix_batch).
+SELECT p.floor, sp.batch_through
+  FROM {schema}.partitions p
+  LEFT JOIN {schema}.subscription_positions sp
+    ON sp.subscription = %(name)s AND sp.partition = p.partition
+ WHERE p.stream = %(stream)s AND p.partition = %(partition)s
 
 -- name: record_gap
 -- A gap a subscription passes (policy skip, a gap handler, or an operator accepting it),
@@ -392,7 +397,7 @@ SELECT %(name)s, w.partition, w.position, %(generation)s,
 ON CONFLICT (subscription, partition) DO UPDATE
    SET position = excluded.position, generation = excluded.generation,
        next_time = excluded.next_time, attempts = 0, last_error = NULL, stopped = false,
-       retry_at = NULL, updated_at = now()
+       retry_at = NULL, batch_through = NULL, updated_at = now()
 RETURNING sp.partition, sp.position
 
 -- name: lock_subscription
@@ -436,7 +441,8 @@ RETURNING stream, generation
 -- Consume flow): its position row, locked until the transaction ends (waiting for a
 -- batch that holds it), its head (events up to it are committed, so a partition that
 -- shows fewer is missing some), the number of events the batch takes from it (its share:
--- at most %(size)s, one while it retries a failure) and those events plus one (the next
+-- at most %(size)s, one while it retries a failure, and never past the bounds an
+-- at_least_once batch stored when it was first read) and those events plus one (the next
 -- event's time). A paused subscription, or a partition whose retry is not due yet, counts
 -- as halted: no events (a batch is the only way to run them, so the wait is kept here,
 -- whoever asks). The events'
@@ -449,7 +455,10 @@ WITH chosen AS MATERIALIZED (
            sp.stopped OR s.paused OR coalesce(sp.retry_at > now(), false) AS halted,
            sp.attempts, p.head,
            greatest(0, least(p.head - sp.position,
-                             CASE WHEN sp.attempts > 0 THEN 1 ELSE %(size)s END))::bigint
+                             CASE WHEN sp.attempts > 0 THEN 1 ELSE %(size)s END,
+                             -- a batch read before and not committed: the same again
+                             CASE WHEN sp.batch_through > sp.position
+                                  THEN sp.batch_through - sp.position END))::bigint
                AS take
       FROM {schema}.subscription_positions sp
       JOIN {schema}.subscriptions s ON s.name = sp.subscription
@@ -488,10 +497,21 @@ UPDATE {schema}.subscription_positions
    SET position = %(new)s,
        next_time = coalesce(%(next_time)s::timestamptz,
                             {schema}.next_event_time(%(stream)s, %(partition)s, %(new)s)),
-       attempts = 0, last_error = NULL, retry_at = NULL, updated_at = now()
+       attempts = 0, last_error = NULL, retry_at = NULL, batch_through = NULL,
+       updated_at = now()
  WHERE subscription = %(name)s AND partition = %(partition)s
    AND position = %(old)s AND generation = %(generation)s
 RETURNING partition, next_time
+
+-- name: fix_batch
+-- Store the bounds of an at_least_once batch when it is first read, before its handlers
+-- run (a retry, from any process, is then the same batch: see lock_batch). Writes only
+-- when they are not stored yet. Fenced like the position.
+UPDATE {schema}.subscription_positions
+   SET batch_through = %(through)s
+ WHERE subscription = %(name)s AND partition = %(partition)s
+   AND position = %(position)s AND generation = %(generation)s
+   AND batch_through IS DISTINCT FROM %(through)s
 
 -- name: commit_positions
 -- The same for a batch of several partitions, in one statement (the function
@@ -669,10 +689,14 @@ RETURNING attempts
 -- name: postpone_batch
 -- A handler asked to handle the partition's next batch again later (RetryLater): keep
 -- its reason and make every worker wait `seconds`. No attempt is counted (that would
--- make the next batch a single event, to find a failing one). Fenced like the position.
+-- make the next batch a single event, to find a failing one). The batch's bounds are
+-- kept (a gap's too, which no read stored): the retry is the same batch. Fenced like the
+-- position.
 UPDATE {schema}.subscription_positions
    SET last_error = %(error)s, updated_at = now(),
-       retry_at = clock_timestamp() + make_interval(secs => %(seconds)s)
+       retry_at = clock_timestamp() + make_interval(secs => %(seconds)s),
+       batch_through = CASE WHEN %(through)s::bigint > position THEN %(through)s::bigint
+                            ELSE batch_through END
  WHERE subscription = %(name)s AND partition = %(partition)s
    AND position = %(position)s AND generation = %(generation)s
 RETURNING position
