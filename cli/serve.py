@@ -7,7 +7,7 @@ import socket
 
 import click
 
-from subengine import InvalidInput
+from subengine import Engine, InvalidInput
 
 from ._context import Context, pass_context
 from ._errors import CommandError
@@ -20,6 +20,22 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _require_schema(engine: Engine) -> None:
+    """Refuse to serve a database whose schema is missing or older than this code: every
+    request would fail on a missing table."""
+    from subengine.db._migrate import head_revision
+
+    revision = engine.schema_revision()
+    if revision == head_revision():
+        return
+    where = f"schema {engine.schema!r}"
+    state = "does not exist" if revision is None else f"is at revision {revision!r}"
+    raise CommandError(
+        f"{where} {state}, not {head_revision()!r} as this subengine needs: run "
+        "`subengine migrate` first, then `subengine serve`"
+    )
 
 
 @click.command()
@@ -168,6 +184,7 @@ def serve(
         raise click.BadParameter(str(error), param_hint="--callback-allow") from None
 
     engine = context.engine()
+    _require_schema(engine)
     if not _loopback(host) and not engine.any_active_api_key():
         raise CommandError(
             f"refusing to listen on {host}: no API key exists, so anyone could read every "

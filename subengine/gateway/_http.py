@@ -25,6 +25,7 @@ from subengine.model._errors import (
     InvalidEvent,
     InvalidInput,
     PartitionNotFound,
+    SchemaNotReady,
     StreamNotFound,
     SubengineError,
     WrongExpectedVersion,
@@ -86,6 +87,8 @@ _ANSWERS: tuple[tuple[type[Exception], int, str, Mapping[str, str]], ...] = (
     (InvalidEvent, 400, "bad_event", {}),
     (InvalidInput, 400, "bad_request", {}),
     (DatabaseUnavailable, 503, "unavailable", {"Retry-After": "1"}),
+    # the server's condition, not the request's: the schema was dropped or is out of date
+    (SchemaNotReady, 503, "schema_not_ready", {"Retry-After": "5"}),
     (SubengineError, 400, "bad_request", {}),
 )
 

@@ -1,16 +1,20 @@
-"""DESIGN.md's race-free start (P3Sub's T0): an application takes a gateway cursor in the
-transaction that writes its own data, hands it to an outside reader, and the reader gets
-exactly what commits after that data: nothing before it, nothing missed."""
+"""Starting to serve. DESIGN.md's race-free start (P3Sub's T0): an application takes a
+gateway cursor in the transaction that writes its own data, hands it to an outside
+reader, and the reader gets exactly what commits after that data: nothing before it,
+nothing missed. And a gateway does not start on a database without subengine's schema,
+nor blames the client (400) when the schema goes away under it (503)."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
-from helpers import ROOT, GatewayProcess
+from helpers import ROOT, GatewayProcess, free_port, run_subengine
 
 import subengine
 
@@ -66,3 +70,29 @@ def test_the_documented_start_runs(
         timeout=30,
     ).json()
     assert [e["data"]["n"] for e in answer["events"]] == [1]
+
+
+def test_serve_refuses_a_database_without_the_schema_naming_migrate(
+    blank_dsn: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, "SUBENGINE_DSN": blank_dsn, "SUBENGINE_HOME": str(tmp_path)}
+    env.pop("SUBENGINE_SCHEMA", None)
+    result = run_subengine(env, "serve", "--port", str(free_port()), timeout=60)
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: schema 'subengine' does not exist")
+    assert "`subengine migrate`" in line
+
+
+def test_a_schema_gone_under_a_running_gateway_is_503_not_a_bad_request(
+    orders: str, gateway: GatewayProcess, dsn: str
+) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA subengine CASCADE")
+    for path in ("/v1/streams", "/v1/streams/orders/events"):
+        answer = httpx.get(gateway.url + path, timeout=30)
+        assert answer.status_code == 503, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "schema_not_ready"
+        assert "subengine migrate" in error["message"]
+        assert answer.headers["Retry-After"]

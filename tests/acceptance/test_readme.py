@@ -19,8 +19,10 @@ import pytest
 from helpers import (
     README,
     GatewayProcess,
+    free_port,
     run_subengine,
     run_subengine_until,
+    subengine_command,
     wait_for,
     watch_has_drawn,
     write_readme_app,
@@ -144,6 +146,30 @@ def test_the_readme_python_example_runs(
     assert sql.execute("SELECT balance FROM accounts").fetchone() == (70,)
 
 
+def test_the_readme_gateway_quick_start_runs_as_written(blank_dsn: str, tmp_path: Path) -> None:
+    """The section's shell block, line for line in bash, on a database never migrated (on
+    a free port instead of 8800)."""
+    section = TEXT[TEXT.index(GATEWAY) : TEXT.index("## Spark")]
+    [shell] = re.findall(r"```sh\n(.*?)```", section, flags=re.DOTALL)
+    port = str(free_port())
+    script = shell.replace("subengine serve &", f"subengine serve --port {port} &")
+    script = script.replace("localhost:8800", f"localhost:{port}")
+    env = {
+        "PATH": f"{Path(subengine_command()).parent}:/usr/bin:/bin",
+        "SUBENGINE_DSN": blank_dsn,
+        "SUBENGINE_HOME": str(tmp_path / "home"),
+    }
+    result = subprocess.run(
+        ["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout
+    assert '{"events":[],' in printed  # the page
+    assert "retry: 1000" in printed  # the event stream
+    assert "created API key" in printed
+    assert "does not exist" not in printed + result.stderr
+
+
 def test_the_readme_gateway_examples_run(
     engine: subengine.Engine, orders: str, gateway: GatewayProcess, cli_env: dict[str, str]
 ) -> None:
@@ -151,7 +177,7 @@ def test_the_readme_gateway_examples_run(
     [shell] = re.findall(r"```sh\n(.*?)```", section, flags=re.DOTALL)
     [example] = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
     engine.append(orders, [subengine.NewEvent(f"k{n}", "t", {"n": n}) for n in range(3)])
-    for url in re.findall(r"curl -sN? '(localhost:8800[^']*)'", shell):
+    for url in re.findall(r"curl [^']*'(localhost:8800[^']*)'", shell):
         address = url.replace("localhost:8800", gateway.url)
         with httpx.stream("GET", address, timeout=30) as answer:
             assert answer.status_code == 200, address
