@@ -5,6 +5,7 @@ making a thousand (the benchmark saw 20 queries per notification before)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from subengine.gateway import _auth
 from subengine.streams._listener import Changes
@@ -52,7 +53,8 @@ def test_a_failed_read_is_tried_again_by_the_next_caller() -> None:
     assert isinstance(first, ConnectionError) and second == "ok"
 
 
-def test_a_change_makes_the_next_caller_read_again() -> None:
+def counting() -> Callable[[], Awaitable[int]]:
+    """A read that answers how many times it was called."""
     reads = 0
 
     async def read() -> int:
@@ -60,9 +62,13 @@ def test_a_change_makes_the_next_caller_read_again() -> None:
         reads += 1
         return reads
 
+    return read
+
+
+def test_a_change_makes_the_next_caller_read_again() -> None:
     async def around_a_change() -> list[int]:
         changes = listening()
-        cached = _auth._Cached(read, changes)
+        cached = _auth._Cached(counting(), changes)
         before = [await cached.get(), await cached.get()]
         changes._moved()
         return [*before, await cached.get(), await cached.get()]
@@ -71,15 +77,8 @@ def test_a_change_makes_the_next_caller_read_again() -> None:
 
 
 def test_nothing_is_trusted_while_the_listener_is_not_listening() -> None:
-    reads = 0
-
-    async def read() -> int:
-        nonlocal reads
-        reads += 1
-        return reads
-
     async def unheard() -> list[int]:
-        cached = _auth._Cached(read, Changes())
+        cached = _auth._Cached(counting(), Changes())
         return [await cached.get() for _ in range(3)]
 
     assert asyncio.run(unheard()) == [1, 2, 3]
