@@ -93,9 +93,14 @@ class CallbackRefused(InvalidInput):
     """The callback's host is, or resolves to, an address callbacks may not reach."""
 
     def __init__(self, host: str, address: IPAddress, reason: str) -> None:
+        # one line that says what to do: the check runs where the PUT is answered too, so
+        # an allowance given only to the delivering processes is not enough
+        self.network = ipaddress.ip_network(address)  # the least that allows it
         super().__init__(
-            f"callback host {host!r} refused: its address {address} is {reason}; a callback "
-            "must reach public addresses only, or networks the operator allows"
+            f"callback host {host!r} refused: its address {address} is {reason}, and "
+            "callbacks reach public addresses only; to allow it, start every gateway "
+            f"process with `subengine serve --callback-allow {self.network}` (--no-deliver "
+            "ones too: the process that answers the PUT checks it)"
         )
         self.host = host
         self.address = address
