@@ -746,6 +746,7 @@ CREATE TABLE subengine.webhooks (
     attempts integer DEFAULT 0 NOT NULL,
     delivered bigint DEFAULT 0 NOT NULL,
     last_error text,
+    paused boolean DEFAULT false NOT NULL,
     CONSTRAINT webhooks_callback_check CHECK (((char_length(callback) >= 1) AND (char_length(callback) <= 2000))),
     CONSTRAINT webhooks_id_check CHECK ((id ~ '^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$'::text)),
     CONSTRAINT webhooks_lease_seconds_check CHECK (((lease_seconds >= 60) AND (lease_seconds <= 2592000))),
@@ -759,6 +760,8 @@ COMMENT ON TABLE subengine.webhooks IS 'Webhook subscriptions of the gateway; ea
 COMMENT ON COLUMN subengine.webhooks.secret IS 'The signing secret (Standard Webhooks, whsec_...): secret, never shown after creation.';
 
 COMMENT ON COLUMN subengine.webhooks.attempts IS 'Failed attempts since the last delivery that succeeded (challenges included).';
+
+COMMENT ON COLUMN subengine.webhooks.paused IS 'Paused by an operator: nothing is delivered (its engine subscriptions are paused too).';
 
 CREATE VIEW subengine.webhook_status AS
  SELECT id,
@@ -780,7 +783,8 @@ CREATE VIEW subengine.webhook_status AS
            FROM ((subengine.subscriptions sub
              JOIN subengine.subscription_positions sp ON ((sp.subscription = sub.name)))
              JOIN subengine.partitions p ON (((p.stream = sub.stream) AND (p.partition = sp.partition))))
-          WHERE (sub.name ~~ (('webhook.'::text || w.serial) || '.%'::text))) AS lag
+          WHERE (sub.name ~~ (('webhook.'::text || w.serial) || '.%'::text))) AS lag,
+    paused
    FROM subengine.webhooks w;
 
 COMMENT ON VIEW subengine.webhook_status IS 'Each webhook subscription: state, last delivery, failed attempts and lag in events.';

@@ -41,7 +41,7 @@ from subengine.model._records import (
     WorkerStatus,
 )
 from subengine.model._settings import Settings
-from subengine.outside import _api_keys, _webhooks
+from subengine.outside import _api_keys, _webhook_control, _webhooks
 from subengine.outside._api_keys import ApiKey
 from subengine.outside._webhooks import Put, Webhook, WebhookDefinition
 from subengine.streams import _read, _retention, _streams
@@ -529,6 +529,28 @@ class Engine:
         under its id (a batch in flight commits nothing). WebhookNotFound if none."""
         with self.db() as db:
             _webhooks.delete_webhook(db, webhook_id)
+
+    def webhook_starts(
+        self, streams: Iterable[str], *, after: str | None = None, since: datetime | None = None
+    ) -> dict[str, dict[int, int]]:
+        """Where `streams` start from a gateway cursor or a time (for `put_webhook`)."""
+        with self.db() as db:
+            return _webhook_control.starts_from(db, streams, after=after, since=since)
+
+    def pause_webhook(self, webhook_id: str, paused: bool = True) -> Webhook:
+        """Pause a webhook subscription (nothing is delivered, its positions stay), or
+        resume it with `paused=False`."""
+        with self.db() as db:
+            return _webhook_control.set_webhook_paused(db, webhook_id, paused)
+
+    def replay_webhook(
+        self, webhook_id: str, *, after: str | None = None, since: datetime | None = None
+    ) -> dict[str, dict[int, int]]:
+        """Deliver a webhook's events again from a gateway cursor or a time, through the
+        engine's reset (a new generation: a batch in flight commits nothing); each
+        stream's positions after it."""
+        with self.db() as db:
+            return _webhook_control.replay_webhook(db, webhook_id, after=after, since=since)
 
     def tail(
         self,

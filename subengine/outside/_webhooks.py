@@ -226,6 +226,7 @@ class Webhook:
     delivered: int
     last_error: str | None
     lag: int
+    paused: bool  # by an operator (`subengine webhook pause`): nothing is delivered
 
     def to_json(self) -> dict[str, Any]:
         shown: dict[str, Any] = {}

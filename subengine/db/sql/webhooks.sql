@@ -1,6 +1,7 @@
 -- name: lock_webhook
 -- A webhook subscription's row, locked for a change of it.
-SELECT id, serial, callback, streams, include_data, max_events, secret, state, key_id
+SELECT id, serial, callback, streams, include_data, max_events, secret, state, key_id,
+       paused
   FROM {schema}.webhooks
  WHERE id = %(id)s
    FOR UPDATE
@@ -43,26 +44,29 @@ SELECT name FROM {schema}.subscriptions
 -- Webhook subscriptions as shown (never their secrets), one or all, oldest first.
 SELECT w.id, w.key_id, w.state, w.callback, w.streams, w.include_data, w.max_events,
        w.lease_seconds, w.created_at, w.expires_at, w.state_changed_at, w.verified_at, w.last_attempt_at,
-       w.last_success_at, w.failing_since, w.attempts, w.delivered, w.last_error, s.lag
+       w.last_success_at, w.failing_since, w.attempts, w.delivered, w.last_error, s.lag,
+       w.paused
   FROM {schema}.webhooks w
   JOIN {schema}.webhook_status s ON s.id = w.id
  WHERE %(id)s::text IS NULL OR w.id = %(id)s
  ORDER BY w.created_at, w.id
 
 -- name: deliverable_webhooks
--- The webhook subscriptions whose events are delivered now: active or failing.
+-- The webhook subscriptions whose events are delivered now: active or failing, and not
+-- paused.
 SELECT w.id, w.serial, w.streams, w.max_events,
        ARRAY(SELECT s.start FROM {schema}.subscriptions s
               WHERE s.name LIKE 'webhook.' || w.serial || '.%%'
               ORDER BY split_part(s.name, '.', 3)::int)
   FROM {schema}.webhooks w
- WHERE w.state IN ('active', 'failing')
+ WHERE w.state IN ('active', 'failing') AND NOT w.paused
  ORDER BY w.serial
 
 -- name: delivery_context
 -- What a delivery of one batch needs: the webhook's state, callback and secrets, the
 -- engine subscription's generation and the stream's epoch and positions (for the cursor).
-SELECT w.state, w.callback, w.secret,
+-- A paused webhook shows as state 'paused': nothing is sent.
+SELECT CASE WHEN w.paused THEN 'paused' ELSE w.state END, w.callback, w.secret,
        CASE WHEN w.previous_secret_until > now() THEN w.previous_secret END,
        w.include_data, sub.generation, st.epoch,
        ARRAY(SELECT sp.position FROM {schema}.subscription_positions sp
@@ -97,7 +101,7 @@ RETURNING attempts
 UPDATE {schema}.webhooks w
    SET challenge_due = now() + make_interval(secs => %(hold)s)
   FROM (SELECT id FROM {schema}.webhooks
-         WHERE state = 'pending' AND challenge_due <= now()
+         WHERE state = 'pending' AND challenge_due <= now() AND NOT paused
          ORDER BY challenge_due
          LIMIT %(limit)s
            FOR UPDATE SKIP LOCKED) due
@@ -120,11 +124,11 @@ UPDATE {schema}.webhooks
 
 -- name: webhooks_to_expire
 -- Webhooks whose lease ran out, or that stayed pending or failing longer than the failure
--- timeout, locked for the change.
+-- timeout (a paused one waits for its resume), locked for the change.
 SELECT id, serial, CASE WHEN expires_at <= now() THEN 'expired' ELSE 'failed' END
   FROM {schema}.webhooks
  WHERE (state <> 'expired' AND expires_at <= now())
-    OR (state IN ('pending', 'failing')
+    OR (state IN ('pending', 'failing') AND NOT paused
         AND failing_since <= now() - make_interval(secs => %(failure_timeout)s))
    FOR UPDATE SKIP LOCKED
 
@@ -137,3 +141,14 @@ UPDATE {schema}.webhooks
 -- Expired webhooks shown for `keep` seconds after they expired, then removed.
 DELETE FROM {schema}.webhooks
  WHERE state = 'expired' AND state_changed_at <= now() - make_interval(secs => %(keep)s)
+
+-- name: set_webhook_paused
+-- Pause or resume a webhook subscription (its engine subscriptions are paused with it).
+-- On resume, a failure timeout counts from now, and a pending one's challenge is due.
+UPDATE {schema}.webhooks
+   SET paused = %(paused)s,
+       failing_since = CASE WHEN %(paused)s OR failing_since IS NULL THEN failing_since
+                            ELSE now() END,
+       challenge_due = CASE WHEN NOT %(paused)s AND state = 'pending' THEN now()
+                            ELSE challenge_due END
+ WHERE id = %(id)s
