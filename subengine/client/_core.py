@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -231,6 +232,9 @@ class ReadCore:
         self.failures = 0
         self.short_in_a_row = 0
         self.long_poll_until = float("-inf")
+        # names this reader's long-polls: a retry answers the one it replaces at once
+        # (docs/gateway.md, "Long-poll")
+        self.session = uuid.uuid4().hex
 
     # what to ask
 
@@ -257,6 +261,7 @@ class ReadCore:
                 params.append(("limit", str(self.page_limit)))
             if mode == "long-poll":
                 params += [("live", "long-poll"), ("wait", f"{self.long_poll_wait:g}")]
+                params.append(("session", self.session))
                 read_timeout = self.long_poll_wait + self.timeout
         path = f"/v1/streams/{quote(self.stream, safe='')}/events"
         return Call(mode, path, tuple(params), self._authorized(headers), read_timeout)

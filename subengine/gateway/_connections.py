@@ -3,10 +3,13 @@
 Every pull, long-poll and event stream holds a `Slot` while it is served; the counts are
 what `/metrics` shows and what the limits check (DESIGN.md, the gateway's safety: limits
 answered with 429 and Retry-After). Limits are per process: `--workers N` multiplies them.
+A long-poll that names its subscriber's session ends that session's older long-poll
+(`Sessions`), so a retrying subscriber never holds two (seed 003).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -97,3 +100,43 @@ class Connections:
             self.by_principal[slot.principal] -= 1
             if not self.by_principal[slot.principal]:
                 del self.by_principal[slot.principal]
+
+
+# How long a long-poll waits at most for the older long-poll of its session to answer
+# (it answers at once, unless a read of PostgreSQL is under way).
+_SUPERSEDE_SECONDS = 5.0
+
+
+class Session:
+    """One in-flight long-poll of a session: `superseded` is set when a newer one of the
+    same session arrives, `ended` once this one has answered (and given its slot back)."""
+
+    def __init__(self) -> None:
+        self.superseded = asyncio.Event()
+        self.ended = asyncio.Event()
+
+
+class Sessions:
+    """The in-flight long-poll of each (principal, session) of a gateway process."""
+
+    def __init__(self) -> None:
+        self._polls: dict[tuple[str, str], Session] = {}
+
+    async def enter(self, principal: str, session: str) -> Session:
+        """The long-poll of `session` from now on: its older one answers at once, and
+        this returns once it has (its place in the key's limit is free again)."""
+        poll = Session()
+        older = self._polls.get((principal, session))
+        self._polls[(principal, session)] = poll
+        if older is not None and not older.ended.is_set():
+            older.superseded.set()
+            try:
+                await asyncio.wait_for(older.ended.wait(), _SUPERSEDE_SECONDS)
+            except TimeoutError:
+                pass  # the limit then counts both, as it would without a session
+        return poll
+
+    def leave(self, principal: str, session: str, poll: Session) -> None:
+        poll.ended.set()
+        if self._polls.get((principal, session)) is poll:
+            del self._polls[(principal, session)]

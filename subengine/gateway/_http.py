@@ -37,6 +37,8 @@ from subengine.outside._webhooks import WebhookConflict, WebhookNotFound
 NO_STORE = "no-store"
 CURSOR_HEADER = "Subengine-Cursor"
 UP_TO_DATE_HEADER = "Subengine-Up-To-Date"
+# on a long-poll's 204: a newer long-poll of its session ended it
+SUPERSEDED_HEADER = "Subengine-Superseded"
 
 
 class ApiError(Exception):

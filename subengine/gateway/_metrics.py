@@ -162,6 +162,12 @@ class GatewayMetrics:
             "Long-polls up to date and waiting for an append (or their timeout).",
             registry=self.registry,
         )
+        self.long_polls_superseded = Counter(
+            "subengine_gateway_long_polls_superseded",
+            "Long-polls answered early (204) because a newer long-poll of the same session "
+            "arrived.",
+            registry=self.registry,
+        )
         self.watcher_lag = Histogram(
             "subengine_gateway_watcher_lag_events",
             "When an event stream wakes: the events between its cursor and the heads the "

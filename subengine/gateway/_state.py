@@ -12,7 +12,7 @@ from subengine.engine._async_engine import AsyncEngine
 from subengine.engine._engine import Engine
 from subengine.gateway._auth import Authenticator
 from subengine.gateway._callbacks import CallbackClient, CallbackPolicy
-from subengine.gateway._connections import Connections
+from subengine.gateway._connections import Connections, Sessions
 from subengine.gateway._delivery import Deliveries, DeliveryConfig
 from subengine.gateway._http import ApiError, bad_request, parse_time
 from subengine.gateway._hub import Hub, Watcher
@@ -77,6 +77,8 @@ class Gateway:
     # the event streams open now: the shutdown ends them, the watchdog checks their writes
     open_streams: set[EventStream] = field(init=False)
     connections: Connections = field(init=False)
+    # the in-flight long-poll of each subscriber's session
+    sessions: Sessions = field(init=False)
     metrics: GatewayMetrics = field(init=False)
     # webhooks: a sync engine for their changes and deliveries, the callbacks' client
     sync_engine: Engine = field(init=False)
@@ -94,6 +96,7 @@ class Gateway:
             self.config.max_event_streams,
             self.config.retry_after,
         )
+        self.sessions = Sessions()
         listener = self.engine.listener
         self.metrics = GatewayMetrics(self.connections, self.hub, lambda: listener.connects)
         self.sync_engine = Engine(settings=self.engine.settings)

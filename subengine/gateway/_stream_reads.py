@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +19,7 @@ from subengine.gateway._connections import LONG_POLL, PULL, SSE
 from subengine.gateway._http import (
     CURSOR_HEADER,
     NO_STORE,
+    SUPERSEDED_HEADER,
     UP_TO_DATE_HEADER,
     bad_request,
     json_response,
@@ -36,6 +39,9 @@ from subengine.gateway._sse_response import (
 from subengine.gateway._state import Gateway, gateway_of
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 from subengine.model._names import validate_key, validate_type
+
+# A subscriber's session id, which a long-poll may name (docs/gateway.md, "Long-poll").
+SESSION = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
 async def list_streams(request: Request) -> Response:
@@ -108,27 +114,19 @@ async def read_events(request: Request) -> Response | EventStreamResponse:
     )
     if request.headers.get("last-event-id"):
         raise bad_request("Last-Event-ID is for live=sse; give the cursor as after=")
-    wait = 0.0
     if live == "long-poll":
-        wait = parse_number(
-            request.query_params.get("wait"),
-            "wait",
-            0,
-            gateway.config.max_wait,
-            gateway.config.default_wait,
-        )
-    slot = gateway.connections.admit(PULL if live is None else LONG_POLL, principal.id)
+        answer = await _long_poll_request(gateway, request, principal.id, stream, selection, limit)
+        gateway.metrics.sent(LONG_POLL, None, len(answer.body))
+        return answer
+    slot = gateway.connections.admit(PULL, principal.id)
     try:
         start = await gateway.start_of(stream, request)
         reader = Reader(gateway.hub, {stream: selection}, {stream: start})
-        if live is None:
-            events, tombstones, up_to_date = await reader.page(stream, limit)
-            answer = _page(reader, events, tombstones, up_to_date)
-        else:
-            answer = await _long_poll(gateway, request, reader, stream, limit, wait)
+        events, tombstones, up_to_date = await reader.page(stream, limit)
+        answer = _page(reader, events, tombstones, up_to_date)
     finally:
         slot.release()
-    gateway.metrics.sent(slot.kind, None, len(answer.body))
+    gateway.metrics.sent(PULL, None, len(answer.body))
     return answer
 
 
@@ -148,44 +146,124 @@ def _page(
     )
 
 
-async def _long_poll(
-    gateway: Gateway, request: Request, reader: Reader, stream: str, limit: int, wait: float
+@dataclass(frozen=True, slots=True)
+class Gathering:
+    """When a long-poll answers (docs/gateway.md, "Long-poll"): as soon as `min_events`
+    events are there (at most `limit`), or `linger` seconds after the first one arrived
+    (None: no such bound), or when `wait` ends; a tombstone or a reset at once."""
+
+    wait: float
+    limit: int
+    min_events: int
+    linger: float | None
+
+
+def _gathering(request: Request, gateway: Gateway, limit: int) -> Gathering:
+    params, config = request.query_params, gateway.config
+    wait = parse_number(params.get("wait"), "wait", 0, config.max_wait, config.default_wait)
+    linger = params.get("linger")
+    lingers = None if linger is None else parse_number(linger, "linger", 0, config.max_wait, 0)
+    # with a linger time, a reply gathers up to a full page unless told fewer
+    most = limit if lingers is not None else 1
+    min_events = parse_whole(params.get("min_events"), "min_events", 1, limit, most)
+    return Gathering(wait, limit, min_events, lingers)
+
+
+def _session(request: Request) -> str | None:
+    session = request.query_params.get("session")
+    if session is not None and SESSION.fullmatch(session) is None:
+        raise bad_request(
+            f"session must be 1 to 128 letters, digits, '.', '_', '~' or '-', not {session[:32]!r}"
+        )
+    return session
+
+
+async def _long_poll_request(
+    gateway: Gateway,
+    request: Request,
+    principal: str,
+    stream: str,
+    selection: Selection,
+    limit: int,
 ) -> Response:
-    """A page as soon as anything after the cursor exists, or 204 when `wait` ends or
-    the client leaves (noticed at once: a client gone holds no slot)."""
-    deadline = time.monotonic() + wait
+    """A long-poll, the only one in flight of its session (if it names one)."""
+    gathering = _gathering(request, gateway, limit)
+    session = _session(request)
+    poll = await gateway.sessions.enter(principal, session) if session is not None else None
+    try:
+        slot = gateway.connections.admit(LONG_POLL, principal)
+        try:
+            start = await gateway.start_of(stream, request)
+            reader = Reader(gateway.hub, {stream: selection}, {stream: start})
+            superseded = None if poll is None else poll.superseded
+            return await _long_poll(gateway, request, reader, stream, gathering, superseded)
+        finally:
+            slot.release()
+    finally:
+        if poll is not None and session is not None:
+            gateway.sessions.leave(principal, session, poll)
+
+
+async def _long_poll(
+    gateway: Gateway,
+    request: Request,
+    reader: Reader,
+    stream: str,
+    gathering: Gathering,
+    superseded: asyncio.Event | None,
+) -> Response:
+    """A page once the gathering says so, or 204 when `wait` ends with nothing, the
+    client leaves (noticed at once: a client gone holds no slot) or a newer long-poll of
+    the session supersedes this one (204 from where this one started)."""
+    started = reader.cursor.encode()
+    now = time.monotonic()
+    deadline = answer_by = now + gathering.wait
     watcher = await gateway.watcher(reader.selections)
     gateway.hub.add(watcher)
     gone = asyncio.ensure_future(_disconnected(request.receive))
+    ended = [gone, asyncio.ensure_future(gateway.closing.wait())]
+    if superseded is not None:
+        ended.append(asyncio.ensure_future(superseded.wait()))
+    events: list[str] = []
+    tombstones: list[dict[str, Any]] = []
+    up_to_date = True
     try:
         while True:
             watcher.take()  # what moves from now on wakes the wait below
-            events, tombstones, up_to_date = await reader.page(stream, limit)
-            if events or tombstones or reader.frames_out:
+            more, gaps, up_to_date = await reader.page(stream, gathering.limit - len(events))
+            now = time.monotonic()
+            if more and not events and gathering.linger is not None:
+                answer_by = min(now + gathering.linger, deadline)
+            events += more
+            tombstones += gaps
+            if tombstones or reader.frames_out or len(events) >= gathering.min_events:
                 return _page(reader, events, tombstones, up_to_date)
-            left = deadline - time.monotonic()
-            if left <= 0 or gateway.closing.is_set() or gone.done():
+            if now >= answer_by or any(task.done() for task in ended):
                 break
             if up_to_date:
-                closing = asyncio.ensure_future(gateway.closing.wait())
                 woken = asyncio.ensure_future(watcher.event.wait())
                 gateway.metrics.long_polls_waiting.inc()
                 try:
                     await asyncio.wait(
-                        {woken, closing, gone}, timeout=left, return_when="FIRST_COMPLETED"
+                        {woken, *ended}, timeout=answer_by - now, return_when="FIRST_COMPLETED"
                     )
                 finally:
                     gateway.metrics.long_polls_waiting.dec()
                     woken.cancel()
-                    closing.cancel()
     finally:
-        gone.cancel()
+        for task in ended:
+            task.cancel()
         gateway.hub.remove(watcher)
-    cursor = reader.cursor.encode()
-    return Response(
-        status_code=204,
-        headers={"Cache-Control": NO_STORE, CURSOR_HEADER: cursor, UP_TO_DATE_HEADER: "true"},
-    )
+    headers = {"Cache-Control": NO_STORE, UP_TO_DATE_HEADER: "true"}
+    if superseded is not None and superseded.is_set():
+        # what this one gathered is the newer one's to send
+        gateway.metrics.long_polls_superseded.inc()
+        return Response(
+            status_code=204, headers={**headers, CURSOR_HEADER: started, SUPERSEDED_HEADER: "true"}
+        )
+    if events:
+        return _page(reader, events, tombstones, up_to_date)
+    return Response(status_code=204, headers={**headers, CURSOR_HEADER: reader.cursor.encode()})
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -155,8 +155,21 @@ def test_short_connections_in_a_row_switch_to_long_poll_for_the_period() -> None
     assert reading.mode(now=115) == "sse"
     reading.sse_ended(lived=1, delivered=False, rotated=False, now=115)
     assert reading.mode(now=116) == "long-poll"
-    assert reading.next_call(now=116).params[-2:] == (("live", "long-poll"), ("wait", "5"))
+    params = reading.next_call(now=116).params
+    assert ("live", "long-poll") in params and ("wait", "5") in params
     assert reading.mode(now=115 + 300) == "sse"
+
+
+def test_a_readers_long_polls_name_one_session_of_its_own() -> None:
+    """So that the gateway answers a long-poll the reader gave up on when it retries."""
+    sessions = []
+    for reading in (core(), core()):
+        reading.up_to_date = True
+        reading.long_poll_until = float("inf")
+        calls = [dict(reading.next_call(now=now).params) for now in (0, 1)]
+        assert calls[0]["session"] == calls[1]["session"]
+        sessions.append(calls[0]["session"])
+    assert sessions[0] != sessions[1]
 
 
 def test_the_api_key_is_sent_as_a_bearer_token_and_the_cursor_as_last_event_id() -> None:
