@@ -26,6 +26,7 @@ from subengine.gateway._appends import append_events
 from subengine.gateway._health import healthz, metrics, readyz
 from subengine.gateway._http import (
     CURSOR_HEADER,
+    SUPERSEDED_HEADER,
     UP_TO_DATE_HEADER,
     ApiError,
     api_error,
@@ -118,9 +119,10 @@ def create_app(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(config.cors_origins),
-                allow_methods=["GET", "POST"],
+                # every method a route answers (webhooks are PUT and DELETE)
+                allow_methods=sorted({m for route in routes for m in route.methods or ()}),
                 allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
-                expose_headers=[CURSOR_HEADER, UP_TO_DATE_HEADER],
+                expose_headers=[CURSOR_HEADER, UP_TO_DATE_HEADER, SUPERSEDED_HEADER, "Retry-After"],
             )
         )
     return Starlette(

@@ -83,6 +83,30 @@ def test_cors_answers_only_configured_origins(
         assert "access-control-allow-origin" not in other.headers
 
 
+def test_cors_lets_a_browser_use_every_method_of_the_api(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A browser app manages its webhooks (PUT, DELETE) as it reads and appends."""
+    origin = {"Origin": "https://app.example"}
+    url = "/v1/webhooks/hook-1"
+    with GatewayProcess(cli_env, "--cors-origin", "https://app.example", tmp=tmp_path) as gateway:
+        for method in ("PUT", "DELETE", "POST", "GET"):
+            preflight = httpx.options(
+                gateway.url + url,
+                headers={
+                    **origin,
+                    "Access-Control-Request-Method": method,
+                    "Access-Control-Request-Headers": "authorization,content-type",
+                },
+            )
+            assert preflight.status_code == 200, (method, preflight.text)
+            allowed = preflight.headers["access-control-allow-methods"].split(",")
+            assert method in [m.strip() for m in allowed]
+            assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        deleted = httpx.delete(gateway.url + url, headers=origin)
+        assert deleted.headers["access-control-allow-origin"] == "https://app.example"
+
+
 def test_without_a_key_serve_refuses_any_address_but_loopback(
     cli_env: dict[str, str],
 ) -> None:
