@@ -11,7 +11,6 @@ line's start, do not pay for it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 import uuid
@@ -23,6 +22,8 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import click
+
+from subengine.model import _json as deep_json
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -47,7 +48,7 @@ def cell(value: Any) -> str:
     if isinstance(value, list):
         return ", ".join(map(str, value))
     if isinstance(value, dict):
-        return json.dumps(value, ensure_ascii=False)
+        return deep_json.dumps(value, ensure_ascii=False)
     return str(value)
 
 
@@ -99,7 +100,7 @@ def _json_default(value: Any) -> Any:
 
 def json_line(record: Record, hidden: Iterable[str] = ()) -> str:
     """One record as one line of JSON: every field, times in ISO 8601, UUIDs as text."""
-    return json.dumps(fields_of(record, hidden), default=_json_default, ensure_ascii=False)
+    return deep_json.dumps(fields_of(record, hidden), default=_json_default, ensure_ascii=False)
 
 
 def print_json(records: Iterable[Record], hidden: Iterable[str] = ()) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import datetime
@@ -13,6 +12,7 @@ from typing import Any
 import click
 
 import subengine
+from subengine.model import _json as deep_json
 
 from . import _render
 from ._context import Context, json_option, pass_context
@@ -24,7 +24,7 @@ LARGEST_LIMIT = 2**63 - 1
 
 
 def _as_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    return deep_json.dumps(value, ensure_ascii=False)
 
 
 EVENT_COLUMNS = _render.columns(

@@ -26,6 +26,7 @@ from subengine.client._core import (
     selection_of,
 )
 from subengine.client._items import Item
+from subengine.model._json import loads
 
 log = logging.getLogger("subengine.client")
 
@@ -218,7 +219,7 @@ class AsyncReader:
             core.succeeded()
             core.no_news(response.headers.get(CURSOR_HEADER))
             return
-        batch = core.page(response.json())
+        batch = core.page(loads(response.content))
         core.succeeded()
         for item, cursor in batch:
             core.delivered = cursor

@@ -31,6 +31,7 @@ from subengine.client._items import (
 )
 from subengine.model._events import Tombstone
 from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
+from subengine.model._json import loads
 
 CURSOR_HEADER = "Subengine-Cursor"
 # error frames after which the reader resumes by cursor (docs/gateway.md, "Errors")
@@ -315,7 +316,7 @@ class ReadCore:
             raise GatewayError(None, code, message)
         if frame_id is None:
             return []  # a frame this client does not know, without a cursor
-        body = json.loads(data)
+        body = loads(data)
         items: list[Item] = []
         if kind == "events":
             items = [event_from_json(event) for event in body["events"]]

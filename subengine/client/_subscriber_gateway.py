@@ -16,6 +16,7 @@ from subengine.client._errors import GatewayError
 from subengine.client._items import Event, event_from_json, tombstone_from_json
 from subengine.model._events import Tombstone
 from subengine.model._gateway_cursor import StreamPosition
+from subengine.model._json import loads
 
 
 class SubscriberGateway:
@@ -61,7 +62,7 @@ class SubscriberGateway:
     def events(self, name: str, params: Sequence[tuple[str, str]]) -> dict[str, Any]:
         """One page of GET /v1/streams/{name}/events."""
         path = f"/v1/streams/{quote(name, safe='')}/events"
-        answer: dict[str, Any] = self._request("GET", path, params=params).json()
+        answer: dict[str, Any] = loads(self._request("GET", path, params=params).content)
         return answer
 
     def subscribe(self, subscription: str, body: Mapping[str, Any]) -> None:

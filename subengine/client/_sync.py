@@ -25,6 +25,7 @@ from subengine.client._core import (
     selection_of,
 )
 from subengine.client._items import Item
+from subengine.model._json import loads
 
 log = logging.getLogger("subengine.client")
 
@@ -211,7 +212,7 @@ class Reader:
             core.succeeded()
             core.no_news(response.headers.get(CURSOR_HEADER))
             return
-        batch = core.page(response.json())
+        batch = core.page(loads(response.content))
         core.succeeded()
         for item, cursor in batch:
             core.delivered = cursor

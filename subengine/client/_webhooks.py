@@ -37,6 +37,7 @@ from subengine.client._errors import GatewayError
 from subengine.client._items import Item, Reset, reset_from_json
 from subengine.client._subscriber_gateway import SubscriberGateway, page_batches
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
+from subengine.model._json import loads
 from subengine.model._secrets import new_secret, validate_secret
 
 log = logging.getLogger("subengine.client")
@@ -249,7 +250,7 @@ class Subscriber:
         beyond it); 200 also answers one already accepted. 503: not now (the queue is
         full, or a pull failed), the gateway retries. 400: a body it cannot read."""
         try:
-            message = json.loads(body)
+            message = loads(body)
         except ValueError:
             message = None
         named = message.get("subscription") if isinstance(message, dict) else None

@@ -11,7 +11,6 @@ something reads them, so a handler that never looks at them never pays for decod
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import time
@@ -22,6 +21,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from subengine.model._errors import InvalidInput
+from subengine.model._json import loads
 from subengine.model._names import shown_value
 
 _SIGN_MASK = (1 << 63) - 1
@@ -177,7 +177,7 @@ def _decoded_on_first_read(name: str) -> None:
     def read(event: Event) -> Any:
         value = stored.__get__(event, Event)
         if type(value) is _JSONText:
-            value = json.loads(value)
+            value = loads(value)
             stored.__set__(event, value)
         return value
 

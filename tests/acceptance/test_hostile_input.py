@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import uuid
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -24,6 +25,7 @@ from subengine.cli.main import cli  # type: ignore[import-not-found]
 
 import subengine
 from subengine import NewEvent
+from subengine.model import _json as deep_json
 
 EXAMPLES = settings(
     max_examples=120,
@@ -384,3 +386,73 @@ def test_append_options_are_named_in_their_errors(
     event_id = str(uuid.uuid4())
     args = ["append", "orders", "--key", "k", "--type", "T", "--data", "1", "--id", event_id]
     assert run_subengine(cli_env, *args).returncode == 0
+
+
+def _nested_value(depth: int, in_objects: bool, inner: Any) -> Any:
+    for _ in range(depth):
+        inner = {"a": inner} if in_objects else [inner]
+    return inner
+
+
+# Up to past what an append from a short script accepts (about 995 levels)
+depths = st.one_of(st.integers(1, 100), st.integers(900, 1000))
+deep_values = st.builds(_nested_value, depths, st.booleans(), json_values)
+
+
+def _append_from_a_fresh_stack(engine: subengine.Engine, event: NewEvent) -> bool:
+    """Append as a short script would, with the whole stack free: True if it was stored."""
+    outcome: list[bool] = []
+
+    def append() -> None:
+        try:
+            engine.append("orders", [event])
+            outcome.append(True)
+        except subengine.InvalidInput:
+            outcome.append(False)
+
+    thread = threading.Thread(target=append)
+    thread.start()
+    thread.join()
+    return outcome == [True]
+
+
+@EXAMPLES
+@given(
+    data=st.one_of(json_values, deep_values),
+    metadata=st.one_of(st.none(), st.builds(lambda value: {"m": value}, deep_values)),
+)
+def test_every_stored_event_is_read_by_the_command_line(
+    billing: subengine.Engine, dsn: str, data: Any, metadata: Any
+) -> None:
+    if _append_from_a_fresh_stack(billing, NewEvent("deep", "T", data, metadata=metadata)):
+        _last_event_is_read_by_the_command_line(billing, dsn)
+
+
+@pytest.mark.parametrize("in_objects", [False, True])
+def test_data_as_deep_as_a_short_script_appends_is_read_by_the_command_line(
+    billing: subengine.Engine, dsn: str, in_objects: bool
+) -> None:
+    # the report's case: 990 levels, which an append from a short script accepted
+    deepest = _nested_value(975, in_objects, 1)
+    assert _append_from_a_fresh_stack(billing, NewEvent("deep", "T", deepest, {"m": deepest}))
+    _last_event_is_read_by_the_command_line(billing, dsn)
+
+
+def _last_event_is_read_by_the_command_line(engine: subengine.Engine, dsn: str) -> None:
+    """`subengine read` shows the last event of key 'deep' as the engine reads it."""
+    partition = str(subengine.partition_for("deep", 4))
+    env = {"SUBENGINE_DSN": dsn, "SUBENGINE_SCHEMA": None}
+    for args in (
+        ["read", "orders", "--partition", partition],
+        ["read", "orders", "--partition", partition, "--json"],
+        ["read", "orders", "--since", "2000-01-01T00:00:00Z", "--json"],
+    ):
+        result = CliRunner().invoke(cli, args, env=env)
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        assert result.exit_code == 0, result.stderr[:300]
+    # the last line is the last event: the one just stored, as the engine reads it
+    stored = stored_events(engine.read("orders", int(partition)))[-1]
+    shown = deep_json.loads(result.stdout.rstrip("\n").split("\n")[-1])
+    assert deep_json.dumps(shown["data"]) == deep_json.dumps(stored.data)
+    assert deep_json.dumps(shown["metadata"]) == deep_json.dumps(stored.metadata)
