@@ -105,6 +105,12 @@ def webhook_delete(context: Context, webhook_id: str) -> None:
 @click.option("--secret", help="The signing secret (whsec_...); made for you when absent.")
 @click.option("--replaces", metavar="ID", help="Another webhook id, deleted in the same change.")
 @click.option(
+    "--api-key",
+    "key_id",
+    metavar="KEY_ID",
+    help="The API key it belongs to: seen, renewed and deleted over HTTP with that key only.",
+)
+@click.option(
     "--callback-allow",
     default="",
     metavar="CIDRS",
@@ -127,6 +133,7 @@ def webhook_create(
     no_data: bool,
     secret: str | None,
     replaces: str | None,
+    key_id: str | None,
     callback_allow: str,
     as_json: bool,
 ) -> None:
@@ -145,6 +152,14 @@ def webhook_create(
         lease_seconds=lease_seconds,
     )
     engine = context.engine()
+    if key_id is not None and not any(
+        key.id == key_id and key.revoked_at is None for key in engine.api_keys()
+    ):
+        raise click.BadParameter(
+            f"no API key {key_id!r} that is not revoked; `subengine gateway key list` "
+            "shows the keys",
+            param_hint="--api-key",
+        )
     names = [s.stream for s in chosen]
     starts: dict[str, Start]
     if start == "beginning":
@@ -157,7 +172,9 @@ def webhook_create(
         if missing:
             raise click.UsageError(f"the cursor has no position in stream {missing[0]!r}")
         starts = dict(found)
-    put = engine.put_webhook(webhook_id, definition, starts, secret=secret, replaces=replaces)
+    put = engine.put_webhook(
+        webhook_id, definition, starts, secret=secret, replaces=replaces, key_id=key_id
+    )
     _print_put(put, as_json)
 
 

@@ -211,3 +211,32 @@ def test_a_batch_in_flight_across_a_replay_commits_nothing(
     first, second = batches(receiver, secret)[:2]
     assert (first["generation"], second["generation"]) == (1, 2)
     assert positions(first) == positions(second) == [1, 2, 3]
+
+
+def test_create_for_an_api_key_makes_it_that_keys_alone(
+    engine: subengine.Engine,
+    orders: str,
+    receiver: Receiver,
+    cli_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    owner, mine = engine.create_api_key(["read"], ["orders"], name="mine")
+    _, theirs = engine.create_api_key(["read"], ["orders"], name="theirs")
+    create(cli_env, "owned", receiver, "--api-key", owner.id)
+    unknown = run_subengine(
+        cli_env, "webhook", "create", "stray", "--callback", receiver.url, "--stream", "orders",
+        "--callback-allow", "127.0.0.0/8", "--api-key", "no-such-key",
+    )  # fmt: skip
+    assert unknown.returncode != 0 and "no API key 'no-such-key'" in unknown.stderr
+    with GatewayProcess(cli_env, *FAST, tmp=tmp_path) as gateway:
+
+        def shown(token: str) -> int:
+            answer = httpx.get(
+                f"{gateway.url}/v1/webhooks/owned",
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=30,
+            )
+            return answer.status_code
+
+        assert (shown(mine), shown(theirs)) == (200, 404)
+    assert [hook.id for hook in engine.webhooks()] == ["owned"]
