@@ -22,11 +22,11 @@ from typing import Generic, TypeVar
 from starlette.requests import Request
 
 from subengine.engine._async_engine import AsyncEngine
+from subengine.gateway._connections import ANONYMOUS
 from subengine.outside._api_keys import ApiKey
 from subengine.streams._listener import Changes
 
 T = TypeVar("T")
-ANONYMOUS = "anonymous"
 
 
 class Denied(Exception):

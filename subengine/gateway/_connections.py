@@ -70,10 +70,15 @@ class Connections:
         """A slot for a new connection of `kind` by `principal`; raises Busy when a limit
         is reached."""
         if kind in HELD_OPEN and self.by_principal[principal] >= self.max_per_principal:
+            # with no API key in the database, every caller is one principal
+            holder = (
+                "requests without an API key hold" if principal == ANONYMOUS else "this key holds"
+            )
             self._refuse(
                 "too_many_connections",
-                f"this key holds {self.max_per_principal} open long-polls and event streams, "
-                "the most allowed per gateway process; close one or retry later",
+                f"{holder} {self.max_per_principal} open long-polls and event streams, "
+                "the most allowed per gateway process (--max-connections-per-key); close "
+                "one or retry later",
             )
         if kind in EVENT_STREAMS and self.event_streams() >= self.max_event_streams:
             self._refuse(

@@ -114,7 +114,14 @@ def parse_time(text: str, what: str) -> datetime:
     try:
         parsed = datetime.fromisoformat(text)
     except ValueError:
-        raise bad_request(f"{what} is not an RFC 3339 time: {text[:64]!r}") from None
+        hint = ""
+        if " " in text:
+            # a '+' left unencoded in a query string arrives as a space
+            hint = (
+                "; a '+' in a URL must be sent encoded as %2B (a time zone such as +00:00 "
+                "arrives as ' 00:00' otherwise), or write the UTC time with 'Z'"
+            )
+        raise bad_request(f"{what} is not an RFC 3339 time: {text[:64]!r}{hint}") from None
     if parsed.tzinfo is None:
         raise bad_request(f"{what} has no time zone: {text[:64]!r}")
     return parsed

@@ -76,6 +76,9 @@ def test_a_key_holds_a_bounded_number_of_open_connections(
     wait_for(lambda: connections(small, "long_poll") == 1 and connections(small, "sse") == 1)
     third = httpx.get(url, params={"live": "long-poll", "wait": "1"}, timeout=TIMEOUT)
     refused(third, "too_many_connections")
+    # no key exists: the message speaks of requests without one, not of "this key"
+    message = third.json()["error"]["message"]
+    assert message.startswith("requests without an API key hold 2 open long-polls"), message
     # a page is not held open: it is served
     assert httpx.get(url, timeout=TIMEOUT).status_code == 200
     # the long-poll answers, and its place is free again
