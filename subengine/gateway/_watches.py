@@ -14,8 +14,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from subengine.gateway._auth import ANONYMOUS, Denied, Principal
-from subengine.gateway._connections import WATCH
+from subengine.gateway._auth import Denied, Principal
+from subengine.gateway._connections import ANONYMOUS, WATCH
 from subengine.gateway._http import (
     ApiError,
     bad_request,
