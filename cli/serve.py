@@ -149,7 +149,12 @@ def _require_schema(engine: Engine) -> None:
     help="Internal networks webhook callbacks may reach, comma-separated (e.g. "
     "10.0.0.0/8); without it only public addresses are allowed.",
 )
-@click.option("--access-log/--no-access-log", default=False, show_default=True)
+@click.option(
+    "--access-log/--no-access-log",
+    default=False,
+    show_default=True,
+    help="Log one line per request, with cursors, watch ids and tokens redacted.",
+)
 @pass_context
 def serve(
     context: Context,

@@ -2,7 +2,7 @@
 
 Each server process builds its application from the environment (`app_from_environment`),
 so that `--workers N` runs N processes sharing one listening socket. On shutdown the
-server first ends every open event stream (each says why: `error` frame `shutdown`), so it
+server first ends every open event stream (each says why: `close` frame `shutdown`), so it
 never waits on them.
 """
 
@@ -17,6 +17,7 @@ import signal
 import uvicorn
 from starlette.applications import Starlette
 
+from subengine.gateway._access_log import redact_access_log
 from subengine.gateway._app import create_app
 from subengine.gateway._callbacks import CallbackPolicy
 from subengine.gateway._delivery import DeliveryConfig
@@ -31,6 +32,7 @@ _MAX_HEAD_BYTES = 64 * 1024
 def app_from_environment() -> Starlette:
     """The application of one server process, configured by `serve` through the
     environment."""
+    redact_access_log()
     given = json.loads(os.environ.get(CONFIG_ENVIRONMENT, "{}"))
     read_dsn = given.pop("read_dsn", None)
     if "delivery" in given:

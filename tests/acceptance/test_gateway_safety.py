@@ -1,6 +1,7 @@
 """The gateway's guards, over real sockets: a client whose socket takes nothing is closed
 and holds nothing; CORS answers only configured origins; without a key, serve refuses
-any address but loopback; a watch made on one gateway process is served by another."""
+any address but loopback; a watch made on one gateway process is served by another; the
+access log keeps cursors, watch ids and tokens out."""
 
 from __future__ import annotations
 
@@ -137,3 +138,34 @@ def test_a_watch_made_on_one_process_is_served_by_another(
         wid = made.json()["wid"]
         forged = wid[:-2] + ("A" if wid[-2] != "A" else "B") + wid[-1]
         assert httpx.get(f"{second.url}/v1/watch/{forged}", timeout=TIMEOUT).status_code == 404
+
+
+def test_the_access_log_hides_cursors_watch_ids_and_tokens(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    engine.append(orders, [subengine.NewEvent("a", "t", {"n": 0})])
+    _, token = engine.create_api_key(["read"], ["*"])
+    auth = {"Authorization": f"Bearer {token}"}
+    with GatewayProcess(cli_env, "--access-log", tmp=tmp_path) as gateway:
+        url = f"{gateway.url}/v1/streams/orders"
+        cursor = httpx.get(url, headers=auth, timeout=TIMEOUT).json()["cursor"]
+        page = httpx.get(f"{url}/events", params={"after": cursor}, headers=auth)
+        assert page.status_code == 200
+        moved = page.json()["cursor"]
+        body = {"streams": {"orders": {"after": cursor}}}
+        wid = httpx.post(f"{gateway.url}/v1/watch", json=body, headers=auth).json()["wid"]
+        with httpx.stream("GET", f"{gateway.url}/v1/watch/{wid}", timeout=TIMEOUT) as watch:
+            assert watch.status_code == 200
+            next(watch.iter_lines())
+        sse = {**auth, "Last-Event-ID": moved}
+        with httpx.stream("GET", f"{url}/events?live=sse", headers=sse) as stream:
+            next(stream.iter_lines())
+        # a token or cursor put where it does not belong is hidden too
+        httpx.get(f"{url}/events", params={"token": token, "x": moved}, timeout=TIMEOUT)
+        wait_for(lambda: gateway.output().count('HTTP/1.1" ') >= 6, "the access log lines")
+    logged = gateway.output()
+    for secret in (cursor, moved, wid, token, token.split("_")[-1]):
+        assert secret not in logged
+    assert "/v1/streams/orders/events?after=<redacted>" in logged
+    assert "/v1/watch/<redacted>" in logged
+    assert "token=<redacted>&x=<redacted>" in logged
