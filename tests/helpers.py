@@ -416,6 +416,20 @@ _OPEN_EVENT_SOURCE = """([url, types]) => {
 _READY_STATES = {0: "connecting", 1: "open", 2: "closed"}
 
 
+def open_blank_page_of(page: Page, url: str) -> None:
+    """Take `page` to a blank page of `url`'s origin, which the browser serves itself (the
+    server never sees it), so that what the page then asks of `url` is same-origin."""
+    parts = urlsplit(url)
+    blank = f"{parts.scheme}://{parts.netloc}/subengine-test-blank-page"
+
+    def serve_blank(route: Route) -> None:
+        route.fulfill(content_type="text/html", body="<!doctype html><title>test</title>")
+
+    page.route(blank, serve_blank)
+    page.goto(blank)
+    page.unroute(blank)  # the stream's requests go to the server untouched
+
+
 class PageEventSource:
     """An EventSource on `url` in `page` (the `page` fixture), recording what it receives.
 
@@ -428,15 +442,7 @@ class PageEventSource:
 
     def __init__(self, page: Page, url: str, types: Sequence[str] = ()) -> None:
         self.page = page
-        parts = urlsplit(url)
-        blank = f"{parts.scheme}://{parts.netloc}/subengine-test-blank-page"
-
-        def serve_blank(route: Route) -> None:
-            route.fulfill(content_type="text/html", body="<!doctype html><title>test</title>")
-
-        page.route(blank, serve_blank)
-        page.goto(blank)
-        page.unroute(blank)  # the stream's requests go to the server untouched
+        open_blank_page_of(page, url)
         page.evaluate(_OPEN_EVENT_SOURCE, [url, list(types)])
 
     def messages(self) -> list[dict[str, str]]:

@@ -34,8 +34,10 @@ from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, Stream
 from subengine.model._json import loads
 
 CURSOR_HEADER = "Subengine-Cursor"
-# error frames after which the reader resumes by cursor (docs/gateway.md, "Errors")
+# close codes after which the reader resumes by cursor (docs/gateway.md, "Server-sent events")
 RESUMABLE = frozenset({"rotate", "shutdown", "slow"})
+# the frame that ends a stream: `close`; older gateways named it `error` (docs/gateway.md)
+CLOSE_FRAMES = frozenset({"close", "error"})
 # statuses worth asking again (after Retry-After, when given)
 RETRYABLE_STATUSES = frozenset({408, 425, 429})
 
@@ -306,9 +308,9 @@ class ReadCore:
             self._batch(cursor, [])
 
     def frame(self, kind: str, data: str, frame_id: str | None) -> list[tuple[Item, str]]:
-        """The new items of one SSE frame, each with the cursor after it. Raises Resume
-        for an error the reader resumes from, GatewayError for the others."""
-        if kind == "error":
+        """The new items of one SSE frame, each with the cursor after it. A `close`
+        frame raises Resume when the reader resumes from it, GatewayError otherwise."""
+        if kind in CLOSE_FRAMES:
             error = json.loads(data)
             code, message = str(error.get("code")), str(error.get("message"))
             if code in RESUMABLE:

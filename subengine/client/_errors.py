@@ -10,9 +10,9 @@ _MESSAGE_CHARS = 500
 
 class GatewayError(SubengineError):
     """The gateway refused a request (a 4xx answer) or ended an event stream with an
-    error that resuming cannot cure (an `error` frame such as `stream_not_found`).
+    error that resuming cannot cure (a `close` frame such as `stream_not_found`).
 
-    `status` is the HTTP status (None for an `error` frame); `code` and `message` are
+    `status` is the HTTP status (None for a `close` frame); `code` and `message` are
     the gateway's own (docs/gateway.md, "Errors"). The request's credentials are never
     part of it."""
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from subengine.gateway._hub import Hub
 
 # The SSE frames a gateway sends (a heartbeat is a comment line).
-FRAME_TYPES = ("events", "tombstone", "reset", "caught-up", "error", "heartbeat")
+FRAME_TYPES = ("events", "tombstone", "reset", "caught-up", "close", "heartbeat")
 _LAG_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000, 10_000, 100_000)
 
 

@@ -114,7 +114,7 @@ class EventStreamResponse:
                     send(
                         {
                             "type": "http.response.body",
-                            "body": error_frame("slow", "the client reads too slowly").encode(),
+                            "body": close_frame("slow", "the client reads too slowly").encode(),
                             "more_body": True,
                         }
                     ),
@@ -193,12 +193,12 @@ class EventStreamResponse:
                     checked = now
                     if not await self._still_allowed():
                         await stream.write(
-                            error_frame("forbidden", "the API key was revoked or lost its rights")
+                            close_frame("forbidden", "the API key was revoked or lost its rights")
                         )
                         return
                 delay = _FIRST_RETRY_SECONDS
             except StreamNotFound as error:
-                await self._write(stream, "error", error_frame("stream_not_found", str(error)))
+                await self._write(stream, CLOSE, close_frame("stream_not_found", str(error)))
                 return
             except DatabaseUnavailable as error:
                 # the stream stays open: look at everything again once PostgreSQL answers
@@ -211,19 +211,19 @@ class EventStreamResponse:
                     continue
             except SubengineError as error:  # after the above: a cursor that no longer fits, say
                 code = "bad_cursor" if isinstance(error, InvalidCursor) else "bad_request"
-                await self._write(stream, "error", error_frame(code, str(error)))
+                await self._write(stream, CLOSE, close_frame(code, str(error)))
                 return
             now = time.monotonic()
             if stream.closing:
                 await self._write(
-                    stream, "error", error_frame("shutdown", "the server is shutting down")
+                    stream, CLOSE, close_frame("shutdown", "the server is shutting down")
                 )
                 return
             if now >= ends:
                 await self._write(
                     stream,
-                    "error",
-                    error_frame("rotate", "the stream's lifetime ended: resume by cursor"),
+                    CLOSE,
+                    close_frame("rotate", "the stream's lifetime ended: resume by cursor"),
                 )
                 return
             beat_at = quiet_since + self.heartbeat
@@ -248,5 +248,10 @@ class EventStreamResponse:
         return current is not None and all(current.allows(name, "read") for name in self.selections)
 
 
-def error_frame(code: str, message: str) -> str:
-    return frame_text("error", dumps({"code": code, "message": message}), None)
+# The last frame of an event stream, saying why it ends. Never `error`: EventSource gives
+# its own connection failures that name, so a frame of it would land in their listener.
+CLOSE = "close"
+
+
+def close_frame(code: str, message: str) -> str:
+    return frame_text(CLOSE, dumps({"code": code, "message": message}), None)

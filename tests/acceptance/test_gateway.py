@@ -315,7 +315,7 @@ def test_shutdown_ends_open_streams_with_a_reason(
         frames.extend(
             frames_until(
                 f"{process.url}/v1/streams/orders/events",
-                lambda got: any(f.kind == "error" for f in got),
+                lambda got: any(f.kind == "close" for f in got),
                 params={"live": "sse"},
             )
         )
@@ -326,4 +326,4 @@ def test_shutdown_ends_open_streams_with_a_reason(
     time.sleep(0.5)
     assert process.stop(timeout=10) == 0
     listener.join(10)
-    assert [f.data["code"] for f in frames if f.kind == "error"] == ["shutdown"]
+    assert [f.data["code"] for f in frames if f.kind == "close"] == ["shutdown"]

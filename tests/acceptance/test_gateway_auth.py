@@ -93,10 +93,10 @@ def test_a_watch_is_read_by_its_id_until_its_key_is_revoked(
             kinds.append(frame.kind)
             if frame.kind == "caught-up":
                 engine.revoke_api_key(next(k.id for k in engine.api_keys() if k.name == "reader"))
-            if frame.kind == "error":
+            if frame.kind == "close":
                 assert frame.data["code"] == "forbidden"
                 break
-    assert kinds[0] == "events" and "caught-up" in kinds and kinds[-1] == "error"
+    assert kinds[0] == "events" and "caught-up" in kinds and kinds[-1] == "close"
     assert httpx.get(url, timeout=TIMEOUT).status_code == 403
 
 

@@ -71,7 +71,7 @@ def test_metrics_are_prometheus_text_not_cached(gateway: GatewayProcess) -> None
     for kind in ("pull", "long_poll", "sse", "watch"):
         assert value(samples, "subengine_gateway_connections", kind=kind) == 0
         assert value(samples, "subengine_gateway_bytes_sent_total", kind=kind) == 0
-    for frame_type in ("events", "tombstone", "reset", "caught-up", "error", "heartbeat"):
+    for frame_type in ("events", "tombstone", "reset", "caught-up", "close", "heartbeat"):
         assert value(samples, "subengine_gateway_frames_sent_total", type=frame_type) == 0
     for name in (
         "subengine_gateway_long_polls_waiting",

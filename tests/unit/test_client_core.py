@@ -124,9 +124,9 @@ def test_a_new_epoch_starts_the_marks_afresh_and_its_reset_is_delivered_once() -
 def test_an_error_frame_resumes_or_raises_by_its_code() -> None:
     reading = core()
     with pytest.raises(Resume):
-        reading.frame("error", '{"code": "rotate", "message": "m"}', None)
+        reading.frame("close", '{"code": "rotate", "message": "m"}', None)
     with pytest.raises(GatewayError, match="stream_not_found"):
-        reading.frame("error", '{"code": "stream_not_found", "message": "gone"}', None)
+        reading.frame("close", '{"code": "stream_not_found", "message": "gone"}', None)
 
 
 def test_the_sse_parser_reads_frames_comments_and_ids() -> None:
