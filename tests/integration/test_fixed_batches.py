@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from helpers import Running, wait_for
 
 import subengine
 from subengine import NewEvent
@@ -64,3 +65,30 @@ def test_a_reset_ends_the_stored_batch(engine: subengine.Engine) -> None:
     fail[0] = False
     engine.process_batch(subscription, 0)
     assert seen == [[1, 2, 3], [2, 3, 4, 5, 6, 7, 8]]
+
+
+def test_a_gap_retried_later_keeps_its_bounds_though_retention_removed_more(
+    fast_engine: subengine.Engine,
+) -> None:
+    fast_engine.create_stream("one", partitions=1, retention=subengine.Retention(max_events=4))
+    gaps: list[tuple[int, int]] = []
+    handled: list[int] = []
+    app = subengine.App()
+    sub = app.subscription("pusher", stream="one", ack="at_least_once", batch_size=50)
+    sub.handler()(lambda event, conn: handled.append(event.position))
+
+    @sub.gap_handler()
+    def push_gap(gap: subengine.Tombstone, conn: Any) -> None:
+        gaps.append((gap.gap_from, gap.gap_to))
+        if len(gaps) == 1:  # retention removes more before the retry
+            append(fast_engine, 3)
+            fast_engine.run_retention()  # floor 10
+            raise subengine.RetryLater(0.2, "callback down")
+
+    fast_engine.ensure_subscription(sub)
+    for _ in range(10):
+        append(fast_engine, 1)
+    assert fast_engine.run_retention().removed == 6  # floor 7: positions 1 to 6 are a gap
+    with Running(app, fast_engine):
+        wait_for(lambda: handled == [10, 11, 12, 13], "the events after the gaps")
+    assert gaps == [(1, 6), (1, 6), (7, 9)]
