@@ -81,18 +81,23 @@ def handle_batch(
         return _transactional_batch(db, subscription, partition, size, companions)
     batch: _Batch | None = None
     try:
-        with db.transaction():
-            batch = _next_batch(db, subscription, partition, size, 0)
-            if batch is not None and batch.parts and batch.parts[0].gap is not None:
-                return _commit_positions(db, subscription, batch)  # with the gap's record
-            if batch is not None and batch.missing is None and batch.parts[0].events:
-                _fix_bounds(db, subscription, batch.parts[0])
+        for _ in range(2):  # again once a gap's bounds are stored, for its handler to run
+            with db.transaction():
+                batch = _next_batch(db, subscription, partition, size, 0)
+                if batch is not None and batch.parts and batch.parts[0].gap is not None:
+                    return _commit_positions(db, subscription, batch)  # with the gap's record
+                if batch is not None and batch.parts and batch.parts[0].events:
+                    part = batch.parts[0]
+                    db.run(_bounds(subscription, part.partition, part.old, part.generation,
+                                   part.events[-1].position))  # fmt: skip
+            if batch is None or not batch.bounds_stored:
+                break
     except psycopg.Error as error:
         # a commit that fails after a gap handler ran fails for what it wrote
-        if batch is None or subscription.gap is None or database_trouble(error):
+        if batch is None or not batch.parts or subscription.gap is None or database_trouble(error):
             raise
         raise _failed(error, batch, batch.parts[0]) from error
-    if batch is None:
+    if batch is None or batch.bounds_stored:
         return None
     if batch.missing is not None:
         raise batch.missing
@@ -101,20 +106,22 @@ def handle_batch(
         return _commit_positions(db, subscription, batch)
 
 
-def _fix_bounds(db: Db, subscription: Subscription, part: _Part) -> None:
-    """Store where an at_least_once batch ends, before its handlers run: until its
-    position commits, every retry of it (after RetryLater, a failure, a crash, from any
-    process) reads that batch again and no more, however many events came since
+def _bounds(
+    subscription: Subscription, partition: int, old: int, generation: int, through: int
+) -> Query[None]:
+    """Store where an at_least_once batch (or gap) ends, before its handlers run: until
+    its position commits, every retry of it (after RetryLater, a failure, a crash, from
+    any process) reads that batch again and no more, however many events came since
     (DESIGN.md, "A retry is the same batch"). A handler that sends it somewhere can
     name it by its bounds."""
     params = {
         "name": subscription.name,
-        "partition": part.partition,
-        "position": part.old,
-        "generation": part.generation,
-        "through": part.events[-1].position,
+        "partition": partition,
+        "position": old,
+        "generation": generation,
+        "through": through,
     }
-    db.run(Query("fix_batch", params, nothing))
+    return Query("fix_batch", params, nothing)
 
 
 def _transactional_batch(
@@ -185,6 +192,9 @@ class _Batch:
 
     parts: list[_Part]
     missing: PositionsMissing | None = None
+    # an at_least_once gap's bounds were stored (in this transaction, to commit before
+    # its handler runs in the next): no parts
+    bounds_stored: bool = False
 
 
 def _next_batch(
@@ -265,13 +275,18 @@ def _missing(
         missing = PositionsMissing(subscription.name, subscription.stream, partition, old + 1, last)
         db.run(stop_partition(subscription.name, partition, old, generation, missing))
         return _Batch([], missing)
-    # a gap retried after RetryLater keeps its bounds, though retention removed more since
+    # a retried gap keeps its bounds, though retention removed more since
     last = floor - 1 if kept is None or kept <= old else min(floor - 1, int(kept))
     gap = Tombstone(subscription.stream, partition, old + 1, last, floor)
     if subscription.on_gap == "stop":
         stopped = StoppedAtGap(subscription.name, gap)
         db.run(stop_partition(subscription.name, partition, old, generation, stopped))
         return _Batch([], stopped)
+    unbounded = kept is None or kept <= old
+    if subscription.gap is not None and subscription.ack == "at_least_once" and unbounded:
+        # its bounds first, committed on their own: a crash in its handler keeps them
+        db.run(_bounds(subscription, partition, old, generation, gap.gap_to))
+        return _Batch([], bounds_stored=True)
     if subscription.gap is not None:
         try:
             subscription.handle_gap(gap, db.conn)

@@ -92,3 +92,33 @@ def test_a_gap_retried_later_keeps_its_bounds_though_retention_removed_more(
     with Running(app, fast_engine):
         wait_for(lambda: handled == [10, 11, 12, 13], "the events after the gaps")
     assert gaps == [(1, 6), (1, 6), (7, 9)]
+
+
+def test_a_gap_whose_handler_died_keeps_its_bounds_too(engine: subengine.Engine) -> None:
+    # The bounds of an at_least_once gap are committed before its handler runs, so a
+    # handler that never returns (its process killed; here, an error that rolls its
+    # transaction back) leaves them for the next attempt.
+    engine.create_stream("one", partitions=1, retention=subengine.Retention(max_events=4))
+    gaps: list[tuple[int, int]] = []
+    app = subengine.App()
+    sub = app.subscription("pusher", stream="one", ack="at_least_once")
+    sub.handler()(lambda event, conn: None)
+
+    @sub.gap_handler()
+    def push_gap(gap: subengine.Tombstone, conn: Any) -> None:
+        gaps.append((gap.gap_from, gap.gap_to))
+        if len(gaps) == 1:
+            append(engine, 3)
+            engine.run_retention()  # floor 10
+            raise KeyboardInterrupt  # as a kill: nothing after it runs
+
+    declared = app.subscriptions["pusher"]
+    engine.ensure_subscription(declared)
+    for _ in range(10):
+        append(engine, 1)
+    engine.run_retention()  # floor 7
+    with pytest.raises(KeyboardInterrupt):
+        engine.process_batch(declared, 0)
+    engine.process_batch(declared, 0)
+    engine.process_batch(declared, 0)
+    assert gaps == [(1, 6), (1, 6), (7, 9)]
