@@ -29,9 +29,13 @@ class FiniteFloatRange(click.FloatRange):
 
 
 class IsoTime(TimeType):
-    """An ISO 8601 time; one without a zone is taken as UTC."""
+    """An ISO 8601 time; one without a zone is taken as UTC, or refused when
+    `zone_required` (where a wrong guess would skip or repeat events)."""
 
     name = "TIME"
+
+    def __init__(self, *, zone_required: bool = False) -> None:
+        self.zone_required = zone_required
 
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
@@ -46,7 +50,15 @@ class IsoTime(TimeType):
                 param,
                 ctx,
             )
-        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+        if parsed.tzinfo is not None:
+            return parsed
+        if self.zone_required:
+            self.fail(
+                f"{_json.shown(value)} names no time zone: add one (Z for UTC, or e.g. +01:00)",
+                param,
+                ctx,
+            )
+        return parsed.replace(tzinfo=UTC)
 
 
 class StartPoint(StartType):

@@ -13,8 +13,10 @@ import click
 
 import subengine
 from subengine.model import _json as deep_json
+from subengine.model._events import stored_events
+from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 
-from . import _render
+from . import _json, _render
 from ._context import Context, json_option, pass_context
 from ._events_file import EventsFile, read_events_file
 from ._params import IsoTime, json_value
@@ -126,11 +128,17 @@ def _events_to_append(
 @click.command()
 @click.argument("stream_name", metavar="STREAM")
 @click.option("--partition", type=int, help="Read one partition (default: all, in turn).")
-@click.option("--after", type=int, default=0, show_default=True, help="Start after position.")
+@click.option(
+    "--after",
+    default="0",
+    show_default=True,
+    metavar="POSITION|CURSOR",
+    help="Start after a position, or (every partition) after the cursor a read printed.",
+)
 @click.option(
     "--since",
-    type=IsoTime(),
-    help="Read by recorded time across partitions (ISO 8601; UTC unless it names a zone).",
+    type=IsoTime(zone_required=True),
+    help="Read every partition from a recorded time on (ISO 8601 with a zone, e.g. ...Z).",
 )
 @click.option(
     "--limit",
@@ -143,28 +151,36 @@ def read(
     context: Context,
     stream_name: str,
     partition: int | None,
-    after: int,
+    after: str,
     since: datetime | None,
     limit: int | None,
     as_json: bool,
 ) -> None:
-    """Read events of STREAM by position (per partition) or by time (--since).
+    """Read events of STREAM by position (per partition), by time (--since) or after a
+    cursor (--after c1...), the last two across partitions, oldest first.
 
-    When more events follow than --limit shows, a note on stderr says so and how to read on.
+    When more events follow than --limit shows, a note on stderr says so and how to read
+    on; a read by time or cursor always ends with the cursor to read on from.
     """
-    if since is not None and (partition is not None or after):
+    cursor = _cursor(after) if after.startswith("c1.") else None
+    position = 0 if cursor is not None else _position(after)
+    if since is not None and (partition is not None or cursor is not None or position):
         raise click.UsageError("--since cannot be combined with --partition or --after")
+    if cursor is not None and partition is not None:
+        raise click.UsageError("--after CURSOR reads every partition: drop --partition")
     engine = context.engine()
     limit = limit or engine.settings.read_limit
     # one event more than is shown tells whether more follow
     wanted = limit + 1 if limit < LARGEST_LIMIT else limit
     items: list[subengine.Event | subengine.Tombstone]
-    if since is not None:
-        items = engine.read_since(stream_name, since, wanted)
+    read_on = None
+    start = since or cursor
+    if start is not None:
+        items, read_on = _read_by_cursor(engine, stream_name, start, wanted)
     elif partition is not None:
-        items = engine.read(stream_name, partition, after, wanted)
+        items = engine.read(stream_name, partition, position, wanted)
     else:
-        items = list(_read_all_partitions(engine, stream_name, after, wanted))
+        items = list(_read_all_partitions(engine, stream_name, position, wanted))
     # a gap comes before every later event of its partition: its line before them all
     gaps = [item for item in items if isinstance(item, subengine.Tombstone)]
     events = [item for item in items if isinstance(item, subengine.Event)]
@@ -177,21 +193,85 @@ def read(
     _render.print_records(
         events[:limit], EVENT_COLUMNS, as_json=as_json, hidden=HIDDEN_EVENT_FIELDS
     )
-    if len(events) > limit:
+    if read_on is not None:
+        more = f"stopped at {limit} events (--limit); more follow: " if len(events) > limit else ""
+        click.echo(
+            f"note: {more}read on with --after {read_on.cursor(gaps, events[:limit])}", err=True
+        )
+    elif len(events) > limit:
         click.echo(
             f"note: stopped at {limit} events (--limit); more follow: "
-            f"{_how_to_read_on(events[:limit], partition, since)}",
+            f"{_how_to_read_on(events[:limit], partition)}",
             err=True,
         )
 
 
-def _how_to_read_on(
-    shown: Sequence[subengine.Event], partition: int | None, since: datetime | None
-) -> str:
+def _position(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise click.BadParameter(
+            f"{_json.shown(text)} is neither a position nor a cursor (c1...)",
+            param_hint="'--after'",
+        )
+    return int(text)
+
+
+def _cursor(text: str) -> GatewayCursor:
+    try:
+        return GatewayCursor.decode(text)
+    except subengine.InvalidInput as error:
+        raise click.BadParameter(str(error), param_hint="'--after'") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReadOn:
+    """Where a read by cursor began: the stream, its epoch and the position per partition."""
+
+    stream: str
+    epoch: int
+    positions: tuple[int, ...]
+
+    def cursor(self, gaps: Sequence[subengine.Tombstone], shown: Sequence[subengine.Event]) -> str:
+        """The cursor after the gaps and the events shown: per partition, the last position
+        shown, so that a read from it repeats and skips nothing."""
+        positions = list(self.positions)
+        items: list[subengine.Tombstone | subengine.Event] = [*gaps, *shown]
+        for item in items:
+            positions[item.partition] = item.position
+        return GatewayCursor({self.stream: StreamPosition(self.epoch, tuple(positions))}).encode()
+
+
+def _read_by_cursor(
+    engine: subengine.Engine, stream_name: str, start: datetime | GatewayCursor, limit: int
+) -> tuple[list[subengine.Event | subengine.Tombstone], _ReadOn]:
+    """The gaps and events after a time or a cursor, oldest first across partitions, and
+    where the read began."""
+    if isinstance(start, datetime):
+        epoch, positions = engine.positions_since(stream_name, start)
+    else:
+        if list(start.streams) != [stream_name]:
+            named = ", ".join(repr(name) for name in start.streams) or "no stream"
+            raise subengine.InvalidInput(
+                f"that cursor is not one of stream {stream_name!r}: it names {named}"
+            )
+        epoch, positions = (
+            start.streams[stream_name].epoch,
+            list(start.streams[stream_name].positions),
+        )
+    page = engine.read_page(stream_name, positions, limit)
+    if page.epoch != epoch or not page.fits:
+        raise subengine.InvalidInput(
+            f"that cursor is of an earlier stream {stream_name!r} (deleted and created "
+            "again since): read it anew with --since or from the beginning"
+        )
+    start_positions = tuple(positions) or (0,) * len(page.heads)
+    items: list[subengine.Event | subengine.Tombstone] = list(page.tombstones)
+    items += stored_events(page.events)
+    return items, _ReadOn(stream_name, page.epoch, start_positions)
+
+
+def _how_to_read_on(shown: Sequence[subengine.Event], partition: int | None) -> str:
     if partition is not None:
         return f"read on with --after {shown[-1].position}"
-    if since is not None:
-        return "give a later --since or a higher --limit"
     return "read one partition at a time (--partition, --after) or give a higher --limit"
 
 

@@ -330,6 +330,26 @@ class Engine:
         with self.connection() as conn:
             return self.sql.run(conn, query)
 
+    def read_page(
+        self, stream: str, positions: Sequence[int], limit: int | None = None
+    ) -> _read.Page:
+        """Up to `limit` events of every partition after its position in `positions`,
+        oldest first across partitions, with the tombstones of the gaps after them and,
+        from the same snapshot, the stream's epoch, heads and floors (a read by cursor;
+        see `subengine.streams._read.read_page`)."""
+        query = _read.read_page(
+            stream, positions, self.settings.read_limit if limit is None else limit
+        )
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
+    def positions_since(self, stream: str, since: datetime) -> tuple[int, list[int]]:
+        """The stream's epoch, and per partition the position just before its first event
+        recorded at or after `since` (0 where retention removed such events)."""
+        query = _read.positions_since(stream, since)
+        with self.connection() as conn:
+            return self.sql.run(conn, query)
+
     def partitions(self, stream: str) -> list[PartitionState]:
         """Head, head time and floor of every partition of a stream."""
         query = _streams.partition_states(stream)

@@ -147,7 +147,7 @@ def test_read_every_partition_and_since(
     since = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
     recent = run(cli_env, "read", "orders", "--since", since, "--json").stdout.splitlines()
     assert len(recent) == 12
-    future = (datetime.now(UTC) + timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%S")
+    future = (datetime.now(UTC) + timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%SZ")
     assert run(cli_env, "read", "orders", "--since", future, "--json").stdout == ""
 
 

@@ -26,7 +26,18 @@ from subengine.db import _embedded
         (["read", "orders", "x", "y"], 2, "Got unexpected extra arguments (x y)"),
         (["subscription", "reset", "billing"], 2, "Missing option '--to'"),
         (["stream", "create", "s", "--partitions", "many"], 2, "'many' is not a valid integer"),
-        (["read", "orders", "--since", "2026-01-01", "--partition", "1"], 2, "cannot be combined"),
+        (
+            ["read", "orders", "--since", "2026-01-01T00:00:00Z", "--partition", "1"],
+            2,
+            "cannot be combined",
+        ),
+        (["read", "orders", "--since", "2026-01-01T10:00"], 2, "names no time zone: add one"),
+        (
+            ["read", "orders", "--after", "c1.AAEGb3JkZXJzAQA", "--partition", "1"],
+            2,
+            "drop --partition",
+        ),
+        (["read", "orders", "--after", "ten"], 2, "'ten' is neither a position nor a cursor"),
         (["append", "orders", "--file", "missing.jsonl"], 1, "Could not open file"),
         (["status", "--watch", "--interval", "nan"], 2, "'nan' is not a number"),
         (["demo", "--rate", "NaN"], 2, "'NaN' is not a number"),
@@ -115,6 +126,41 @@ def test_read_says_when_more_events_follow_than_it_shows(
     assert len(rest.stdout.splitlines()) == 1 + 4 and rest.stderr == ""
     exact = run_subengine(env, "read", orders, "--limit", "7")
     assert exact.returncode == 0 and exact.stderr == ""
+
+
+def test_a_read_by_time_prints_the_cursor_that_reads_on_without_skipping_or_repeating(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str]
+) -> None:
+    # one transaction: the events of every partition share one recorded time
+    engine.append(orders, [NewEvent(f"k{n}", "T", {"n": n}) for n in range(10)])
+    shown: list[int] = []
+    result = run_subengine(
+        cli_env, "read", orders, "--since", "2000-01-01T00:00:00Z", "--limit", "3", "--json"
+    )
+    for _ in range(10):
+        assert result.returncode == 0, result.stderr
+        shown += [json.loads(line)["data"]["n"] for line in result.stdout.splitlines()]
+        cursor = result.stderr.split("read on with --after ")[1].strip()
+        if "more follow" not in result.stderr:
+            break
+        result = run_subengine(cli_env, "read", orders, "--after", cursor, "--limit", "3", "--json")
+    assert sorted(shown) == list(range(10))
+    engine.append(orders, [NewEvent("k1", "T", {"n": 10})])
+    later = run_subengine(cli_env, "read", orders, "--after", cursor, "--json")
+    assert [json.loads(line)["data"]["n"] for line in later.stdout.splitlines()] == [10]
+
+
+def test_a_cursor_of_another_stream_is_refused(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str]
+) -> None:
+    engine.create_stream("payments", partitions=2)
+    result = run_subengine(cli_env, "read", "payments", "--since", "2000-01-01T00:00:00Z")
+    cursor = result.stderr.split("read on with --after ")[1].strip()
+    refused = run_subengine(cli_env, "read", orders, "--after", cursor)
+    assert refused.returncode == 1
+    assert refused.stderr == (
+        f"error: that cursor is not one of stream '{orders}': it names 'payments'\n"
+    )
 
 
 def test_the_embedded_notice_names_the_data_directory_absolutely(tmp_path: Path) -> None:
