@@ -30,6 +30,7 @@ import psycopg
 import pytest
 from helpers import (  # noqa: F401  (re-exported for tests that still import from conftest)
     APPS,
+    DELIVERING,
     POSTGRES_15_BIN,
     PYTHON,
     README,
@@ -37,6 +38,7 @@ from helpers import (  # noqa: F401  (re-exported for tests that still import fr
     SESSION_TAG,
     GatewayProcess,
     Proxy,
+    Receiver,
     Replication,
     postgres_runner,
     run_subengine,
@@ -307,6 +309,21 @@ def page(browser: Browser) -> Page:
     context = browser.new_context()
     context.set_default_timeout(BROWSER_TIMEOUT_MS)
     return context.new_page()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    """A webhook callback on a loopback port that records what it receives."""
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def hooks(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]:
+    """A gateway that delivers webhooks to loopback callbacks, retrying within a second."""
+    with GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path) as process:
+        yield process
 
 
 @pytest.fixture(scope="session")

@@ -820,6 +820,11 @@ class Delivery(NamedTuple):
         return json.loads(self.body)
 
 
+# `subengine serve` options for webhook tests: deliveries to loopback callbacks allowed,
+# retried within a second
+DELIVERING = ("--heartbeat", "1", "--callback-allow", "127.0.0.0/8", "--webhook-retry-max", "1")
+
+
 class Receiver:
     """A webhook callback on a loopback port (a real HTTP server in a thread) that
     records every request. `answer(delivery) -> (status, body, headers)` decides each

@@ -10,27 +10,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-from helpers import Delivery, GatewayProcess, Receiver, echo_and_accept, wait_for
+from helpers import DELIVERING, Delivery, GatewayProcess, Receiver, echo_and_accept, wait_for
 from standardwebhooks import Webhook as Verifier
 
 import subengine
 from subengine import NewEvent
 
-FAST = ("--heartbeat", "1", "--callback-allow", "127.0.0.0/8", "--webhook-retry-max", "1")
 KEY = "one-key"  # every event in one partition: a retry could grow
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.close()
 
 
 def subscribe(gateway: GatewayProcess, receiver: Receiver, webhook_id: str, **fields: Any) -> str:
@@ -79,7 +69,7 @@ def test_a_batch_that_grew_between_attempts_is_sent_again_as_it_was(
     tmp_path: Path,
     receiver: Receiver,
 ) -> None:
-    with GatewayProcess(cli_env, *FAST, tmp=tmp_path) as gateway:
+    with GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path) as gateway:
         secret = subscribe(gateway, receiver, "grown", max_events=50)
         first_attempt = threading.Event()
         later: list[str] = []
@@ -115,7 +105,7 @@ def test_a_batch_in_flight_when_its_process_is_killed_comes_again_as_it_was(
     tmp_path: Path,
     receiver: Receiver,
 ) -> None:
-    first = GatewayProcess(cli_env, *FAST, tmp=tmp_path).start()
+    first = GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path).start()
     try:
         secret = subscribe(first, receiver, "survivor", max_events=20)
         killed = threading.Event()
@@ -135,7 +125,7 @@ def test_a_batch_in_flight_when_its_process_is_killed_comes_again_as_it_was(
         if first.process is not None and first.process.poll() is None:
             first.kill()
     application = Deduplicating(secret)
-    with GatewayProcess(cli_env, *FAST, tmp=tmp_path):
+    with GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path):
         wait_for(
             lambda: set(application.apply(receiver.of_type("events"))) == set(wanted),
             "every event applied",

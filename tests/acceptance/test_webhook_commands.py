@@ -10,34 +10,26 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-from helpers import Delivery, GatewayProcess, Receiver, echo_and_accept, run_subengine, wait_for
+from helpers import (
+    DELIVERING,
+    Delivery,
+    GatewayProcess,
+    Receiver,
+    echo_and_accept,
+    run_subengine,
+    wait_for,
+)
 from standardwebhooks import Webhook as Verifier
 
 import subengine
 from subengine import NewEvent
 
-FAST = ("--heartbeat", "1", "--callback-allow", "127.0.0.0/8", "--webhook-retry-max", "1")
 KEY = "one-key"  # every event in one partition
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def hooks(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]:
-    with GatewayProcess(cli_env, *FAST, tmp=tmp_path) as process:
-        yield process
 
 
 def create(cli_env: dict[str, str], webhook_id: str, receiver: Receiver, *args: str) -> Any:
@@ -228,7 +220,7 @@ def test_create_for_an_api_key_makes_it_that_keys_alone(
         "--callback-allow", "127.0.0.0/8", "--api-key", "no-such-key",
     )  # fmt: skip
     assert unknown.returncode != 0 and "no API key 'no-such-key'" in unknown.stderr
-    with GatewayProcess(cli_env, *FAST, tmp=tmp_path) as gateway:
+    with GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path) as gateway:
 
         def shown(token: str) -> int:
             answer = httpx.get(

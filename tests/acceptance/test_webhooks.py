@@ -13,7 +13,6 @@ import base64
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import httpx
 import psycopg
 import pytest
 from helpers import (
+    DELIVERING,
     Delivery,
     GatewayProcess,
     Receiver,
@@ -36,21 +36,6 @@ import subengine
 from subengine import NewEvent
 
 TIMEOUT = httpx.Timeout(30.0)
-FAST = ("--heartbeat", "1", "--callback-allow", "127.0.0.0/8", "--webhook-retry-max", "1")
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def hooks(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]:
-    """A gateway that delivers webhooks to loopback callbacks, retrying within a second."""
-    with GatewayProcess(cli_env, *FAST, tmp=tmp_path) as process:
-        yield process
 
 
 def subscribe(
@@ -238,7 +223,7 @@ def test_a_killed_delivering_process_loses_nothing(
     tmp_path: Path,
     receiver: Receiver,
 ) -> None:
-    first = GatewayProcess(cli_env, *FAST, tmp=tmp_path).start()
+    first = GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path).start()
     secret = active(first, receiver, "survivor", max_events=10)
     start = engine.heads("orders")
     slow = threading.Event()
@@ -253,7 +238,7 @@ def test_a_killed_delivering_process_loses_nothing(
     wait_for(lambda: receiver.of_type("events"), "a batch in flight")
     first.kill()
     slow.set()
-    with GatewayProcess(cli_env, *FAST, tmp=tmp_path):
+    with GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path):
         wait_for(
             lambda: accepted_in_order(batches(receiver, secret), start) == wanted,
             "every event",
@@ -303,7 +288,8 @@ def test_failing_longer_than_the_failure_timeout_marks_it_failed_and_pull_still_
     tmp_path: Path,
     receiver: Receiver,
 ) -> None:
-    with GatewayProcess(cli_env, *FAST, "--webhook-failure-timeout", "3", tmp=tmp_path) as gateway:
+    timeout = ("--webhook-failure-timeout", "3")
+    with GatewayProcess(cli_env, *DELIVERING, *timeout, tmp=tmp_path) as gateway:
         active(gateway, receiver, "broken")
         receiver.answer = lambda d: (500, b"oops", {})
         engine.append("orders", [NewEvent("k", "T", {})])
@@ -462,7 +448,7 @@ def test_a_webhook_is_seen_renewed_and_deleted_only_with_the_key_that_made_it(
     _, theirs = engine.create_api_key(["read"], ["orders"], name="theirs")
     url = "/v1/webhooks/owned"
     body = {"callback": receiver.url, "streams": ["orders"]}
-    with GatewayProcess(cli_env, *FAST, tmp=tmp_path) as gateway:
+    with GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path) as gateway:
 
         def call(method: str, token: str, **fields: Any) -> httpx.Response:
             return httpx.request(
