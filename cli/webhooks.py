@@ -36,7 +36,8 @@ WEBHOOK_COLUMNS = _render.columns(
 
 @click.group()
 def webhook() -> None:
-    """Webhook subscriptions of the gateway: their state and lag (see docs/webhooks.md)."""
+    """Webhook subscriptions of the gateway: create them, see their state and lag, pause,
+    resume, replay and delete them (see docs/webhooks.md)."""
 
 
 @webhook.command("list")
@@ -97,9 +98,19 @@ def webhook_delete(context: Context, webhook_id: str) -> None:
 )
 @click.option("--after", "cursor", metavar="CURSOR", help="Start where a gateway cursor stands.")
 @click.option("--since", type=IsoTime(), help="Start at the events recorded from a time on.")
-@click.option("--max-events", type=click.IntRange(1, 1000), default=100, show_default=True)
 @click.option(
-    "--lease-seconds", type=click.IntRange(60, 2_592_000), default=86_400, show_default=True
+    "--max-events",
+    type=click.IntRange(1, 1000),
+    default=100,
+    show_default=True,
+    help="Events per POST.",
+)
+@click.option(
+    "--lease-seconds",
+    type=click.IntRange(60, 2_592_000),
+    default=86_400,
+    show_default=True,
+    help="How long it lasts unless renewed (the same create, or PUT, again).",
 )
 @click.option("--no-data", is_flag=True, help="Send events without their data.")
 @click.option("--secret", help="The signing secret (whsec_...); made for you when absent.")
