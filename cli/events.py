@@ -138,7 +138,7 @@ def _events_to_append(
 @click.option(
     "--since",
     type=IsoTime(zone_required=True),
-    help="Read every partition from a recorded time on (ISO 8601 with a zone, e.g. ...Z).",
+    help="Read every partition after a recorded time, not at it (ISO 8601 with a zone).",
 )
 @click.option(
     "--limit",

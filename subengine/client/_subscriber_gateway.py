@@ -15,7 +15,7 @@ from subengine.client._deliveries import Batch, first_position
 from subengine.client._errors import GatewayError
 from subengine.client._items import Event, event_from_json, tombstone_from_json
 from subengine.model._events import Tombstone
-from subengine.model._gateway_cursor import StreamPosition
+from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 from subengine.model._json import loads
 
 
@@ -58,6 +58,21 @@ class SubscriberGateway:
         """GET /v1/streams/{name}: its epoch, partitions and the cursor at its heads."""
         answer: dict[str, Any] = self._request("GET", f"/v1/streams/{quote(name, safe='')}").json()
         return answer
+
+    def position_since(self, name: str, since: str) -> StreamPosition:
+        """Where a reader of stream `name` stands right before its events recorded after
+        `since`: the cursor of a one-event page read since then, with what that page
+        holds given back (each item sets its partition back to just before it)."""
+        page = self.events(name, [("since", since), ("limit", "1")])
+        at = GatewayCursor.decode(str(page["cursor"])).streams[name]
+        positions = list(at.positions)
+        for gap in page["tombstones"]:
+            positions[gap["partition"]] = min(positions[gap["partition"]], gap["gap_from"] - 1)
+        for event in page["events"]:
+            positions[event["partition"]] = min(
+                positions[event["partition"]], event["position"] - 1
+            )
+        return StreamPosition(at.epoch, tuple(positions))
 
     def events(self, name: str, params: Sequence[tuple[str, str]]) -> dict[str, Any]:
         """One page of GET /v1/streams/{name}/events."""

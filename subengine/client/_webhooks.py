@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Literal
 
@@ -55,12 +55,15 @@ class Subscriber:
     partition, pushed by the gateway to `callback` and pulled when pushes fail.
 
     `streams` names the streams, or maps each to a `StreamOptions` whose `keys` and
-    `types` filter it (where to start is this subscriber's `cursor` or `start`, and
-    `include_data` is the subscriber's). `cursor` is the one a subscriber stored
-    before; without one it starts at `start`: "now" (the heads when it starts) or
-    "beginning". `secret` ("whsec_" and base64) signs the deliveries; a random one
-    when None. `pull_after` is the seconds without an accepted push after which it
-    pulls; `tolerance` how far a delivery's timestamp may be from now. Once
+    `types` filter it (where to start is this subscriber's `cursor`, `since` or `start`,
+    and `include_data` is the subscriber's). `cursor` is the one a subscriber stored
+    before; without one it starts right after `since` (a time, aware datetime or RFC
+    3339 text: P3Sub's T0, such as the time of the resource it read or of the last
+    event it has; events recorded at that very time are not delivered), or else at
+    `start`: "now" (the heads when it starts) or "beginning". `secret` ("whsec_" and
+    base64) signs the deliveries; a random one when None. `pull_after` is the seconds
+    without an accepted push after which it pulls; `tolerance` how far a delivery's
+    timestamp may be from now. Once
     `max_queued` items wait in the queue, deliveries are answered 503, so the gateway
     retries them later (batches taken meanwhile may add up to `max_events` each beyond
     it). `api_key`, `timeout` and `client` are as for `Reader`.
@@ -78,6 +81,7 @@ class Subscriber:
         *,
         cursor: str | None = None,
         start: Literal["now", "beginning"] = "now",
+        since: str | datetime | None = None,
         secret: str | None = None,
         include_data: bool = True,
         max_events: int = 100,
@@ -95,6 +99,10 @@ class Subscriber:
             raise ValueError("a subscriber needs at least one stream")
         if start not in ("now", "beginning"):
             raise ValueError('start must be "now" or "beginning"')
+        if isinstance(since, datetime):
+            if since.tzinfo is None:
+                raise ValueError("since needs a time zone (an aware datetime)")
+            since = since.isoformat()
         if pull_after <= 0 or max_queued < 1:
             raise ValueError("pull_after must be positive and max_queued at least 1")
         self._selections: dict[str, Selection] = {}
@@ -108,6 +116,7 @@ class Subscriber:
             self._selections[name] = selection_of(options.keys, options.types, include_data)
         self._callback = callback
         self._start = start
+        self._since = since
         # the gateway's own rules: a secret it would refuse is refused here, at once
         self._secret = new_secret() if secret is None else validate_secret(secret)
         self._signatures = Signatures(self._secret, tolerance.total_seconds())
@@ -428,6 +437,8 @@ class Subscriber:
     # the subscription
 
     def _start_of(self, name: str) -> StreamPosition:
+        if self._since is not None:
+            return self._gateway.position_since(name, self._since)
         described = self._gateway.stream(name)
         if self._start == "now":
             return GatewayCursor.decode(described["cursor"]).streams[name]

@@ -277,7 +277,7 @@ class AsyncEngine:
     async def read_since(
         self, stream: str, since: datetime, limit: int | None = None
     ) -> list[Event | Tombstone]:
-        """Events of every partition recorded at or after `since`, oldest first."""
+        """Events of every partition recorded after `since` (not at it), oldest first."""
         query = _read.read_since(
             stream, since, self.settings.read_limit if limit is None else limit
         )
@@ -299,7 +299,7 @@ class AsyncEngine:
 
     async def positions_since(self, stream: str, since: datetime) -> tuple[int, list[int]]:
         """The stream's epoch, and per partition the position just before its first event
-        recorded at or after `since` (0 where retention removed such events)."""
+        recorded after `since` (0 where retention removed such events)."""
         query = _read.positions_since(stream, since)
         async with self.connection() as conn:
             return await self.sql.run_async(conn, query)

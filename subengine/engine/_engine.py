@@ -320,7 +320,7 @@ class Engine:
     def read_since(
         self, stream: str, since: datetime, limit: int | None = None
     ) -> list[Event | Tombstone]:
-        """Events of every partition recorded at or after `since`, oldest first.
+        """Events of every partition recorded after `since` (not at it), oldest first.
 
         For finding a starting point by time; to catch up, keep positions and use `read`.
         """
@@ -345,7 +345,7 @@ class Engine:
 
     def positions_since(self, stream: str, since: datetime) -> tuple[int, list[int]]:
         """The stream's epoch, and per partition the position just before its first event
-        recorded at or after `since` (0 where retention removed such events)."""
+        recorded after `since` (0 where retention removed such events)."""
         query = _read.positions_since(stream, since)
         with self.connection() as conn:
             return self.sql.run(conn, query)

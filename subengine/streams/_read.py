@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple, TypeVar
 
 from subengine.db._connection import psycopg_connection
@@ -111,15 +111,30 @@ def _read_after(
     return Query("read_after", params, read)
 
 
-def read_since(stream: str, since: datetime, limit: int) -> Query[list[Event | Tombstone]]:
-    """Up to `limit` events of every partition recorded at or after `since`, oldest
-    first; before them, a tombstone for each partition from which retention removed
-    events recorded at or after `since`. Their times went with them, so such a
-    tombstone names every position removed from the partition (from 1 to the floor's
-    eve): to read without that doubt, keep positions."""
-    validate_stream_name(stream)
+# PostgreSQL's timestamptz and Python's datetime both count whole microseconds.
+_RESOLUTION = timedelta(microseconds=1)
+
+
+def _right_after(since: object) -> datetime:
+    """The first time after `since` (P3Sub's "since": right after the time, not including
+    it): the queries ask "at or after" this, which is exactly "after `since`"."""
     if not isinstance(since, datetime) or since.tzinfo is None:
         raise InvalidInput(f"since must be a datetime with a time zone, not {since!r}")
+    try:
+        return since + _RESOLUTION
+    except OverflowError:
+        raise InvalidInput(f"since must be before {since.isoformat()}") from None
+
+
+def read_since(stream: str, since: datetime, limit: int) -> Query[list[Event | Tombstone]]:
+    """Up to `limit` events of every partition recorded after `since` (not at it: a
+    reader passes the time of the last event it has), oldest first; before them, a
+    tombstone for each partition from which retention removed events recorded after
+    `since`. Their times went with them, so such a tombstone names every position
+    removed from the partition (from 1 to the floor's eve): to read without that
+    doubt, keep positions."""
+    validate_stream_name(stream)
+    after = _right_after(since)
 
     def read(result: Result) -> list[Event | Tombstone]:
         if not result.rows:
@@ -132,7 +147,7 @@ def read_since(stream: str, since: datetime, limit: int) -> Query[list[Event | T
         items.extend(_events([row[3:] for row in result.rows]))
         return items
 
-    return Query("read_since", {"stream": stream, "since": since, "limit": _limit(limit)}, read)
+    return Query("read_since", {"stream": stream, "since": after, "limit": _limit(limit)}, read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,12 +214,12 @@ def read_page(stream: str, positions: Sequence[int], limit: int) -> Query[Page]:
 
 def positions_since(stream: str, since: datetime) -> Query[tuple[int, list[int]]]:
     """The stream's epoch, and the position of every partition just before its first
-    event recorded at or after `since`: exact, because recorded_at never decreases along
-    a partition. A partition from which retention removed events recorded at or after
-    `since` is at 0, so a read from there meets the gap first."""
+    event recorded after `since` (not at it: P3Sub's "since"): exact, because
+    recorded_at never decreases along a partition. A partition from which retention
+    removed events recorded after `since` is at 0, so a read from there meets the gap
+    first."""
     validate_stream_name(stream)
-    if not isinstance(since, datetime) or since.tzinfo is None:
-        raise InvalidInput(f"since must be a datetime with a time zone, not {since!r}")
+    after = _right_after(since)
 
     def read(result: Result) -> tuple[int, list[int]]:
         if not result.rows:
@@ -212,7 +227,7 @@ def positions_since(stream: str, since: datetime) -> Query[tuple[int, list[int]]
         epoch, positions = result.rows[0]
         return epoch, list(positions)
 
-    return Query("positions_since", {"stream": stream, "since": since}, read)
+    return Query("positions_since", {"stream": stream, "since": after}, read)
 
 
 def epochs_and_heads(streams: Sequence[str]) -> Query[dict[str, tuple[int, list[int] | None]]]:

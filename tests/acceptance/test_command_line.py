@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,15 @@ def test_the_documented_completion_scripts_load(tmp_path: Path) -> None:
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["reset", "resume"]
+
+
+def test_a_read_since_a_time_leaves_out_the_events_recorded_at_it(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str]
+) -> None:
+    engine.append(orders, [NewEvent(f"k{n}", "T", {"n": n}) for n in range(4)])
+    last_had = engine.read_since(orders, datetime(2000, 1, 1, tzinfo=UTC))[-1]
+    assert isinstance(last_had, subengine.Event)
+    engine.append(orders, [NewEvent("k1", "T", {"n": 4})])
+    since = last_had.recorded_at.isoformat()
+    later = run_subengine(cli_env, "read", orders, "--since", since, "--json")
+    assert [json.loads(line)["data"]["n"] for line in later.stdout.splitlines()] == [4]

@@ -13,9 +13,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from helpers import PASSWORD, GatewayProcess, GatewayProxy, free_port, wait_for
@@ -348,3 +350,21 @@ def test_a_watch_reads_several_streams_once_and_resumes_by_its_cursor(
         with collecting(resumed) as again:
             again.wait(lambda: len(again.events()) == 1, "the event after the cursor")
         assert numbers(again.items) == [15]
+
+
+def test_a_reader_since_a_time_reads_what_came_after_it_not_at_it(
+    twin: Twin, engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    append(engine, orders, 6)
+    # a reader passes the time of the last event it has
+    had = engine.read_since(orders, datetime(2000, 1, 1, tzinfo=UTC))[-1]
+    assert isinstance(had, subengine.Event)
+    append(engine, orders, 4, start=6)
+    items, _ = read_to_end(twin, gateway.url, orders, since=had.recorded_at)
+    assert sorted(numbers(items)) == [6, 7, 8, 9]
+    page = httpx.get(
+        f"{gateway.url}/v1/streams/{orders}/events",
+        params={"since": had.recorded_at.isoformat()},
+        timeout=TIMEOUT,
+    ).json()
+    assert sorted(e["data"]["n"] for e in page["events"]) == [6, 7, 8, 9]

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -147,3 +148,17 @@ def test_a_new_subscriber_resumes_from_the_cursor_the_last_one_handed_out(
         events += collect(subscriber, 28)
         assert subscriber.get(timeout=1.0) is None
     assert_once_in_order(events, appended, before)
+
+
+def test_a_subscriber_since_a_time_gets_what_came_after_it_not_at_it(
+    engine: subengine.Engine, orders: str, delivering_gateway: GatewayProcess
+) -> None:
+    # P3Sub's T0: the time of the last event the subscriber has
+    append(engine, 5)
+    last_had = engine.read_since("orders", datetime(2000, 1, 1, tzinfo=UTC))[-1]
+    assert isinstance(last_had, subengine.Event)
+    before = engine.heads("orders")
+    appended = append(engine, 20)
+    with subscribed(delivering_gateway, since=last_had.recorded_at, pull_after=600) as subscriber:
+        assert_once_in_order(collect(subscriber, 20), appended, before)
+        assert subscriber.get(timeout=1.0) is None  # none of those it had

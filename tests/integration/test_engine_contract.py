@@ -282,3 +282,17 @@ def test_stored_subscriptions_and_their_positions_are_reported(
 def test_without_workers_there_are_none_to_report_or_prune(either: Any) -> None:
     assert either.workers() == []
     assert either.prune_workers() == []
+
+
+def test_since_is_strictly_after_the_time(either: Any, orders: str) -> None:
+    started = server_now(either)
+    either.append(orders, [NewEvent(f"had-{n}", "T", {}) for n in range(6)])
+    # a subscriber passes the time of the last event it has
+    at = stored_events(either.read_since(orders, started))[-1].recorded_at
+    heads = either.heads(orders)
+    later = either.append(orders, [NewEvent(f"later-{n}", "T", {}) for n in range(3)])
+    assert {e.id for e in stored_events(either.read_since(orders, at))} == {a.id for a in later}
+    _, positions = either.positions_since(orders, at)
+    assert dict(enumerate(positions)) == heads
+    just_before = stored_events(either.read_since(orders, at - timedelta(microseconds=1)))
+    assert just_before[0].recorded_at == at and len(just_before) > 3
