@@ -188,7 +188,7 @@ def read(
         click.echo(
             _render.json_line({"tombstone": dataclasses.asdict(gap)}, ())
             if as_json
-            else f"# {gap} (floor {gap.floor}): the events after it follow"
+            else f"# {gap} ({_floor_and_head(gap)}): the events after it follow"
         )
     _render.print_records(
         events[:limit], EVENT_COLUMNS, as_json=as_json, hidden=HIDDEN_EVENT_FIELDS
@@ -204,6 +204,10 @@ def read(
             f"{_how_to_read_on(events[:limit], partition)}",
             err=True,
         )
+
+
+def _floor_and_head(gap: subengine.Tombstone) -> str:
+    return f"floor {gap.floor}" + ("" if gap.head is None else f", head {gap.head}")
 
 
 def _position(text: str) -> int:

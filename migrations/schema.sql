@@ -407,6 +407,8 @@ CREATE TABLE subengine.partitions (
     head_time timestamp with time zone,
     floor bigint DEFAULT 1 NOT NULL,
     floor_time timestamp with time zone,
+    aged_through bigint DEFAULT 0 NOT NULL,
+    capped_through bigint DEFAULT 0 NOT NULL,
     CONSTRAINT partitions_floor_check CHECK ((floor >= 1)),
     CONSTRAINT partitions_head_check CHECK ((head >= 0)),
     CONSTRAINT partitions_partition_check CHECK ((partition >= 0))
@@ -419,6 +421,10 @@ COMMENT ON COLUMN subengine.partitions.head_time IS 'recorded_at of the head eve
 COMMENT ON COLUMN subengine.partitions.floor IS 'Lowest position still stored.';
 
 COMMENT ON COLUMN subengine.partitions.floor_time IS 'recorded_at of the last event retention removed (position floor - 1).';
+
+COMMENT ON COLUMN subengine.partitions.aged_through IS 'The highest position retention removed while its age limit wanted it gone (0: none).';
+
+COMMENT ON COLUMN subengine.partitions.capped_through IS 'The highest position retention removed while its count limit wanted it gone (0: none).';
 
 CREATE FUNCTION subengine.next_event_time(stream_name text, partition_number integer, after bigint) RETURNS timestamp with time zone
     LANGUAGE sql STABLE STRICT PARALLEL SAFE

@@ -68,6 +68,7 @@ def tombstone_from_json(body: dict[str, Any]) -> Tombstone:
         gap_to=body["gap_to"],
         floor=body["floor"],
         reason=body.get("reason", "retention"),
+        head=body.get("head"),
     )
 
 

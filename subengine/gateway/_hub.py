@@ -59,6 +59,7 @@ def tombstone_body(tombstone: Tombstone) -> dict[str, Any]:
         "gap_to": tombstone.gap_to,
         "floor": tombstone.floor,
         "reason": tombstone.reason,
+        "head": tombstone.head,
     }
 
 

@@ -258,12 +258,29 @@ class Stream:
     retention: dict[str, Any] | None = None
 
 
+# A tombstone's reason as its message says it.
+_REMOVED_BY = {"ttl": "age limit", "cap": "size limit", "mixed": "age and size limits"}
+
+
+def gap_reason(gap_from: int, aged_through: int, capped_through: int) -> str:
+    """Why retention removed a gap starting at `gap_from`, given the partition's highest
+    positions removed by an age limit and by a count limit (positions go oldest first, so
+    each limit removed a prefix): "ttl" (age alone), "cap" (count alone), "mixed" (both
+    removed some of it), or "retention" where it went before the engine recorded why."""
+    aged, capped = gap_from <= aged_through, gap_from <= capped_through
+    if aged and capped:
+        return "mixed"
+    return "ttl" if aged else "cap" if capped else "retention"
+
+
 @dataclass(frozen=True, slots=True)
 class Tombstone:
     """A gap: positions `gap_from` to `gap_to` of a partition are no longer stored
     (retention removed them), so a reader that asked for them gets this instead, before
     any later event (DESIGN.md, "Retention and gaps"). `floor` is the partition's lowest
-    stored position when the gap was seen. A reader's cursor moves to `gap_to` with it.
+    stored position when the gap was seen, `head` its highest (None where the reader did
+    not read it). `reason` says why the range went (seed 002, see `gap_reason`). A
+    reader's cursor moves to `gap_to` with it.
     """
 
     stream: str
@@ -272,6 +289,7 @@ class Tombstone:
     gap_to: int
     floor: int
     reason: str = "retention"
+    head: int | None = None
 
     @property
     def position(self) -> int:
@@ -284,7 +302,8 @@ class Tombstone:
             if self.gap_from == self.gap_to
             else f"positions {self.gap_from} to {self.gap_to}"
         )
+        by = _REMOVED_BY.get(self.reason)
         return (
-            f"gap: {self.reason} removed {span} of partition {self.partition} of stream "
-            f"{self.stream!r}"
+            f"gap: retention removed {span} of partition {self.partition} of stream "
+            f"{self.stream!r}" + (f" by its {by}" if by else "")
         )

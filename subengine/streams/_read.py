@@ -21,7 +21,7 @@ from subengine.model._errors import (
     StreamBeingDeleted,
     StreamNotFound,
 )
-from subengine.model._events import Event, Tombstone, stored_events
+from subengine.model._events import Event, Tombstone, gap_reason, stored_events
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 from subengine.model._names import (
     BIGINT_MAX,
@@ -96,15 +96,16 @@ def _read_after(
     def read(result: Result) -> list[E | Tombstone]:
         if not result.rows:
             raise StreamNotFound(stream)
-        partitions, floor = result.rows[0][:2]
+        partitions, floor, head, aged_through, capped_through = result.rows[0][:5]
         if not 0 <= partition < partitions:
             raise PartitionNotFound(stream, partition, partitions)
         if floor is None:  # its partitions are gone first: `stream delete` is under way
             raise StreamBeingDeleted(stream)
         items: list[E | Tombstone] = []
         if after < floor - 1:
-            items.append(Tombstone(stream, partition, after + 1, floor - 1, floor))
-        items.extend(events([row[2:] for row in result.rows]))
+            reason = gap_reason(after + 1, aged_through, capped_through)
+            items.append(Tombstone(stream, partition, after + 1, floor - 1, floor, reason, head))
+        items.extend(events([row[5:] for row in result.rows]))
         return items
 
     params = {"stream": stream, "partition": partition, "after": after, "limit": _limit(limit)}
@@ -139,12 +140,14 @@ def read_since(stream: str, since: datetime, limit: int) -> Query[list[Event | T
     def read(result: Result) -> list[Event | Tombstone]:
         if not result.rows:
             raise StreamNotFound(stream)
-        _, gapped, floors = result.rows[0][:3]
+        _, gapped, floors, heads, aged, capped = result.rows[0][:6]
         items: list[Event | Tombstone] = [
-            Tombstone(stream, partition, 1, floor - 1, floor)
-            for partition, floor in zip(gapped or [], floors or [], strict=True)
+            Tombstone(stream, partition, 1, floor - 1, floor, gap_reason(1, *removed), head)
+            for partition, floor, head, *removed in zip(
+                gapped or [], floors or [], heads or [], aged or [], capped or [], strict=True
+            )
         ]
-        items.extend(_events([row[3:] for row in result.rows]))
+        items.extend(_events([row[6:] for row in result.rows]))
         return items
 
     return Query("read_since", {"stream": stream, "since": after, "limit": _limit(limit)}, read)
@@ -191,7 +194,7 @@ def read_page(stream: str, positions: Sequence[int], limit: int) -> Query[Page]:
     def read(result: Result) -> Page:
         if not result.rows:
             raise StreamNotFound(stream)
-        epoch, partitions, heads, floors = result.rows[0][:4]
+        epoch, partitions, heads, floors, aged, capped = result.rows[0][:6]
         if heads is None:  # its partitions are gone first: `stream delete` is under way
             raise StreamBeingDeleted(stream)
         if after and len(after) != partitions:
@@ -199,13 +202,21 @@ def read_page(stream: str, positions: Sequence[int], limit: int) -> Query[Page]:
             # tells), or none at all; the caller decides, nothing of it is read
             return Page(stream, epoch, tuple(heads), tuple(floors), [], [], fits=False)
         tombstones = [
-            Tombstone(stream, partition, position + 1, floor - 1, floor)
+            Tombstone(
+                stream,
+                partition,
+                position + 1,
+                floor - 1,
+                floor,
+                gap_reason(position + 1, aged[partition], capped[partition]),
+                heads[partition],
+            )
             for partition, (position, floor) in enumerate(
                 zip(after or [0] * partitions, floors, strict=True)
             )
             if position < floor - 1
         ]
-        events = _raw_events([row[4:] for row in result.rows])
+        events = _raw_events([row[6:] for row in result.rows])
         return Page(stream, epoch, tuple(heads), tuple(floors), tombstones, events)
 
     params = {"stream": stream, "positions": after, "limit": _limit(limit)}

@@ -62,6 +62,9 @@ class PartitionCut:
     cut: int
     keep: bool = False  # keep_unprocessed: each batch checks the subscriptions again
     hard: int | None = None  # then the hard limits' cut
+    # positions below `aged` the age limits want gone, below `capped` the count limits
+    aged: int = 0
+    capped: int = 0
 
     @property
     def removable(self) -> int:
@@ -113,6 +116,8 @@ def _prune_range(cut: PartitionCut, start: int, end: int) -> Query[tuple[int, in
         "to": end,
         "keep": cut.keep,
         "hard": cut.hard,
+        "aged": cut.aged,
+        "capped": cut.capped,
     }
 
     def read(result: Result) -> tuple[int, int] | None:

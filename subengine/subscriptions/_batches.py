@@ -23,7 +23,7 @@ from subengine.model._errors import (
     StoppedAtGap,
     SubscriptionNotFound,
 )
-from subengine.model._events import Event, Tombstone, stored_events
+from subengine.model._events import Event, Tombstone, gap_reason, stored_events
 from subengine.subscriptions._failures import BatchFailed, database_trouble, stop_partition
 
 
@@ -263,13 +263,14 @@ def _missing(
     retention removed it: a gap, which the subscription's policy passes (recorded, after
     its gap handler if it has one) or stops before. At or above the floor, the events
     are missing for another reason: the partition stops before them."""
-    floor, kept = db.run(
+    floor, kept, partition_head, aged_through, capped_through = db.run(
         Query(
             "partition_floor",
             {"name": subscription.name, "stream": subscription.stream, "partition": partition},
-            lambda result: (int(result.rows[0][0]), result.rows[0][1]),
+            lambda result: result.rows[0],
         )
     )
+    floor = int(floor)
     if old + 1 >= floor:
         last = found - 1 if found is not None else head
         missing = PositionsMissing(subscription.name, subscription.stream, partition, old + 1, last)
@@ -277,7 +278,8 @@ def _missing(
         return _Batch([], missing)
     # a retried gap keeps its bounds, though retention removed more since
     last = floor - 1 if kept is None or kept <= old else min(floor - 1, int(kept))
-    gap = Tombstone(subscription.stream, partition, old + 1, last, floor)
+    reason = gap_reason(old + 1, aged_through, capped_through)
+    gap = Tombstone(subscription.stream, partition, old + 1, last, floor, reason, partition_head)
     if subscription.on_gap == "stop":
         stopped = StoppedAtGap(subscription.name, gap)
         db.run(stop_partition(subscription.name, partition, old, generation, stopped))

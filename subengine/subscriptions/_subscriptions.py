@@ -29,7 +29,7 @@ from subengine.model._errors import (
     SubscriptionMismatch,
     SubscriptionNotFound,
 )
-from subengine.model._events import Tombstone
+from subengine.model._events import Tombstone, gap_reason
 from subengine.model._names import INTEGER_MAX, validate_stream_name, validate_whole_number
 from subengine.streams._streams import get_stream, partition_states
 from subengine.subscriptions._batches import record_gap
@@ -152,13 +152,14 @@ def skip_gap(db: Db, name: str, partition: int) -> Tombstone:
             if db.run(Query("subscription_exists", {"name": name}, first_row)) is None:
                 raise SubscriptionNotFound(f"no subscription named {name!r}")
             raise InvalidInput(f"subscription {name!r} has no partition {partition}")
-        position, generation, stream, floor = row
+        position, generation, stream, floor, head, aged_through, capped_through = row
         if position >= floor - 1:
             raise InvalidInput(
                 f"partition {partition} of subscription {name!r} has no gap: its position "
                 f"{position} is at or past the floor's eve ({floor - 1}); nothing to skip"
             )
-        gap = Tombstone(stream, partition, position + 1, floor - 1, floor)
+        reason = gap_reason(position + 1, aged_through, capped_through)
+        gap = Tombstone(stream, partition, position + 1, floor - 1, floor, reason, head)
         db.run(record_gap(name, generation, gap, "accepted"))
         db.run(Query("accept_gap", {**where, "stream": stream, "position": floor - 1}, nothing))
         return gap

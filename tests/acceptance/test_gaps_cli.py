@@ -32,8 +32,8 @@ def test_read_prints_a_tombstone_line_before_the_events_after_the_gap(
     pruned(engine)
     lines = run(cli_env, "read", "capped", "--partition", "0").stdout.splitlines()
     assert lines[0] == (
-        "# gap: retention removed positions 1 to 6 of partition 0 of stream 'capped' "
-        "(floor 7): the events after it follow"
+        "# gap: retention removed positions 1 to 6 of partition 0 of stream 'capped' by its "
+        "size limit (floor 7, head 10): the events after it follow"
     )
     assert [line.split()[1] for line in lines[2:]] == ["7", "8", "9", "10"]  # after the header
     as_json = [
@@ -46,7 +46,8 @@ def test_read_prints_a_tombstone_line_before_the_events_after_the_gap(
             "gap_from": 1,
             "gap_to": 6,
             "floor": 7,
-            "reason": "retention",
+            "reason": "cap",
+            "head": 10,
         }
     }
     assert [item["position"] for item in as_json[1:]] == [7, 8, 9, 10]
@@ -64,7 +65,7 @@ def test_a_stopped_gap_shows_in_the_views_and_skip_gap_accepts_it(
     out = run(cli_env, "subscription", "skip-gap", "billing", "--partition", "0").stdout
     assert out.strip() == (
         "subscription 'billing' skipped the gap: retention removed positions 1 to 6 of "
-        "partition 0 of stream 'capped'; it goes on from position 7"
+        "partition 0 of stream 'capped' by its size limit; it goes on from position 7"
     )
     [row] = [
         json.loads(line)

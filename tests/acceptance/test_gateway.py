@@ -222,7 +222,8 @@ def test_a_cursor_below_the_floor_gets_the_exact_tombstone_first(
             "gap_from": 3,
             "gap_to": 7,
             "floor": 8,
-            "reason": "retention",
+            "reason": "cap",
+            "head": 12,
         }
     ]
     assert numbers(page["events"]) == [7, 8, 9, 10, 11]
@@ -233,7 +234,8 @@ def test_a_cursor_below_the_floor_gets_the_exact_tombstone_first(
     )
     kinds = [f.kind for f in frames if f.kind != ":"]
     assert kinds[:2] == ["tombstone", "events"]
-    assert frames[[f.kind for f in frames].index("tombstone")].data["gap_to"] == 7
+    tombstone = frames[[f.kind for f in frames].index("tombstone")].data
+    assert (tombstone["gap_to"], tombstone["reason"], tombstone["head"]) == (7, "cap", 12)
 
 
 def test_a_re_created_stream_gives_reset(engine: subengine.Engine, gateway: GatewayProcess) -> None:

@@ -51,13 +51,33 @@ def test_a_read_below_the_floor_yields_the_gap_before_the_events(
     single(engine)
     prune(engine)
     items = engine.read("single", 0)
-    assert items[0] == Tombstone("single", 0, 1, 6, 7, "retention")
+    assert items[0] == Tombstone("single", 0, 1, 6, 7, "cap", 10)
     assert [item.position for item in items[1:]] == [7, 8, 9, 10]
     assert all(isinstance(item, subengine.Event) for item in items[1:])
     # from inside the gap, the tombstone names only what is left of it
-    assert engine.read("single", 0, after=4)[0] == Tombstone("single", 0, 5, 6, 7)
+    assert engine.read("single", 0, after=4)[0] == Tombstone("single", 0, 5, 6, 7, "cap", 10)
     # from the floor's eve on, nothing is missing
     assert [item.position for item in engine.read("single", 0, after=6)] == [7, 8, 9, 10]
+
+
+def test_a_tombstone_says_whether_age_count_or_both_removed_its_range(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("aging", partitions=1, retention=Retention(max_age="1h"))
+    for n in range(6):
+        engine.append("aging", [NewEvent(f"k{n}", "T", {"n": n})])
+    sql.execute(
+        "UPDATE subengine.events SET recorded_at = recorded_at - interval '2 hours'"
+        " WHERE stream = 'aging' AND position <= 3"
+    )
+    prune(engine)  # 1 to 3: too old
+    assert engine.read("aging", 0)[0] == Tombstone("aging", 0, 1, 3, 4, "ttl", 6)
+    engine.set_retention("aging", Retention(max_age="1h", max_events=2))
+    prune(engine)  # 4: one too many
+    # each reader is told exactly what removed the range it missed
+    assert engine.read("aging", 0)[0] == Tombstone("aging", 0, 1, 4, 5, "mixed", 6)
+    assert engine.read("aging", 0, after=3)[0] == Tombstone("aging", 0, 4, 4, 5, "cap", 6)
+    assert str(engine.read("aging", 0, after=3)[0]).endswith("'aging' by its size limit")
 
 
 def test_a_read_by_time_names_the_partitions_that_lost_events_since(
@@ -67,7 +87,7 @@ def test_a_read_by_time_names_the_partitions_that_lost_events_since(
     single(engine)
     prune(engine)
     items = engine.read_since("single", before)
-    assert items[0] == Tombstone("single", 0, 1, 6, 7)
+    assert items[0] == Tombstone("single", 0, 1, 6, 7, "cap", 10)
     assert [item.position for item in items[1:]] == [7, 8, 9, 10]
     # after the last removed event's time, no gap
     last_removed = engine.read("single", 0, after=6)[0]
@@ -85,7 +105,7 @@ def test_the_async_engine_reads_the_gap_too(dsn: str, engine: subengine.Engine) 
             return await async_engine.read("single", 0)
 
     items = asyncio.run(read())
-    assert items[0] == Tombstone("single", 0, 1, 6, 7)
+    assert items[0] == Tombstone("single", 0, 1, 6, 7, "cap", 10)
     assert [item.position for item in items[1:]] == [7, 8, 9, 10]
 
 
@@ -97,11 +117,11 @@ def test_a_tail_yields_the_gap_before_later_events_and_moves_its_cursor_past_it(
     with engine.tail("single", types=["Other"]) as tail:
         first = tail.next_event(timeout=5)
         # the filter does not hide the gap: it may have held wanted events
-        assert first == Tombstone("single", 0, 1, 6, 7)
+        assert first == Tombstone("single", 0, 1, 6, 7, "cap", 10)
         assert str(tail.cursor) == "single:6"
     with engine.tail("single", after="single:2") as tail:
         items = [tail.next_event(timeout=5) for _ in range(5)]
-    assert items[0] == Tombstone("single", 0, 3, 6, 7)
+    assert items[0] == Tombstone("single", 0, 3, 6, 7, "cap", 10)
     assert [item.position for item in items[1:] if item is not None] == [7, 8, 9, 10]
 
 
@@ -124,10 +144,10 @@ def test_policy_stop_halts_the_partition_in_state_gap_until_an_operator_skips_it
         assert effects(sql) == []
         assert "subengine subscription skip-gap billing --partition 0" in str(status.last_error)
         gap = fast_engine.skip_gap("billing", 0)
-        assert gap == Tombstone("single", 0, 1, 6, 7)
+        assert gap == Tombstone("single", 0, 1, 6, 7, "cap", 10)
         wait_for(lambda: count(sql) == 4)
     assert effects(sql) == [7, 8, 9, 10]
-    assert gaps(sql) == [("billing", 0, 1, 6, 7, "retention", "accepted")]
+    assert gaps(sql) == [("billing", 0, 1, 6, 7, "cap", "accepted")]
     [status] = fast_engine.subscription_status("billing")
     assert status.state == "idle"
     with pytest.raises(subengine.InvalidInput, match="has no gap"):
@@ -145,7 +165,7 @@ def test_policy_skip_records_the_exact_gap_and_handles_every_retained_event_once
     with Running(app, fast_engine):
         wait_for(lambda: count(sql) == 10)
     assert effects(sql) == list(range(21, 31))
-    assert gaps(sql) == [("billing", 0, 1, 20, 21, "retention", "skipped")]
+    assert gaps(sql) == [("billing", 0, 1, 20, 21, "cap", "skipped")]
 
 
 def test_a_gap_handler_writes_with_the_position_that_passes_the_gap(
@@ -169,9 +189,9 @@ def test_a_gap_handler_writes_with_the_position_that_passes_the_gap(
     prune(fast_engine)
     with Running(app, fast_engine):
         wait_for(lambda: count(sql) == 4)
-    assert calls == [Tombstone("single", 0, 1, 6, 7)] * 2
+    assert calls == [Tombstone("single", 0, 1, 6, 7, "cap", 10)] * 2
     assert sql.execute("SELECT * FROM incomplete").fetchall() == [(1, 6)]
-    assert gaps(sql) == [("billing", 0, 1, 6, 7, "retention", "handled")]
+    assert gaps(sql) == [("billing", 0, 1, 6, 7, "cap", "handled")]
     assert effects(sql) == [7, 8, 9, 10]
 
 
@@ -188,7 +208,7 @@ def test_an_at_least_once_subscription_passes_a_gap_with_its_record(
     with Running(app, fast_engine):
         wait_for(lambda: len(seen) == 4)
     assert seen == [7, 8, 9, 10]
-    assert gaps(sql) == [("mailer", 0, 1, 6, 7, "retention", "skipped")]
+    assert gaps(sql) == [("mailer", 0, 1, 6, 7, "cap", "skipped")]
 
 
 def test_a_gap_handler_cannot_go_with_policy_skip() -> None:

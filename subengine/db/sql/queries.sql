@@ -78,14 +78,14 @@ WITH policies AS (
       FROM {schema}.streams s
      WHERE s.retention IS NOT NULL
        AND (%(stream)s::text IS NULL OR s.name = %(stream)s)
-), limits AS (
+), each_limit AS (
     SELECT p.stream, p.partition, p.floor, p.head, pol.keep,
-           greatest(p.head - pol.max_events + 1,
-                    {schema}.retention_age_cut(p.stream, p.partition, p.head, p.head_time,
-                                               pol.cutoff)) AS soft,
-           greatest(p.head - pol.hard_max_events + 1,
-                    {schema}.retention_age_cut(p.stream, p.partition, p.head, p.head_time,
-                                               pol.hard_cutoff)) AS hard,
+           p.head - pol.max_events + 1 AS count_soft,
+           {schema}.retention_age_cut(p.stream, p.partition, p.head, p.head_time,
+                                      pol.cutoff) AS age_soft,
+           p.head - pol.hard_max_events + 1 AS count_hard,
+           {schema}.retention_age_cut(p.stream, p.partition, p.head, p.head_time,
+                                      pol.hard_cutoff) AS age_hard,
            (SELECT min(sp.position) + 1
               FROM {schema}.subscription_positions sp
               JOIN {schema}.subscriptions sub ON sub.name = sp.subscription
@@ -93,12 +93,18 @@ WITH policies AS (
                AS unprocessed
       FROM policies pol
       JOIN {schema}.partitions p ON p.stream = pol.stream
+), limits AS (
+    SELECT *, greatest(count_soft, age_soft) AS soft, greatest(count_hard, age_hard) AS hard
+      FROM each_limit
 )
 SELECT stream, partition, floor, head,
        greatest(floor, least(head + 1,
                              CASE WHEN keep THEN greatest(least(soft, unprocessed), hard)
                                   ELSE soft END)) AS cut,
-       keep, hard
+       keep, hard,
+       -- positions below these the age limits, and the count limits, want gone
+       coalesce(greatest(age_soft, age_hard), 0) AS aged,
+       coalesce(greatest(count_soft, count_hard), 0) AS capped
   FROM limits
  ORDER BY stream, partition
 
@@ -112,7 +118,9 @@ SELECT stream, partition, floor, head,
 -- event goes on at the version after its last one. The partition row is locked only by
 -- the final UPDATE, after the deletes (it needs `summary`), so an append to the
 -- partition waits at most for that UPDATE and the commit. `floor_time` becomes the time
--- of the last event removed. A partition whose row is gone (its stream being deleted)
+-- of the last event removed; `aged_through` and `capped_through` the last position
+-- removed below %(aged)s and %(capped)s, the cuts of the age and count limits (why it
+-- went: a tombstone's reason). A partition whose row is gone (its stream being deleted)
 -- loses nothing here and returns no row. Returns how many rows went and the floor.
 WITH bound AS (
     SELECT CASE WHEN %(keep)s
@@ -138,15 +146,24 @@ WITH bound AS (
 UPDATE {schema}.partitions p
    SET floor = greatest(p.floor, bound.upto),
        floor_time = coalesce(
-           CASE WHEN p.floor < bound.upto THEN summary.last_time END, p.floor_time)
+           CASE WHEN p.floor < bound.upto THEN summary.last_time END, p.floor_time),
+       aged_through = CASE WHEN p.floor < bound.upto
+                           THEN greatest(p.aged_through, least(%(aged)s::bigint, bound.upto) - 1)
+                           ELSE p.aged_through END,
+       capped_through = CASE WHEN p.floor < bound.upto
+                             THEN greatest(p.capped_through,
+                                           least(%(capped)s::bigint, bound.upto) - 1)
+                             ELSE p.capped_through END
   FROM summary, bound
  WHERE p.stream = %(stream)s AND p.partition = %(partition)s
 RETURNING summary.removed, p.floor
 
 -- name: lock_gap
 -- A subscription's position row in one partition, locked (waiting for a batch that holds
--- it), with its stream and the partition's floor: an operator is about to accept a gap.
-SELECT sp.position, sp.generation, s.stream, p.floor
+-- it), with its stream and the partition's floor, head and what its age and count limits
+-- removed (the gap's reason): an operator is about to accept a gap.
+SELECT sp.position, sp.generation, s.stream, p.floor, p.head, p.aged_through,
+       p.capped_through
   FROM {schema}.subscription_positions sp
   JOIN {schema}.subscriptions s ON s.name = sp.subscription
   JOIN {schema}.partitions p ON p.stream = s.stream AND p.partition = sp.partition
@@ -164,8 +181,9 @@ UPDATE {schema}.subscription_positions
 
 -- name: partition_floor
 -- A partition's floor, read after its events were found missing (it may have risen), and
--- the bounds a retried batch of the subscription's partition keeps (see fix_batch).
-SELECT p.floor, sp.batch_through
+-- the bounds a retried batch of the subscription's partition keeps (see fix_batch); with
+-- its head and what its age and count limits removed (a gap's reason).
+SELECT p.floor, sp.batch_through, p.head, p.aged_through, p.capped_through
   FROM {schema}.partitions p
   LEFT JOIN {schema}.subscription_positions sp
     ON sp.subscription = %(name)s AND sp.partition = p.partition
@@ -186,8 +204,9 @@ VALUES (%(name)s, %(stream)s, %(partition)s, %(generation)s, %(gap_from)s, %(gap
 -- longer stored, and a read from before it meets their gap. Data and metadata come as
 -- JSON text: the gateway relays them as they are, and the engine decodes them when they
 -- are read.
-SELECT s.partitions, p.floor, e.id, e.stream, e.partition, e.position, e.key,
-       e.key_version, e.type, e.data::text, e.metadata::text, e.occurred_at, e.recorded_at
+SELECT s.partitions, p.floor, p.head, p.aged_through, p.capped_through, e.id, e.stream,
+       e.partition, e.position, e.key, e.key_version, e.type, e.data::text,
+       e.metadata::text, e.occurred_at, e.recorded_at
   FROM {schema}.streams s
   LEFT JOIN {schema}.partitions p ON p.stream = s.name AND p.partition = %(partition)s
   LEFT JOIN LATERAL (
@@ -204,13 +223,16 @@ SELECT s.partitions, p.floor, e.id, e.stream, e.partition, e.position, e.key,
 -- snapshot, the partitions from which retention removed events recorded at or after the
 -- time (their floor_time is not older), with their floors. Data and metadata come as JSON
 -- text, which the engine decodes when they are read.
-SELECT s.partitions, g.partitions, g.floors, e.id, e.stream, e.partition, e.position,
-       e.key, e.key_version, e.type, e.data::text, e.metadata::text, e.occurred_at,
-       e.recorded_at
+SELECT s.partitions, g.partitions, g.floors, g.heads, g.aged, g.capped, e.id, e.stream,
+       e.partition, e.position, e.key, e.key_version, e.type, e.data::text,
+       e.metadata::text, e.occurred_at, e.recorded_at
   FROM {schema}.streams s
   CROSS JOIN LATERAL (
         SELECT array_agg(p.partition ORDER BY p.partition) AS partitions,
-               array_agg(p.floor ORDER BY p.partition) AS floors
+               array_agg(p.floor ORDER BY p.partition) AS floors,
+               array_agg(p.head ORDER BY p.partition) AS heads,
+               array_agg(p.aged_through ORDER BY p.partition) AS aged,
+               array_agg(p.capped_through ORDER BY p.partition) AS capped
           FROM {schema}.partitions p
          WHERE p.stream = s.name AND p.floor_time >= %(since)s) g
   LEFT JOIN LATERAL (
@@ -228,13 +250,15 @@ SELECT s.partitions, g.partitions, g.floors, e.id, e.stream, e.partition, e.posi
 -- partition's events come in position order), with the stream's epoch, partition count,
 -- heads and floors read in the same snapshot as the events. Data and metadata come as
 -- JSON text, which the gateway relays without decoding.
-SELECT s.epoch, s.partitions, h.heads, h.floors, e.id, e.stream, e.partition, e.position,
-       e.key, e.key_version, e.type, e.data::text, e.metadata::text, e.occurred_at,
-       e.recorded_at
+SELECT s.epoch, s.partitions, h.heads, h.floors, h.aged, h.capped, e.id, e.stream,
+       e.partition, e.position, e.key, e.key_version, e.type, e.data::text,
+       e.metadata::text, e.occurred_at, e.recorded_at
   FROM {schema}.streams s
   CROSS JOIN LATERAL (
         SELECT array_agg(p.head ORDER BY p.partition) AS heads,
-               array_agg(p.floor ORDER BY p.partition) AS floors
+               array_agg(p.floor ORDER BY p.partition) AS floors,
+               array_agg(p.aged_through ORDER BY p.partition) AS aged,
+               array_agg(p.capped_through ORDER BY p.partition) AS capped
           FROM {schema}.partitions p
          WHERE p.stream = s.name) h
   LEFT JOIN LATERAL (
