@@ -15,7 +15,14 @@ from ._errors import CommandError
 
 F = TypeVar("F", bound=Callable[..., object])
 
-OPTIONS = ("max_age", "max_events", "keep_unprocessed", "hard_max_age", "hard_max_events")
+OPTIONS = (
+    "max_age",
+    "max_events",
+    "max_bytes",
+    "keep_unprocessed",
+    "hard_max_age",
+    "hard_max_events",
+)
 # The engine names a policy's fields as Python does; the command's user typed options.
 _FIELD = re.compile(r"\b(" + "|".join(OPTIONS) + r")\b")
 
@@ -26,7 +33,8 @@ def option_name(field: str) -> str:
 
 
 def retention_options(command: F) -> F:
-    """--max-age, --max-events, --keep-unprocessed, --hard-max-age, --hard-max-events."""
+    """--max-age, --max-events, --max-bytes, --keep-unprocessed, --hard-max-age,
+    --hard-max-events."""
     options = [
         click.option(
             "--max-age",
@@ -38,6 +46,12 @@ def retention_options(command: F) -> F:
             type=int,
             metavar="N",
             help="Keep at most the newest N events of each partition.",
+        ),
+        click.option(
+            "--max-bytes",
+            type=int,
+            metavar="N",
+            help="Keep at most N bytes of event data and metadata per partition (newest first).",
         ),
         click.option(
             "--keep-unprocessed",

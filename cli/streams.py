@@ -35,6 +35,7 @@ def stream_create(
     partitions: int,
     max_age: str | None,
     max_events: int | None,
+    max_bytes: int | None,
     keep_unprocessed: bool | None,
     hard_max_age: str | None,
     hard_max_events: int | None,
@@ -45,6 +46,7 @@ def stream_create(
     policy = _retention.policy(
         max_age=max_age,
         max_events=max_events,
+        max_bytes=max_bytes,
         keep_unprocessed=keep_unprocessed,
         hard_max_age=hard_max_age,
         hard_max_events=hard_max_events,
@@ -70,6 +72,7 @@ def stream_alter(
     name: str,
     max_age: str | None,
     max_events: int | None,
+    max_bytes: int | None,
     keep_unprocessed: bool | None,
     hard_max_age: str | None,
     hard_max_events: int | None,
@@ -81,6 +84,7 @@ def stream_alter(
     retention = {
         "max_age": max_age,
         "max_events": max_events,
+        "max_bytes": max_bytes,
         "keep_unprocessed": keep_unprocessed,
         "hard_max_age": hard_max_age,
         "hard_max_events": hard_max_events,
@@ -89,7 +93,7 @@ def stream_alter(
         raise click.UsageError("--keep-all removes the policy: give it without other options")
     if not keep_all and not _retention.given(retention):
         raise click.UsageError(
-            "give the new policy (--max-age, --max-events, --keep-unprocessed, "
+            "give the new policy (--max-age, --max-events, --max-bytes, --keep-unprocessed, "
             "--hard-max-age, --hard-max-events) or --keep-all to remove it"
         )
     policy = None if keep_all else _retention.policy(**retention)

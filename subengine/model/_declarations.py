@@ -79,16 +79,22 @@ def _age(value: object, what: str) -> timedelta | None:
     return age
 
 
+# A policy's limits, in the order they are stored and shown
+_LIMITS = ("max_age", "max_events", "max_bytes", "hard_max_age", "hard_max_events")
+
+
 @dataclass(frozen=True)
 class Retention:
     """A stream's retention policy (DESIGN.md, "Retention and gaps").
 
-    An event is removed when it is older than `max_age` (by the time it was recorded)
-    or when its partition holds more than `max_events` newer events: either limit
-    removes it. With `keep_unprocessed`, an event a subscription of the stream has not
-    handled yet is kept despite them, until it passes a hard limit (`hard_max_age`,
-    `hard_max_events`, at least one required): a slow consumer loses nothing, a dead one
-    cannot fill the disk. Ages are timedeltas or strings like '7d'.
+    An event is removed when it is older than `max_age` (by the time it was recorded),
+    when its partition holds more than `max_events` newer events, or when it and the
+    newer events of its partition hold more than `max_bytes` bytes of data and metadata
+    (as PostgreSQL writes them as JSON text): any limit removes it. With
+    `keep_unprocessed`, an event a subscription of the stream has not handled yet is
+    kept despite them, until it passes a hard limit (`hard_max_age`, `hard_max_events`,
+    at least one required): a slow consumer loses nothing, a dead one cannot fill the
+    disk. Ages are timedeltas or strings like '7d'.
     """
 
     max_age: timedelta | str | None = None
@@ -96,17 +102,18 @@ class Retention:
     keep_unprocessed: bool = False
     hard_max_age: timedelta | str | None = None
     hard_max_events: int | None = None
+    max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_age", "hard_max_age"):
             object.__setattr__(self, name, _age(getattr(self, name), name))
-        for name in ("max_events", "hard_max_events"):
+        for name in ("max_events", "hard_max_events", "max_bytes"):
             if getattr(self, name) is not None:
                 validate_whole_number(getattr(self, name), name, 1, MAX_EVENTS_LIMIT)
         if not isinstance(self.keep_unprocessed, bool):
             raise InvalidInput("keep_unprocessed must be True or False")
-        if self.max_age is None and self.max_events is None:
-            raise InvalidInput("a retention policy needs max_age, max_events or both")
+        if self.max_age is None and self.max_events is None and self.max_bytes is None:
+            raise InvalidInput("a retention policy needs max_age, max_events or max_bytes")
         hard = self.hard_max_age is not None or self.hard_max_events is not None
         if self.keep_unprocessed and not hard:
             raise InvalidInput(
@@ -127,7 +134,7 @@ class Retention:
     def to_json(self) -> dict[str, Any]:
         """The stored form: ages in whole seconds, unset limits left out."""
         stored: dict[str, Any] = {}
-        for name in ("max_age", "max_events", "hard_max_age", "hard_max_events"):
+        for name in _LIMITS:
             value = getattr(self, name)
             if isinstance(value, timedelta):
                 value = int(value.total_seconds())
@@ -148,13 +155,14 @@ class Retention:
         return cls(
             max_events=stored.get("max_events"),
             hard_max_events=stored.get("hard_max_events"),
+            max_bytes=stored.get("max_bytes"),
             keep_unprocessed=bool(stored.get("keep_unprocessed", False)),
             **ages,
         )
 
     def __str__(self) -> str:
         parts = []
-        for name in ("max_age", "max_events", "hard_max_age", "hard_max_events"):
+        for name in _LIMITS:
             value = getattr(self, name)
             if value is not None:
                 shown = describe_duration(value) if isinstance(value, timedelta) else value

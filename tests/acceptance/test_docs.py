@@ -120,6 +120,7 @@ def test_every_command_of_the_retention_page_runs(
         assert result.returncode == 0, (command, result.stderr)
     # what the commands left: orders altered to 30 days alone, payments keeping all
     assert sql.execute("SELECT name, retention FROM subengine.streams ORDER BY 1").fetchall() == [
+        ("clicks", {"max_bytes": 100_000_000}),
         ("orders", {"max_age": 30 * 86400}),
         ("payments", None),
     ]

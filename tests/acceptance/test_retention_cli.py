@@ -187,7 +187,7 @@ def test_stream_alter_keep_all_removes_the_policy(
         (
             ["stream", "create", "fresh", "--partitions", "2", "--keep-unprocessed"],
             1,
-            "a retention policy needs --max-age, --max-events or both",
+            "a retention policy needs --max-age, --max-events or --max-bytes",
         ),
         (["stream", "alter", "orders", "--max-age", "0d"], 1, "--max-age must be"),
         (["stream", "alter", "orders", "--max-age", "99999999w"], 1, "--max-age must be from"),
@@ -200,7 +200,7 @@ def test_stream_alter_keep_all_removes_the_policy(
         (
             ["stream", "alter", "orders"],
             2,
-            "give the new policy (--max-age, --max-events, --keep-unprocessed, "
+            "give the new policy (--max-age, --max-events, --max-bytes, --keep-unprocessed, "
             "--hard-max-age, --hard-max-events) or --keep-all to remove it",
         ),
         (
@@ -362,3 +362,20 @@ def test_retention_run_while_another_pruner_runs_exits_75_and_removes_nothing(
     assert (as_json.returncode, as_json.stdout) == (75, "")
     assert stored_state(sql) == before
     assert run(cli_env, "retention", "run").stdout.startswith("stream 'orders': removed 9")
+
+
+def test_max_bytes_keeps_the_newest_events_that_fit_in_each_partition(
+    cli_env: dict[str, str], engine: subengine.Engine
+) -> None:
+    # each event holds 10 bytes: data {"n": 1} (8) and metadata {} (2), as PostgreSQL writes them
+    created = run(cli_env, "stream", "create", "sized", "--partitions", "2", "--max-bytes", "35")
+    assert created.stdout.endswith("retention: max-bytes 35\n")
+    key = key_in(1, 2)
+    engine.append("sized", [NewEvent(key, "T", {"n": n}) for n in range(10)])
+    run(cli_env, "retention", "run")
+    assert floors(cli_env, "sized") == {0: 1, 1: 8}  # 8, 9 and 10 fit; a fourth would not
+    [gap] = json_lines(run(cli_env, "read", "sized", "--partition", "1", "--json").stdout)[:1]
+    assert gap["tombstone"] == {
+        "stream": "sized", "partition": 1, "gap_from": 1, "gap_to": 7, "floor": 8,
+        "reason": "cap", "head": 10,
+    }  # fmt: skip

@@ -519,3 +519,24 @@ def test_a_stream_deleted_during_a_run_is_left_to_the_delete(
     assert run.partitions == []
     left = sql.execute("SELECT count(*) FROM subengine.events WHERE stream = 'going'").fetchone()
     assert left == (20,)  # the delete removes them, and the stream
+
+
+def test_max_bytes_keeps_the_newest_events_that_fit_in_each_partition(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    # sizes as PostgreSQL writes data and metadata as text: {"s": "…"} is 9 bytes and the
+    # text's, no metadata {} 2 more
+    engine.create_stream("sized", 2, retention=Retention(max_bytes=100))
+    keys = [key_in(0, partitions=2), key_in(1, partitions=2)]
+    sizes = [60, 12, 30, 40, 20]  # each event's, newest last
+    engine.append("sized", [NewEvent(keys[0], "T", {"s": "x" * (n - 11)}) for n in sizes])
+    engine.append("sized", [NewEvent(keys[1], "T", {"s": "x"}) for _ in range(3)])
+
+    run = engine.run_retention()
+
+    # 20, 40 and 30 bytes fit in 100; with 12 more they would not
+    assert stored_positions(sql, "sized") == {0: [3, 4, 5], 1: [1, 2, 3]}
+    assert [(p.partition, p.first, p.last) for p in run.partitions] == [(0, 1, 2)]
+    [gap] = [item for item in engine.read("sized", 0) if isinstance(item, subengine.Tombstone)]
+    assert (gap.gap_from, gap.gap_to, gap.reason, gap.head) == (1, 2, "cap", 5)
+    assert Retention.from_json(Retention(max_bytes=100).to_json()) == Retention(max_bytes=100)

@@ -57,8 +57,10 @@ SELECT pg_advisory_unlock(hashtext('subengine retention'), hashtext(%(schema)s))
 
 -- name: retention_plan
 -- Where retention wants each partition's floor now (`cut`: positions below it go), for
--- the streams with a policy, or one stream. An event goes when it is older than max_age
--- or when more than max_events newer events follow it in its partition; with
+-- the streams with a policy, or one stream. An event goes when it is older than max_age,
+-- when more than max_events newer events follow it in its partition, or when it and the
+-- newer events of its partition hold more than max_bytes (data and metadata as JSON
+-- text); with
 -- keep_unprocessed, an event a subscription of the stream has not handled stays unless
 -- it passes hard_max_age or hard_max_events. recorded_at never decreases along a
 -- partition, so every limit keeps a suffix of the partition: the cut is a position.
@@ -66,6 +68,7 @@ SELECT pg_advisory_unlock(hashtext('subengine retention'), hashtext(%(schema)s))
 WITH policies AS (
     SELECT s.name AS stream,
            (s.retention ->> 'max_events')::bigint AS max_events,
+           (s.retention ->> 'max_bytes')::bigint AS max_bytes,
            -- ages are at most 100 years (subengine.Retention); a policy written by hand
            -- with more must not overflow the timestamps and stop every stream's pruning
            now() - make_interval(secs => least((s.retention ->> 'max_age')::double precision,
@@ -83,6 +86,20 @@ WITH policies AS (
            p.head - pol.max_events + 1 AS count_soft,
            {schema}.retention_age_cut(p.stream, p.partition, p.head, p.head_time,
                                       pol.cutoff) AS age_soft,
+           -- past the newest events that hold max_bytes together: read from the head
+           -- down, and no further than the first event over the limit
+           CASE WHEN pol.max_bytes IS NOT NULL THEN (
+               SELECT sized.position + 1
+                 FROM (SELECT e.position,
+                              sum(octet_length(e.data::text) + octet_length(e.metadata::text))
+                                  OVER (ORDER BY e.position DESC ROWS UNBOUNDED PRECEDING)
+                                  AS newer_bytes
+                         FROM {schema}.events e
+                        WHERE e.stream = p.stream AND e.partition = p.partition
+                          AND e.position <= p.head
+                        ORDER BY e.position DESC) sized
+                WHERE sized.newer_bytes > pol.max_bytes
+                LIMIT 1) END AS bytes_soft,
            p.head - pol.hard_max_events + 1 AS count_hard,
            {schema}.retention_age_cut(p.stream, p.partition, p.head, p.head_time,
                                       pol.hard_cutoff) AS age_hard,
@@ -94,7 +111,8 @@ WITH policies AS (
       FROM policies pol
       JOIN {schema}.partitions p ON p.stream = pol.stream
 ), limits AS (
-    SELECT *, greatest(count_soft, age_soft) AS soft, greatest(count_hard, age_hard) AS hard
+    SELECT *, greatest(count_soft, age_soft, bytes_soft) AS soft,
+           greatest(count_hard, age_hard) AS hard
       FROM each_limit
 )
 SELECT stream, partition, floor, head,
@@ -104,7 +122,7 @@ SELECT stream, partition, floor, head,
        keep, hard,
        -- positions below these the age limits, and the count limits, want gone
        coalesce(greatest(age_soft, age_hard), 0) AS aged,
-       coalesce(greatest(count_soft, count_hard), 0) AS capped
+       coalesce(greatest(count_soft, bytes_soft, count_hard), 0) AS capped
   FROM limits
  ORDER BY stream, partition
 
