@@ -69,6 +69,7 @@ def tombstone_from_json(body: dict[str, Any]) -> Tombstone:
         floor=body["floor"],
         reason=body.get("reason", "retention"),
         head=body.get("head"),
+        cursor_below_floor=bool(body.get("cursor_below_floor", False)),
     )
 
 

@@ -60,6 +60,7 @@ def tombstone_body(tombstone: Tombstone) -> dict[str, Any]:
         "floor": tombstone.floor,
         "reason": tombstone.reason,
         "head": tombstone.head,
+        "cursor_below_floor": tombstone.cursor_below_floor,
     }
 
 

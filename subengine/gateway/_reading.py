@@ -11,7 +11,7 @@ first, so nothing is skipped silently (DESIGN.md, the gateway's principles 1 and
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, event_json, tombstone_body
@@ -70,6 +70,8 @@ class Reader:
         # per stream, the last position delivered of every partition (empty: the
         # beginning of every partition, until the first page says how many there are)
         self.marks = {stream: list(at.positions) for stream, at in self.start.items()}
+        # the streams read once: the gaps of a stream's first page were there at connect
+        self.read_once: set[str] = set()
 
     @property
     def cursor(self) -> GatewayCursor:
@@ -114,6 +116,10 @@ class Reader:
             )
         if not self.marks[stream]:
             self.marks[stream] = [0] * len(page.heads)
+        if stream not in self.read_once:
+            self.read_once.add(stream)
+            gaps = [replace(gap, cursor_below_floor=True) for gap in page.tombstones]
+            page = replace(page, tombstones=gaps)
         return page
 
     async def page(self, stream: str, limit: int) -> tuple[list[str], list[dict[str, Any]], bool]:

@@ -290,6 +290,9 @@ class Tombstone:
     floor: int
     reason: str = "retention"
     head: int | None = None
+    # the reader's cursor was already below the floor when it connected (seed 002's
+    # from_seq_too_old), rather than retention removing the range while it read
+    cursor_below_floor: bool = False
 
     @property
     def position(self) -> int:

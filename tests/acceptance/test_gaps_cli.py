@@ -48,6 +48,7 @@ def test_read_prints_a_tombstone_line_before_the_events_after_the_gap(
             "floor": 7,
             "reason": "cap",
             "head": 10,
+            "cursor_below_floor": False,
         }
     }
     assert [item["position"] for item in as_json[1:]] == [7, 8, 9, 10]

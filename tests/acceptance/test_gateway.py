@@ -224,6 +224,8 @@ def test_a_cursor_below_the_floor_gets_the_exact_tombstone_first(
             "floor": 8,
             "reason": "cap",
             "head": 12,
+            # a new request: the gap was there when it came
+            "cursor_below_floor": True,
         }
     ]
     assert numbers(page["events"]) == [7, 8, 9, 10, 11]
