@@ -34,6 +34,7 @@ from standardwebhooks import Webhook as Verifier
 
 import subengine
 from subengine import NewEvent
+from subengine.gateway import GatewayCursor, StreamPosition
 
 TIMEOUT = httpx.Timeout(30.0)
 
@@ -536,3 +537,20 @@ def test_a_replaced_webhook_in_the_middle_of_retries_sends_nothing_more(
     time.sleep(3)  # retries came every second or so before
     assert old_posts() == after_replace
     assert state(hooks, "retrying") is None
+
+
+def test_a_tombstone_batch_says_why_its_range_went_and_where_the_head_is(
+    engine: subengine.Engine, hooks: GatewayProcess, receiver: Receiver
+) -> None:
+    engine.create_stream("feed", 1, retention=subengine.Retention(max_events=3))
+    engine.append("feed", [NewEvent("k", "T", {"n": n}) for n in range(10)])
+    engine.run_retention()
+    # a subscriber resuming from before the gap ("beginning" would start at the floor)
+    epoch = engine.stream("feed").epoch
+    resumed = GatewayCursor({"feed": StreamPosition(epoch, (0,))}).encode()
+    answer = subscribe(hooks, "gapped", receiver.url, streams=["feed"], start={"after": resumed})
+    assert answer.status_code == 202, answer.text
+    secret = answer.json()["secret"]
+    wait_for(lambda: any(b["tombstones"] for b in batches(receiver, secret)), "the gap")
+    [gap] = [t for b in batches(receiver, secret) for t in b["tombstones"]]
+    assert (gap["gap_from"], gap["gap_to"], gap["reason"], gap["head"]) == (1, 7, "cap", 10)
