@@ -416,7 +416,11 @@ def _append_from_a_fresh_stack(engine: subengine.Engine, event: NewEvent) -> boo
     return outcome == [True]
 
 
-@EXAMPLES
+# Each example runs `subengine read` three times, and values nested near 1,000 deep take the
+# readers' slow path: 60 examples (about a quarter of them 900 deep or more, measured with
+# --hypothesis-show-statistics) cost a quarter of 120, and the fixed test below pins the
+# depth the report found.
+@settings(EXAMPLES, max_examples=60)
 @given(
     data=st.one_of(json_values, deep_values),
     metadata=st.one_of(st.none(), st.builds(lambda value: {"m": value}, deep_values)),
