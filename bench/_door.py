@@ -146,6 +146,60 @@ async def sse_frames(response: httpx.Response) -> AsyncIterator[tuple[str, str, 
             data.append(value[1:] if value.startswith(" ") else value)
 
 
+# CPU
+
+
+def process_cpu(pid: int) -> float:
+    """User and system CPU seconds of a process of this machine so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def backends_cpu(conn: Connection) -> float | None:
+    """CPU seconds so far of the PostgreSQL backends of this connection's database; None
+    when they do not run on this machine."""
+    pids = conn.execute(
+        "SELECT pid FROM pg_stat_activity"
+        " WHERE datname = current_database() AND backend_type = 'client backend'"
+    ).fetchall()
+    try:
+        if not all(b"postgres" in Path(f"/proc/{pid}/cmdline").read_bytes() for (pid,) in pids):
+            return None
+        return sum(process_cpu(pid) for (pid,) in pids)
+    except OSError:
+        return None
+
+
+class Meter:
+    """The seconds of a `with` block, and the CPU seconds spent meanwhile by the server's
+    process (if any), the database's PostgreSQL backends and this process."""
+
+    def __init__(self, door: Door | None, conn: Connection) -> None:
+        self.door, self.conn = door, conn
+        self.seconds = 0.0
+        self.cpu: dict[str, float | None] = {}
+
+    def now(self) -> dict[str, float | None]:
+        server = process_cpu(self.door.child.pid) if self.door else None
+        return {
+            "server": server,
+            "PostgreSQL": backends_cpu(self.conn),
+            "client": time.process_time(),
+        }
+
+    def __enter__(self) -> Meter:
+        self.cpu = self.now()
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.started
+        after = self.now()
+        for kind, before in self.cpu.items():
+            later = after[kind]
+            self.cpu[kind] = None if before is None or later is None else later - before
+
+
 # the servers
 
 
@@ -163,11 +217,6 @@ class Door:
 
     def stop(self) -> None:
         self.child.stop()
-
-    def cpu(self) -> float:
-        """User and system CPU seconds of the server process so far."""
-        fields = Path(f"/proc/{self.child.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def url(self, stream: str) -> str:
         raise NotImplementedError

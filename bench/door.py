@@ -45,6 +45,7 @@ from _door import (
     Door,
     Failed,
     GatewayDoor,
+    Meter,
     Received,
     ReferenceDoor,
     check,
@@ -91,23 +92,23 @@ class Config:
 
 @dataclass(slots=True)
 class Figure:
-    """Per variant, a value per round, and the CPU seconds of the server process and of
-    this one per round."""
+    """Per variant, a value per round, and CPU seconds per round by kind (Meter's)."""
 
     values: dict[str, list[float]] = field(default_factory=dict)
-    cpu: dict[str, list[float]] = field(default_factory=dict)
-    client: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
-    def add(
-        self, variant: str, value: float, cpu: float | None = None, client: float = 0.0
-    ) -> None:
+    def add(self, variant: str, value: float, cpu: dict[str, float | None] | None = None) -> None:
         self.values.setdefault(variant, []).append(value)
-        self.client.setdefault(variant, []).append(client)
-        if cpu is not None:
-            self.cpu.setdefault(variant, []).append(cpu)
+        for kind, seconds in (cpu or {}).items():
+            if seconds is not None:
+                self.cpu.setdefault((variant, kind), []).append(seconds)
 
     def spread(self, variant: str) -> Spread:
         return Spread.of(self.values[variant])
+
+    def cpu_text(self, variant: str, kind: str) -> str:
+        seconds = self.cpu.get((variant, kind))
+        return f"{Spread.of(seconds).median:10.2f}" if seconds else f"{'-':>10}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,20 +151,18 @@ def fill(door: Door, stream: str, batches: list[bytes]) -> None:
 # 1. catch-up
 
 
-def read_once(door: Door | None, conn: Connection, stream: str, expected: int) -> float:
-    """One read of `stream` from its beginning, checked; the seconds it took."""
+def read_once(door: Door | None, conn: Connection, stream: str, expected: int) -> Meter:
+    """One read of `stream` from its beginning, checked."""
     if door is None:
-        started = time.perf_counter()
-        rows = select_rows(conn, stream)
-        seconds = time.perf_counter() - started
+        with Meter(None, conn) as meter:
+            rows = select_rows(conn, stream)
         check(selected(rows), expected, f"{SQL} of {stream}")
-        return seconds
+        return meter
     with httpx.Client(timeout=HTTP_TIMEOUT, headers=HEADERS) as client:
-        started = time.perf_counter()
-        pages = door.read_all(client, stream, expected)
-        seconds = time.perf_counter() - started
+        with Meter(door, conn) as meter:
+            pages = door.read_all(client, stream, expected)
     check(door.delivered(pages), expected, f"{door.name}: catch-up of {stream}")
-    return seconds
+    return meter
 
 
 def catch_up(config: Config, doors: list[Door], conn: Connection, work: Workload) -> Figure:
@@ -173,17 +172,14 @@ def catch_up(config: Config, doors: list[Door], conn: Connection, work: Workload
     progress(f"catch-up: {config.events:,} events in each server's {stream}")
     by_name: dict[str, Door | None] = {each.name: each for each in doors}
     by_name[SQL] = None
-    for door_or_none in by_name.values():  # warm-up: caches, pools, plans, the JIT
-        read_once(door_or_none, conn, stream, config.events)
+    for door in by_name.values():  # warm-up: caches, pools, plans, the JIT
+        read_once(door, conn, stream, config.events)
     figure = Figure()
     with profiled(doors[-1], config.py_spy, "catch-up"):
         for number, name in bench.rotating(list(by_name), config.rounds):
-            door = by_name[name]
-            cpu, client = door.cpu() if door else 0.0, time.process_time()
-            seconds = read_once(door, conn, stream, config.events)
-            client = time.process_time() - client
-            figure.add(name, config.events / seconds, door.cpu() - cpu if door else None, client)
-            progress(f"catch-up round {number + 1}, {name}: {config.events / seconds:,.0f}/s")
+            meter = read_once(by_name[name], conn, stream, config.events)
+            figure.add(name, config.events / meter.seconds, meter.cpu)
+            progress(f"catch-up round {number + 1}, {name}: {figure.values[name][-1]:,.0f}/s")
     return figure
 
 
@@ -192,26 +188,24 @@ def catch_up(config: Config, doors: list[Door], conn: Connection, work: Workload
 
 def append_once(
     door: Door | None, conn: Connection, config: Config, work: Workload, stream: str
-) -> float:
-    """Append every batch to a new `stream`, then check what it holds; the seconds."""
+) -> Meter:
+    """Append every batch to a new `stream`, then check what it holds."""
     if door is None:
-        started = time.perf_counter()
-        copy_batches(conn, stream, work.rows, config.batch, config.partitions)
-        seconds = time.perf_counter() - started
+        with Meter(None, conn) as meter:
+            copy_batches(conn, stream, work.rows, config.batch, config.partitions)
         check(stored(conn, PLAIN_SCHEMA, stream), len(work.rows), f"{COPY} into {stream}")
-        return seconds
+        return meter
     door.create(stream)
     with httpx.Client(timeout=HTTP_TIMEOUT, headers=HEADERS) as client:
-        started = time.perf_counter()
-        for body in work.batches:
-            door.append(client, stream, body)
-        seconds = time.perf_counter() - started
+        with Meter(door, conn) as meter:
+            for body in work.batches:
+                door.append(client, stream, body)
         if isinstance(door, GatewayDoor):  # from its table: the gateway stays idle
             events = stored(conn, SCHEMA, stream)
         else:
             events = door.delivered(door.read_all(client, stream, config.events))
     check(events, config.events, f"{door.name}: append to {stream}")
-    return seconds
+    return meter
 
 
 def append(config: Config, doors: list[Door], conn: Connection, work: Workload) -> Figure:
@@ -220,17 +214,14 @@ def append(config: Config, doors: list[Door], conn: Connection, work: Workload) 
     by_name[COPY] = None
     warm = Workload(work.batches[:4], work.rows[: 4 * config.batch], [], work.size)
     warm_config = replace(config, events=len(warm.rows))
-    for door_or_none in by_name.values():
-        append_once(door_or_none, conn, warm_config, warm, "door-append-warm-up")
+    for door in by_name.values():
+        append_once(door, conn, warm_config, warm, "door-append-warm-up")
     figure = Figure()
     with profiled(doors[-1], config.py_spy, "append"):
         for number, name in bench.rotating(list(by_name), config.rounds):
-            door = by_name[name]
-            cpu, client = door.cpu() if door else 0.0, time.process_time()
-            seconds = append_once(door, conn, config, work, f"door-append-{number}")
-            client = time.process_time() - client
-            figure.add(name, config.events / seconds, door.cpu() - cpu if door else None, client)
-            progress(f"append round {number + 1}, {name}: {config.events / seconds:,.0f}/s")
+            meter = append_once(by_name[name], conn, config, work, f"door-append-{number}")
+            figure.add(name, config.events / meter.seconds, meter.cpu)
+            progress(f"append round {number + 1}, {name}: {figure.values[name][-1]:,.0f}/s")
     return figure
 
 
@@ -311,15 +302,13 @@ MEMORY, FILE, GATEWAY = "reference, memory", "reference, file", "subengine gatew
 
 
 def throughput(title: str, figure: Figure, config: Config) -> None:
-    print(f"{title}: events/s, median (min-max); seconds; CPU s per run of server, client")
+    kinds = ("server", "PostgreSQL", "client")
+    print(f"{title}: events/s, median (min-max); seconds; CPU s per run (medians)")
+    print(f"  {'':<18} {'events/s':>30} {'seconds':>9} " + " ".join(f"{k:>10}" for k in kinds))
     for name, values in figure.values.items():
         spread = Spread.of(values)
-        server = f"{Spread.of(figure.cpu[name]).median:5.2f}" if name in figure.cpu else "    -"
-        client = Spread.of(figure.client[name]).median
-        print(
-            f"  {name:<18} {spread.span(1, 0):>30} {config.events / spread.median:7.3f} s"
-            f"  {server} {client:5.2f}"
-        )
+        cpu = " ".join(figure.cpu_text(name, kind) for kind in kinds)
+        print(f"  {name:<18} {spread.span(1, 0):>30} {config.events / spread.median:9.3f} {cpu}")
 
 
 def short(value: float) -> str:
