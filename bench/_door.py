@@ -210,6 +210,7 @@ class Door:
 
     def __init__(self, child: Child) -> None:
         self.child = child
+        self.bytes_read = 0  # bodies of the answers read_all got
 
     def started(self) -> Door:
         self.child.started()
@@ -288,6 +289,7 @@ class ReferenceDoor(Door):
         for _ in range(expected // PAGE + 10):
             answer = client.get(self.url(stream), params={"offset": offset})
             answer.raise_for_status()
+            self.bytes_read += len(answer.content)
             pages.append(answer.json())
             offset = answer.headers["Stream-Next-Offset"]
             if answer.headers.get("Stream-Up-To-Date") == "true":
@@ -352,6 +354,7 @@ class GatewayDoor(Door):
         for _ in range(2 * (expected // PAGE) + 10):
             answer = client.get(self.url(stream), params={"after": cursor, "limit": PAGE})
             answer.raise_for_status()
+            self.bytes_read += len(answer.content)
             page = answer.json()
             pages.append(page)
             cursor = page["cursor"]

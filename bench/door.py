@@ -92,7 +92,8 @@ class Config:
 
 @dataclass(slots=True)
 class Figure:
-    """Per variant, a value per round, and CPU seconds per round by kind (Meter's)."""
+    """Per variant, a value per round, and per round the CPU seconds by kind (Meter's) and
+    the bytes read per event."""
 
     values: dict[str, list[float]] = field(default_factory=dict)
     cpu: dict[tuple[str, str], list[float]] = field(default_factory=dict)
@@ -107,8 +108,9 @@ class Figure:
         return Spread.of(self.values[variant])
 
     def cpu_text(self, variant: str, kind: str) -> str:
-        seconds = self.cpu.get((variant, kind))
-        return f"{Spread.of(seconds).median:10.2f}" if seconds else f"{'-':>10}"
+        values = self.cpu.get((variant, kind))
+        digits = 0 if kind == "bytes/event" else 2
+        return f"{Spread.of(values).median:11.{digits}f}" if values else f"{'-':>11}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,10 +160,12 @@ def read_once(door: Door | None, conn: Connection, stream: str, expected: int) -
             rows = select_rows(conn, stream)
         check(selected(rows), expected, f"{SQL} of {stream}")
         return meter
+    read = door.bytes_read
     with httpx.Client(timeout=HTTP_TIMEOUT, headers=HEADERS) as client:
         with Meter(door, conn) as meter:
             pages = door.read_all(client, stream, expected)
     check(door.delivered(pages), expected, f"{door.name}: catch-up of {stream}")
+    meter.cpu["bytes/event"] = (door.bytes_read - read) / expected
     return meter
 
 
@@ -302,9 +306,11 @@ MEMORY, FILE, GATEWAY = "reference, memory", "reference, file", "subengine gatew
 
 
 def throughput(title: str, figure: Figure, config: Config) -> None:
-    kinds = ("server", "PostgreSQL", "client")
-    print(f"{title}: events/s, median (min-max); seconds; CPU s per run (medians)")
-    print(f"  {'':<18} {'events/s':>30} {'seconds':>9} " + " ".join(f"{k:>10}" for k in kinds))
+    read = "read" in title
+    kinds = ("server", "PostgreSQL", "client", "bytes/event")[: 4 if read else 3]
+    bytes_read = "; bytes read per event" if read else ""
+    print(f"{title}: events/s, median (min-max); seconds; CPU s per run (medians){bytes_read}")
+    print(f"  {'':<18} {'events/s':>30} {'seconds':>9} " + " ".join(f"{k:>11}" for k in kinds))
     for name, values in figure.values.items():
         spread = Spread.of(values)
         cpu = " ".join(figure.cpu_text(name, kind) for kind in kinds)
