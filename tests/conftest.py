@@ -3,10 +3,11 @@
 The server is started only when a test asks for a database, so the unit tier never boots
 one. By default that is an embedded PostgreSQL (pgserver) in a temporary directory, one
 per pytest process (each xdist worker has its own); with SUBENGINE_TEST_DSN set it is that
-server instead. pytest-postgresql's no-process mode then gives each test a fresh database
-cloned from a template that subengine's migrations have already been applied to; both
-names carry a random tag of the pytest process (and under xdist the worker's id), so
-workers and whole sessions sharing one server never meet.
+server instead. pytest-postgresql's no-process mode makes a template database that
+subengine's migrations have been applied to, and each test gets a fresh database cloned
+from it, cloned before the test asks and dropped after it, off its path
+(tests/databases.py). Every name carries a random tag of the pytest process (and under
+xdist the worker's id), so workers and whole sessions sharing one server never meet.
 
 The browser tests get a headless Chromium, the system's, driven by Playwright (`page`);
 the replication tests a primary with a streaming replica of it (`streaming_replica`),
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
+from databases import Databases
 from helpers import (  # noqa: F401  (re-exported for tests that still import from conftest)
     APPS,
     DELIVERING,
@@ -140,8 +142,58 @@ def postgresql_blank_server(request: pytest.FixtureRequest) -> NoopExecutor:
     return executor
 
 
-postgresql = factories.postgresql("postgresql_migrated_server")
-postgresql_blank = factories.postgresql("postgresql_blank_server")
+def _databases(executor: NoopExecutor) -> Iterator[Databases]:
+    databases = Databases(
+        prefix=executor.dbname,
+        template=executor.template_dbname,
+        host=executor.host,
+        port=executor.port,
+        user=executor.user,
+        password=executor.password or "",
+    )
+    yield databases
+    databases.close()
+
+
+@pytest.fixture(scope="session")
+def _migrated_databases(postgresql_migrated_server: NoopExecutor) -> Iterator[Databases]:
+    yield from _databases(postgresql_migrated_server)
+
+
+@pytest.fixture(scope="session")
+def _blank_databases(postgresql_blank_server: NoopExecutor) -> Iterator[Databases]:
+    yield from _databases(postgresql_blank_server)
+
+
+def _connected(databases: Databases, executor: NoopExecutor) -> Iterator[psycopg.Connection[Any]]:
+    name = databases.take()
+    try:
+        with psycopg.connect(
+            host=executor.host,
+            port=executor.port,
+            user=executor.user,
+            password=executor.password or "",
+            dbname=name,
+        ) as conn:
+            yield conn
+    finally:
+        databases.give_back(name)
+
+
+@pytest.fixture
+def postgresql(
+    _migrated_databases: Databases, postgresql_migrated_server: NoopExecutor
+) -> Iterator[psycopg.Connection[Any]]:
+    """A connection to a fresh database of this test's own, migrated."""
+    yield from _connected(_migrated_databases, postgresql_migrated_server)
+
+
+@pytest.fixture
+def postgresql_blank(
+    _blank_databases: Databases, postgresql_blank_server: NoopExecutor
+) -> Iterator[psycopg.Connection[Any]]:
+    """A connection to a fresh database of this test's own that was never migrated."""
+    yield from _connected(_blank_databases, postgresql_blank_server)
 
 
 def _dsn_of(conn: psycopg.Connection[Any], password: str | None) -> str:
