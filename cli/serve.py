@@ -150,6 +150,27 @@ def _require_schema(engine: Engine) -> None:
     "10.0.0.0/8); without it only public addresses are allowed.",
 )
 @click.option(
+    "--durable-streams/--no-durable-streams",
+    default=False,
+    show_default=True,
+    help="Also speak the Durable Streams protocol under --durable-streams-prefix "
+    "(docs/durable-streams.md).",
+)
+@click.option(
+    "--durable-streams-prefix",
+    default="/ds",
+    show_default=True,
+    metavar="PATH",
+    help="Where the Durable Streams surface is mounted; any path below it is a stream.",
+)
+@click.option(
+    "--durable-streams-long-poll",
+    default=20.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 300),
+    help="Seconds a Durable Streams long-poll waits for data before answering 204.",
+)
+@click.option(
     "--access-log/--no-access-log",
     default=False,
     show_default=True,
@@ -175,6 +196,9 @@ def serve(
     webhook_failure_timeout: float,
     webhook_retry_max: float,
     callback_allow: str,
+    durable_streams: bool,
+    durable_streams_prefix: str,
+    durable_streams_long_poll: float,
     access_log: bool,
 ) -> None:
     """Serve streams over HTTP: pull, long-poll, server-sent events and watches."""
@@ -187,6 +211,12 @@ def serve(
         policy = CallbackPolicy.from_text(callback_allow)
     except InvalidInput as error:
         raise click.BadParameter(str(error), param_hint="--callback-allow") from None
+
+    prefix = durable_streams_prefix.rstrip("/")
+    if not prefix.startswith("/") or prefix.startswith("/v1") or "{" in prefix:
+        raise click.BadParameter(
+            "a path such as /ds, outside /v1 and without '{'", param_hint="--durable-streams-prefix"
+        )
 
     engine = context.engine()
     _require_schema(engine)
@@ -215,6 +245,9 @@ def serve(
             longest_retry=webhook_retry_max,
         ),
         callback_policy=policy,
+        durable_streams=durable_streams,
+        durable_streams_prefix=prefix,
+        durable_streams_long_poll=durable_streams_long_poll,
     )
     run(
         config,

@@ -490,6 +490,60 @@ CREATE TABLE subengine.dead_letters (
     CONSTRAINT dead_letters_resolution_check CHECK ((resolution = ANY (ARRAY['retried'::text, 'discarded'::text, 'superseded'::text])))
 );
 
+CREATE TABLE subengine.durable_stream_bytes (
+    stream text NOT NULL,
+    "position" bigint NOT NULL,
+    body bytea NOT NULL
+);
+
+COMMENT ON TABLE subengine.durable_stream_bytes IS 'The bytes of the messages of Durable Streams byte streams, at their events'' positions.';
+
+CREATE TABLE subengine.durable_stream_garbage (
+    stream text NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+COMMENT ON TABLE subengine.durable_stream_garbage IS 'Engine streams of deleted Durable Streams streams, still to delete.';
+
+CREATE TABLE subengine.durable_stream_producers (
+    stream text NOT NULL,
+    producer text NOT NULL,
+    epoch bigint NOT NULL,
+    seq bigint NOT NULL,
+    CONSTRAINT durable_stream_producers_epoch_check CHECK ((epoch >= 0)),
+    CONSTRAINT durable_stream_producers_producer_check CHECK (((char_length(producer) >= 1) AND (char_length(producer) <= 1000))),
+    CONSTRAINT durable_stream_producers_seq_check CHECK ((seq >= 0))
+);
+
+COMMENT ON TABLE subengine.durable_stream_producers IS 'Idempotent producers of Durable Streams streams: epoch and last accepted sequence.';
+
+CREATE TABLE subengine.durable_streams (
+    path text NOT NULL,
+    stream text NOT NULL,
+    content_type text NOT NULL,
+    ttl_seconds bigint,
+    expires_at timestamp with time zone,
+    deadline timestamp with time zone,
+    tail bigint DEFAULT 0 NOT NULL,
+    closed boolean DEFAULT false NOT NULL,
+    closed_by_producer text,
+    closed_by_epoch bigint,
+    closed_by_seq bigint,
+    last_seq text,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT durable_streams_check CHECK (((ttl_seconds IS NULL) OR (expires_at IS NULL))),
+    CONSTRAINT durable_streams_content_type_check CHECK (((char_length(content_type) >= 1) AND (char_length(content_type) <= 255))),
+    CONSTRAINT durable_streams_path_check CHECK (((char_length(path) >= 1) AND (char_length(path) <= 2000))),
+    CONSTRAINT durable_streams_tail_check CHECK ((tail >= 0)),
+    CONSTRAINT durable_streams_ttl_seconds_check CHECK ((ttl_seconds >= 0))
+);
+
+COMMENT ON TABLE subengine.durable_streams IS 'Durable Streams streams of the gateway, by URL path; each is a one-partition engine stream.';
+
+COMMENT ON COLUMN subengine.durable_streams.deadline IS 'When the stream expires: Expires-At, or the last access plus its TTL (NULL: never).';
+
+COMMENT ON COLUMN subengine.durable_streams.tail IS 'Position of the last message (0: none); a close marker event may follow it.';
+
 CREATE TABLE subengine.gaps (
     id bigint NOT NULL,
     subscription text NOT NULL,
@@ -825,6 +879,21 @@ ALTER TABLE ONLY subengine.streams ALTER COLUMN epoch SET DEFAULT nextval('suben
 ALTER TABLE ONLY subengine.dead_letters
     ADD CONSTRAINT dead_letters_pkey PRIMARY KEY (subscription, partition, "position", generation);
 
+ALTER TABLE ONLY subengine.durable_stream_bytes
+    ADD CONSTRAINT durable_stream_bytes_pkey PRIMARY KEY (stream, "position");
+
+ALTER TABLE ONLY subengine.durable_stream_garbage
+    ADD CONSTRAINT durable_stream_garbage_pkey PRIMARY KEY (stream);
+
+ALTER TABLE ONLY subengine.durable_stream_producers
+    ADD CONSTRAINT durable_stream_producers_pkey PRIMARY KEY (stream, producer);
+
+ALTER TABLE ONLY subengine.durable_streams
+    ADD CONSTRAINT durable_streams_pkey PRIMARY KEY (path);
+
+ALTER TABLE ONLY subengine.durable_streams
+    ADD CONSTRAINT durable_streams_stream_key UNIQUE (stream);
+
 ALTER TABLE ONLY subengine.events
     ADD CONSTRAINT event_id_is_unique UNIQUE (stream, id);
 
@@ -875,6 +944,8 @@ ALTER TABLE ONLY subengine.workers
 
 CREATE UNIQUE INDEX dead_letters_one_open ON subengine.dead_letters USING btree (subscription, partition, "position") WHERE (resolution IS NULL);
 
+CREATE INDEX durable_streams_deadline ON subengine.durable_streams USING btree (deadline) WHERE (deadline IS NOT NULL);
+
 CREATE INDEX events_recorded_at ON subengine.events USING btree (stream, recorded_at);
 
 CREATE INDEX gaps_of_subscription ON subengine.gaps USING btree (subscription, partition, id);
@@ -885,6 +956,9 @@ CREATE INDEX webhooks_due ON subengine.webhooks USING btree (state, challenge_du
 
 ALTER TABLE ONLY subengine.dead_letters
     ADD CONSTRAINT dead_letters_subscription_fkey FOREIGN KEY (subscription) REFERENCES subengine.subscriptions(name) ON DELETE CASCADE;
+
+ALTER TABLE ONLY subengine.durable_stream_producers
+    ADD CONSTRAINT durable_stream_producers_stream_fkey FOREIGN KEY (stream) REFERENCES subengine.durable_streams(stream) ON DELETE CASCADE;
 
 ALTER TABLE ONLY subengine.gaps
     ADD CONSTRAINT gaps_subscription_fkey FOREIGN KEY (subscription) REFERENCES subengine.subscriptions(name) ON DELETE CASCADE;

@@ -19,10 +19,13 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from subengine.engine._async_engine import AsyncEngine
 from subengine.gateway._appends import append_events
+from subengine.gateway._ds_app import DurableStreamsApp
+from subengine.gateway._ds_http import EXPOSED_HEADERS, REQUEST_HEADERS
+from subengine.gateway._ds_state import DurableStreamsState
 from subengine.gateway._health import healthz, metrics, readyz
 from subengine.gateway._http import (
     CURSOR_HEADER,
@@ -89,6 +92,10 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         gateway = Gateway(config, primary, read_engine, owned)
         app.state.gateway = gateway
+        durable = DurableStreamsState(gateway, config.durable_streams_long_poll)
+        app.state.durable_streams = durable
+        if config.durable_streams:
+            durable.start()
         _open_gateways.add(gateway)
         restore = _chain_signals() if end_streams_on_signals else {}
         try:
@@ -97,9 +104,10 @@ def create_app(
             for number, handler in restore.items():
                 signal.signal(number, handler)
             _open_gateways.discard(gateway)
+            await durable.close()
             await gateway.close()
 
-    routes = [
+    routes: list[Route | Mount] = [
         Route("/healthz", _endpoint(healthz)),
         Route("/readyz", _endpoint(readyz)),
         Route("/metrics", _endpoint(metrics)),
@@ -113,6 +121,13 @@ def create_app(
         Route("/v1/webhooks/{webhook_id}", _endpoint(show_webhook)),
         Route("/v1/webhooks/{webhook_id}", _endpoint(delete_webhook), methods=["DELETE"]),
     ]
+    allow_headers = ["Authorization", "Content-Type", "Last-Event-ID"]
+    expose_headers = [CURSOR_HEADER, UP_TO_DATE_HEADER, SUPERSEDED_HEADER, "Retry-After"]
+    if config.durable_streams:
+        # any path under the prefix is a Durable Streams stream (docs/durable-streams.md)
+        routes.append(Mount(config.durable_streams_prefix, app=DurableStreamsApp()))
+        allow_headers += [name for name in REQUEST_HEADERS if name not in allow_headers]
+        expose_headers += [name for name in EXPOSED_HEADERS if name not in expose_headers]
     middleware = []
     if config.cors_origins:
         middleware.append(
@@ -120,9 +135,11 @@ def create_app(
                 CORSMiddleware,
                 allow_origins=list(config.cors_origins),
                 # every method a route answers (webhooks are PUT and DELETE)
-                allow_methods=sorted({m for route in routes for m in route.methods or ()}),
-                allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
-                expose_headers=[CURSOR_HEADER, UP_TO_DATE_HEADER, SUPERSEDED_HEADER, "Retry-After"],
+                allow_methods=sorted(
+                    {m for route in routes for m in getattr(route, "methods", None) or ()}
+                ),
+                allow_headers=allow_headers,
+                expose_headers=expose_headers,
             )
         )
     return Starlette(

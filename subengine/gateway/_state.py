@@ -56,6 +56,11 @@ class GatewayConfig:
     # to twice this, at random, so that refused clients do not all come back at once)
     retry_after: int = 5
     cors_origins: tuple[str, ...] = ()
+    # the Durable Streams surface (docs/durable-streams.md): whether it is mounted, where,
+    # and how long its long-polls wait for data
+    durable_streams: bool = False
+    durable_streams_prefix: str = "/ds"
+    durable_streams_long_poll: float = 20.0
     # webhooks (docs/webhooks.md): whether this process delivers them, how, and which
     # internal networks callbacks may reach (none: only global addresses)
     deliver: bool = True

@@ -1,0 +1,149 @@
+-- The gateway's Durable Streams surface (docs/durable-streams.md): its catalog, producers,
+-- the bytes of byte messages, and the engine streams left to delete. `{schema}` is
+-- replaced by the configured schema, quoted as an identifier; values are bound.
+
+-- name: ds_stream
+-- One Durable Streams stream by path, with its engine stream's epoch and floor, and
+-- whether it has expired (its deadline passed). With %(touch)s, a TTL stream that has not
+-- expired gets a new deadline (a read or write resets the countdown); the row returned is
+-- the one before that.
+WITH touched AS (
+    UPDATE {schema}.durable_streams
+       SET deadline = now() + ttl_seconds * interval '1 second'
+     WHERE path = %(path)s AND %(touch)s AND ttl_seconds IS NOT NULL AND deadline > now()
+)
+SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline, d.tail,
+       d.closed, d.closed_by_producer, d.closed_by_epoch, d.closed_by_seq, d.last_seq,
+       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired
+  FROM {schema}.durable_streams d
+  JOIN {schema}.streams s ON s.name = d.stream
+  JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
+ WHERE d.path = %(path)s
+
+-- name: ds_lock_stream
+-- One Durable Streams stream by path, its row locked until the transaction ends: every
+-- append and close takes it, so that they (and their producers' checks) are serialised.
+SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline, d.tail,
+       d.closed, d.closed_by_producer, d.closed_by_epoch, d.closed_by_seq, d.last_seq,
+       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired
+  FROM {schema}.durable_streams d
+  JOIN {schema}.streams s ON s.name = d.stream
+  JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
+ WHERE d.path = %(path)s
+   FOR UPDATE OF d
+
+-- name: ds_insert_stream
+-- Add a stream to the catalog; returns nothing when the path is taken.
+INSERT INTO {schema}.durable_streams (path, stream, content_type, ttl_seconds, expires_at,
+                                      deadline)
+VALUES (%(path)s, %(stream)s, %(content_type)s, %(ttl_seconds)s::bigint,
+        %(expires_at)s::timestamptz,
+        coalesce(%(expires_at)s::timestamptz,
+                 now() + %(ttl_seconds)s::bigint * interval '1 second'))
+ON CONFLICT (path) DO NOTHING
+RETURNING stream
+
+-- name: ds_appended
+-- What an append changed of a stream: its tail, last Stream-Seq, closed state (and the
+-- producer request that closed it), and a TTL stream's deadline.
+UPDATE {schema}.durable_streams
+   SET tail = %(tail)s,
+       last_seq = coalesce(%(last_seq)s::text, last_seq),
+       closed = closed OR %(closed)s::boolean,
+       closed_by_producer = CASE WHEN %(closed)s::boolean AND NOT closed THEN %(producer)s::text
+                                 ELSE closed_by_producer END,
+       closed_by_epoch = CASE WHEN %(closed)s::boolean AND NOT closed THEN %(epoch)s::bigint
+                              ELSE closed_by_epoch END,
+       closed_by_seq = CASE WHEN %(closed)s::boolean AND NOT closed THEN %(seq)s::bigint
+                            ELSE closed_by_seq END,
+       deadline = CASE WHEN ttl_seconds IS NOT NULL
+                       THEN now() + ttl_seconds * interval '1 second' ELSE deadline END
+ WHERE path = %(path)s
+
+-- name: ds_producer
+-- A producer's epoch and last accepted sequence on a stream (no row: a new producer).
+SELECT epoch, seq FROM {schema}.durable_stream_producers
+ WHERE stream = %(stream)s AND producer = %(producer)s
+
+-- name: ds_put_producer
+-- A producer's epoch and last accepted sequence, after the append it accepted.
+INSERT INTO {schema}.durable_stream_producers (stream, producer, epoch, seq)
+VALUES (%(stream)s, %(producer)s, %(epoch)s, %(seq)s)
+ON CONFLICT (stream, producer) DO UPDATE SET epoch = excluded.epoch, seq = excluded.seq
+
+-- name: ds_insert_bytes
+-- The bytes of the messages of an append to a byte stream, at their events' positions.
+INSERT INTO {schema}.durable_stream_bytes (stream, "position", body)
+SELECT %(stream)s, m.position, m.body
+  FROM unnest(%(positions)s::bigint[], %(bodies)s::bytea[]) AS m(position, body)
+
+-- name: ds_read_bytes
+-- The messages of a byte stream after a position, up to its tail, in position order: as
+-- many as fit in %(max_bytes)s, and at least one.
+SELECT page.position, page.body
+  FROM (SELECT b.position, b.body,
+               sum(octet_length(b.body)) OVER (ORDER BY b.position)
+                 - octet_length(b.body) AS before
+          FROM {schema}.durable_stream_bytes b
+         WHERE b.stream = %(stream)s AND b.position > %(after)s AND b.position <= %(tail)s
+         ORDER BY b.position
+         LIMIT %(limit)s) AS page
+ WHERE page.before < %(max_bytes)s
+ ORDER BY page.position
+
+-- name: ds_read_json
+-- The messages of a JSON stream after a position, up to its tail, in position order, as
+-- JSON text: as many as fit in about %(max_bytes)s (their stored size), and at least one.
+SELECT page.position, page.data
+  FROM (SELECT e.position, e.data::text AS data,
+               sum(pg_column_size(e.data)) OVER (ORDER BY e.position)
+                 - pg_column_size(e.data) AS before
+          FROM {schema}.events e
+         WHERE e.stream = %(stream)s AND e.partition = 0
+           AND e.position > %(after)s AND e.position <= %(tail)s
+         ORDER BY e.position
+         LIMIT %(limit)s) AS page
+ WHERE page.before < %(max_bytes)s
+ ORDER BY page.position
+
+-- name: ds_delete_stream
+-- Remove a stream from the catalog (its producers go with it) and leave its engine
+-- stream to delete; returns that engine stream, or nothing when there was no such row.
+-- With %(stream)s, only that incarnation of the path (an expired one, say).
+WITH gone AS (
+    DELETE FROM {schema}.durable_streams
+     WHERE path = %(path)s AND (%(stream)s::text IS NULL OR stream = %(stream)s::text)
+    RETURNING stream
+), garbage AS (
+    INSERT INTO {schema}.durable_stream_garbage (stream)
+    SELECT stream FROM gone
+    ON CONFLICT (stream) DO NOTHING
+)
+SELECT stream FROM gone
+
+-- name: ds_expired
+-- Streams whose deadline has passed, the longest expired first.
+SELECT path, stream FROM {schema}.durable_streams
+ WHERE deadline <= now()
+ ORDER BY deadline
+ LIMIT %(limit)s
+
+-- name: ds_garbage
+-- Engine streams of deleted Durable Streams streams, still to delete, oldest first.
+SELECT stream FROM {schema}.durable_stream_garbage ORDER BY created_at, stream LIMIT %(limit)s
+
+-- name: ds_delete_bytes
+-- Up to %(batch)s byte messages of a deleted stream; how many went.
+DELETE FROM {schema}.durable_stream_bytes
+ WHERE stream = %(stream)s
+   AND "position" IN (SELECT b.position FROM {schema}.durable_stream_bytes b
+                       WHERE b.stream = %(stream)s
+                       ORDER BY b.position LIMIT %(batch)s)
+
+-- name: ds_forget_garbage
+-- A deleted stream's engine stream and bytes are gone.
+DELETE FROM {schema}.durable_stream_garbage WHERE stream = %(stream)s
+
+-- name: ds_subscriptions_of
+-- How many subscriptions consume an engine stream.
+SELECT count(*) FROM {schema}.subscriptions WHERE stream = %(stream)s
