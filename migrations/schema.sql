@@ -603,6 +603,51 @@ CREATE TABLE subengine.gateway_secrets (
 
 COMMENT ON TABLE subengine.gateway_secrets IS 'Random secrets the gateway signs with (e.g. watch ids), shared by all its processes.';
 
+CREATE TABLE subengine.parked_events (
+    parked_key bigint NOT NULL,
+    "position" bigint NOT NULL,
+    event_id uuid NOT NULL,
+    parked_at timestamp with time zone DEFAULT now() NOT NULL,
+    resolution text,
+    resolved_at timestamp with time zone,
+    CONSTRAINT parked_events_resolution_check CHECK ((resolution = ANY (ARRAY['retried'::text, 'discarded'::text, 'superseded'::text])))
+);
+
+COMMENT ON TABLE subengine.parked_events IS 'Events set aside under a parked key, each when the position moved past it; NULL resolution: still waiting.';
+
+CREATE TABLE subengine.parked_keys (
+    id bigint NOT NULL,
+    subscription text NOT NULL,
+    partition integer NOT NULL,
+    key text NOT NULL,
+    generation bigint NOT NULL,
+    "position" bigint NOT NULL,
+    event_id uuid NOT NULL,
+    error text NOT NULL,
+    attempts integer NOT NULL,
+    retries integer DEFAULT 0 NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    resolution text,
+    resolved_at timestamp with time zone,
+    CONSTRAINT parked_keys_generation_check CHECK ((generation >= 1)),
+    CONSTRAINT parked_keys_partition_check CHECK ((partition >= 0)),
+    CONSTRAINT parked_keys_position_check CHECK (("position" >= 1)),
+    CONSTRAINT parked_keys_resolution_check CHECK ((resolution = ANY (ARRAY['retried'::text, 'discarded'::text, 'superseded'::text])))
+);
+
+COMMENT ON TABLE subengine.parked_keys IS 'Keys a subscription parked (on_error=park): the event at position failed, and it and every later event of the key are set aside until retried or discarded.';
+
+COMMENT ON COLUMN subengine.parked_keys.error IS 'The error that parked the key, or the last one a retry met.';
+
+ALTER TABLE subengine.parked_keys ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME subengine.parked_keys_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
 CREATE TABLE subengine.workers (
     id uuid NOT NULL,
     host text NOT NULL,
@@ -775,12 +820,20 @@ CREATE VIEW subengine.subscription_status AS
         CASE
             WHEN (sp."position" < (p.floor - 1)) THEN (p.floor - 1)
             ELSE NULL::bigint
-        END AS gap_to
-   FROM ((((subengine.subscription_positions sp
+        END AS gap_to,
+    COALESCE(pk.keys, (0)::bigint) AS parked_keys,
+    COALESCE(pk.events, (0)::bigint) AS parked_events
+   FROM (((((subengine.subscription_positions sp
      JOIN subengine.subscriptions s ON ((s.name = sp.subscription)))
      JOIN subengine.partitions p ON (((p.stream = s.stream) AND (p.partition = sp.partition))))
      LEFT JOIN subengine.events nx ON (((nx.stream = s.stream) AND (nx.partition = sp.partition) AND (nx."position" = (sp."position" + 1)))))
-     LEFT JOIN subengine.partition_holders h ON (((h.lock_class = subengine.lock_class(sp.subscription)) AND (h.partition = sp.partition))));
+     LEFT JOIN subengine.partition_holders h ON (((h.lock_class = subengine.lock_class(sp.subscription)) AND (h.partition = sp.partition))))
+     LEFT JOIN LATERAL ( SELECT count(*) AS keys,
+            (sum(( SELECT count(*) AS count
+                   FROM subengine.parked_events pe
+                  WHERE ((pe.parked_key = k.id) AND (pe.resolution IS NULL)))))::bigint AS events
+           FROM subengine.parked_keys k
+          WHERE ((k.subscription = sp.subscription) AND (k.partition = sp.partition) AND (k.resolution IS NULL))) pk ON (true));
 
 CREATE TABLE subengine.webhooks (
     id text NOT NULL,
@@ -912,6 +965,12 @@ ALTER TABLE ONLY subengine.gateway_secrets
 ALTER TABLE ONLY subengine.events
     ADD CONSTRAINT key_version_is_unique UNIQUE (stream, key, key_version);
 
+ALTER TABLE ONLY subengine.parked_events
+    ADD CONSTRAINT parked_events_pkey PRIMARY KEY (parked_key, "position");
+
+ALTER TABLE ONLY subengine.parked_keys
+    ADD CONSTRAINT parked_keys_pkey PRIMARY KEY (id);
+
 ALTER TABLE ONLY subengine.partitions
     ADD CONSTRAINT partitions_pkey PRIMARY KEY (stream, partition);
 
@@ -950,6 +1009,10 @@ CREATE INDEX events_recorded_at ON subengine.events USING btree (stream, recorde
 
 CREATE INDEX gaps_of_subscription ON subengine.gaps USING btree (subscription, partition, id);
 
+CREATE UNIQUE INDEX parked_keys_one_open ON subengine.parked_keys USING btree (subscription, key) WHERE (resolution IS NULL);
+
+CREATE INDEX parked_keys_open_by_partition ON subengine.parked_keys USING btree (subscription, partition) WHERE (resolution IS NULL);
+
 CREATE INDEX subscription_positions_work ON subengine.subscription_positions USING btree (subscription, next_time) WHERE ((next_time IS NOT NULL) AND (NOT stopped));
 
 CREATE INDEX webhooks_due ON subengine.webhooks USING btree (state, challenge_due);
@@ -962,6 +1025,12 @@ ALTER TABLE ONLY subengine.durable_stream_producers
 
 ALTER TABLE ONLY subengine.gaps
     ADD CONSTRAINT gaps_subscription_fkey FOREIGN KEY (subscription) REFERENCES subengine.subscriptions(name) ON DELETE CASCADE;
+
+ALTER TABLE ONLY subengine.parked_events
+    ADD CONSTRAINT parked_events_parked_key_fkey FOREIGN KEY (parked_key) REFERENCES subengine.parked_keys(id) ON DELETE CASCADE;
+
+ALTER TABLE ONLY subengine.parked_keys
+    ADD CONSTRAINT parked_keys_subscription_fkey FOREIGN KEY (subscription) REFERENCES subengine.subscriptions(name) ON DELETE CASCADE;
 
 ALTER TABLE ONLY subengine.partitions
     ADD CONSTRAINT partitions_stream_fkey FOREIGN KEY (stream) REFERENCES subengine.streams(name) ON DELETE CASCADE;
