@@ -41,6 +41,7 @@ from subengine.gateway._ds_http import (
 )
 from subengine.gateway._ds_reads import read_stream
 from subengine.gateway._ds_state import DurableStreamsState
+from subengine.gateway._ds_views import read_only, view_of
 from subengine.gateway._state import Gateway
 from subengine.model._errors import DatabaseUnavailable, SchemaNotReady, StreamNotFound
 from subengine.outside._durable_streams import ENGINE_PREFIX, CatalogStream, Producer, engine_name
@@ -88,8 +89,14 @@ class DurableStreamsApp:
         if method == "OPTIONS":
             return _preflight(request, state.gateway)
         principal = await state.gateway.auth.principal(request)
+        view = view_of(path)
+        if view is not None:
+            if method not in ("GET", "HEAD"):
+                raise read_only(method)
+            principal.require(view[0], "read")
         if method in ("GET", "HEAD"):
-            _require(principal, path, "read")
+            if view is None:
+                _require(principal, path, "read")
             if method == "HEAD":
                 return await _head(state, path)
             return await read_stream(state, request, principal, path)
@@ -156,7 +163,7 @@ def stream_headers(found: CatalogStream, tail: int | None = None) -> dict[str, s
 
 
 async def _head(state: DurableStreamsState, path: str) -> Response:
-    found = await state.store.stream(path)
+    found = await state.lookup(path)
     if found is None:
         raise DsError(404, f"no stream at {path!r}")
     headers = stream_headers(found)

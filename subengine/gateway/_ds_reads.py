@@ -94,9 +94,8 @@ async def read_stream(
         raise DsError(400, f"live={live} needs an offset (-1 for the beginning)")
     at = parse_offset(offsets)
     gateway = state.gateway
-    found = await state.store.stream(path, touch=True)
+    found = await state.lookup(path, touch=True)
     if found is None:
-        state.poke()
         raise DsError(404, f"no stream at {path!r}")
     after = _start(found, at)
     cursor = params.get("cursor")
@@ -125,7 +124,7 @@ async def _page(
         if found.closed:
             headers[CLOSED] = "true"
         return text_response(200, b"[]" if found.json else b"", headers)
-    messages = await state.store.read(found, after)
+    messages = await state.read(found, after)
     last = messages[-1][0] if messages else after
     up_to_date = last >= found.tail
     headers[NEXT_OFFSET] = offset(found.epoch, last)
@@ -154,7 +153,7 @@ async def _long_poll(
     """The messages after `after` as soon as there are any; 204 when the wait ends, or
     at once at the tail of a closed stream."""
     gateway = state.gateway
-    watcher = Watcher({found.stream: frozenset({0})})
+    watcher = Watcher({found.stream: frozenset({found.partition})})
     gateway.hub.add(watcher)
     gone = asyncio.ensure_future(_disconnected(request.receive))
     closing = asyncio.ensure_future(gateway.closing.wait())
@@ -162,7 +161,7 @@ async def _long_poll(
     try:
         while True:
             watcher.take()
-            messages = await state.store.read(found, after)
+            messages = await state.read(found, after)
             if messages:
                 last = messages[-1][0]
                 headers = {
@@ -190,8 +189,8 @@ async def _long_poll(
             finally:
                 woken.cancel()
             if watcher.event.is_set():
-                again = await state.store.stream(path)
-                if again is None or again.stream != found.stream:
+                again = await state.lookup(path)
+                if again is None or (again.stream, again.epoch) != (found.stream, found.epoch):
                     raise DsError(404, f"the stream at {path!r} was deleted")
                 found = again
     finally:
@@ -256,7 +255,7 @@ class DsEventStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway = self.state.gateway
-        watcher = Watcher({self.found.stream: frozenset({0})})
+        watcher = Watcher({self.found.stream: frozenset({self.found.partition})})
         stream = EventStream(receive, send, watcher.event, gateway.config.write_timeout)
         gateway.open_streams.add(stream)
         gateway.watch_writes()
@@ -288,7 +287,7 @@ class DsEventStream:
         first = True
         watcher.take()
         while True:
-            messages = await self.state.store.read(found, after)
+            messages = await self.state.read(found, after)
             data = ""
             if messages:
                 after = messages[-1][0]
@@ -311,8 +310,8 @@ class DsEventStream:
                 continue
             if not await self._wait(stream, watcher, ends):
                 return
-            again = await self.state.store.stream(self.path)
-            if again is None or again.stream != found.stream:
+            again = await self.state.lookup(self.path)
+            if again is None or (again.stream, again.epoch) != (found.stream, found.epoch):
                 return  # deleted (or expired): a new read will say 404
             found = again
 

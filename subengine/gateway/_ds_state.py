@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from subengine.engine._durable_streams import DurableStreams
+from subengine.gateway._ds_views import read_view, view_of, view_stream
 from subengine.gateway._state import Gateway
+from subengine.outside._durable_streams import CatalogStream
 
 log = logging.getLogger("subengine.gateway")
 
@@ -34,6 +37,23 @@ class DurableStreamsState:
         self._sweeper = asyncio.get_running_loop().create_task(
             self._sweep(), name="subengine-durable-streams-sweeper"
         )
+
+    async def lookup(self, path: str, *, touch: bool = False) -> CatalogStream | None:
+        """The stream at `path` (a view of an engine stream's partition, or one of the
+        catalog), None when there is none; `touch` resets a TTL stream's countdown."""
+        view = view_of(path)
+        if view is not None:
+            return await view_stream(self.gateway.read_engine, path, *view)
+        found = await self.store.stream(path, touch=touch)
+        if found is None:
+            self.poke()  # it may have expired just now
+        return found
+
+    async def read(self, found: CatalogStream, after: int) -> list[tuple[int, Any]]:
+        """The messages of `found` after position `after`: a page bounded by bytes."""
+        if found.view:
+            return await read_view(self.gateway.read_engine, found, after, self.max_page_bytes)
+        return await self.store.read(found, after)
 
     def poke(self) -> None:
         """Sweep soon (a stream was deleted or found expired)."""

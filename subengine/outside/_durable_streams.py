@@ -61,6 +61,10 @@ class CatalogStream:
     epoch: int
     floor: int
     expired: bool
+    # a partition of an engine stream of its own, read only (docs/durable-streams.md,
+    # "Engine streams"): not in the catalog, each message a whole event
+    partition: int = 0
+    view: bool = False
 
     @property
     def json(self) -> bool:

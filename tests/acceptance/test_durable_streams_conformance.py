@@ -1,10 +1,11 @@
 """The official Durable Streams conformance suite (`@durable-streams/server-conformance-tests`,
 pinned in tests/conformance/package.json) against a real `subengine serve --durable-streams`
-on the test database: one server for the whole run.
+on the test database: one server for each whole run.
 
 The npm packages are installed, once, into a cache folder outside the repository
 (`$XDG_CACHE_HOME/subengine`, or `~/.cache/subengine`); without node and npm the test
-skips, saying so. The suite runs through our small vitest wrapper
+skips, saying so. The suite runs, once against one server process and once against
+`--workers 2`, through our small vitest wrapper
 (tests/conformance/durable-streams.test.mjs), with the suite's fork cases left out by
 vitest's own name filter (forks are a later issue). Every case that fails must be in
 tests/conformance/known-failures.txt, with why; a case listed there that passes is
@@ -87,11 +88,22 @@ def case_results(report: Path) -> dict[str, str]:
     return results
 
 
-def test_the_conformance_suite_passes(cli_env: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_the_conformance_suite_passes(
+    cli_env: dict[str, str], tmp_path: Path, workers: str
+) -> None:
+    # with --workers 2, requests of one case land on either process: what one process
+    # wrote (producer state, closed state, a long-poll's wake-up) must reach the other
     folder = suite_folder()
     known = known_failures()
     report = tmp_path / "conformance.json"
-    args = ("--durable-streams", "--durable-streams-long-poll", LONG_POLL_SECONDS)
+    args = (
+        "--durable-streams",
+        "--durable-streams-long-poll",
+        LONG_POLL_SECONDS,
+        "--workers",
+        workers,
+    )
     with GatewayProcess(cli_env, *args, tmp=tmp_path) as server:
         run = subprocess.run(
             [

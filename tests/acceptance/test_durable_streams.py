@@ -1,0 +1,224 @@
+"""The gateway's Durable Streams surface beyond what the protocol's conformance suite
+checks (docs/durable-streams.md): its streams are engine streams whose events workers
+handle once, bytes are kept byte for byte, producer state outlives the process, engine
+streams are readable per partition and read only, deleted incarnations and removed
+ranges are 410, expired streams are swept, and API keys are bearer tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from helpers import GatewayProcess, Running, record, wait_for
+
+import subengine
+from subengine import NewEvent, Retention
+
+DS = ("--durable-streams", "--durable-streams-long-poll", "2")
+
+
+@pytest.fixture
+def ds(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]:
+    """`subengine serve --durable-streams` on the test database."""
+    with GatewayProcess(cli_env, *DS, tmp=tmp_path) as process:
+        yield process
+
+
+def engine_stream(sql: psycopg.Connection[Any], path: str) -> str:
+    row = sql.execute("SELECT stream FROM subengine.durable_streams WHERE path = %s", (path,))
+    found = row.fetchone()
+    assert found is not None, f"no catalog row for {path}"
+    return str(found[0])
+
+
+def test_messages_appended_through_ds_are_engine_events_a_worker_handles_once(
+    ds: GatewayProcess, fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    url = f"{ds.url}/ds/orders/created"
+    json_type = {"Content-Type": "application/json"}
+    assert httpx.put(url, headers=json_type, content=b'[{"n": 1}]').status_code == 201
+    assert httpx.post(url, headers=json_type, content=b'[{"n": 2}, {"n": 3}]').status_code == 204
+    closed = httpx.post(url, headers={"Stream-Closed": "true"})
+    assert closed.status_code == 204
+    stream = engine_stream(sql, "/orders/created")
+    assert stream.startswith("ds.orders-created.")
+
+    events = [e for e in fast_engine.read(stream, 0) if isinstance(e, subengine.Event)]
+    assert [(e.type, e.data) for e in events] == [
+        ("durable-streams.message", {"n": 1}),
+        ("durable-streams.message", {"n": 2}),
+        ("durable-streams.message", {"n": 3}),
+        ("durable-streams.closed", {}),
+    ]
+    app = subengine.App()
+    app.subscription("billing", stream=stream).handler()(record)
+    with Running(app, fast_engine):
+        wait_for(lambda: _count(sql) == 4, "the worker to handle the four events")
+        more = httpx.post(url, headers=json_type, content=b'{"n": 4}')
+        assert more.status_code == 409  # closed: nothing more to handle
+    handled = sql.execute("SELECT count(DISTINCT event_id), count(*) FROM effects").fetchone()
+    assert handled == (4, 4)
+
+
+def _count(sql: psycopg.Connection[Any]) -> int:
+    row = sql.execute("SELECT count(*) FROM effects").fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_byte_messages_are_stored_byte_for_byte_beside_their_events(
+    ds: GatewayProcess, engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    url = f"{ds.url}/ds/blobs/1"
+    octets = {"Content-Type": "application/octet-stream"}
+    first, second = bytes(range(256)), b"\x00\xff\xfe not UTF-8 \xc3\x28"
+    assert httpx.put(url, headers=octets, content=first).status_code == 201
+    assert httpx.post(url, headers=octets, content=second).status_code == 204
+
+    read = httpx.get(url)
+    assert read.content == first + second
+    assert read.headers["Stream-Up-To-Date"] == "true"
+    stream = engine_stream(sql, "/blobs/1")
+    stored = sql.execute(
+        'SELECT body FROM subengine.durable_stream_bytes WHERE stream = %s ORDER BY "position"',
+        (stream,),
+    ).fetchall()
+    assert [bytes(row[0]) for row in stored] == [first, second]
+    events = [e for e in engine.read(stream, 0) if isinstance(e, subengine.Event)]
+    assert [e.data for e in events] == [{"bytes": 256}, {"bytes": len(second)}]
+
+
+def test_producer_state_survives_a_restart_of_the_gateway(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    def producer(seq: int, epoch: int = 0) -> dict[str, str]:
+        return {
+            "Content-Type": "text/plain",
+            "Producer-Id": "writer-1",
+            "Producer-Epoch": str(epoch),
+            "Producer-Seq": str(seq),
+        }
+
+    with GatewayProcess(cli_env, *DS, tmp=tmp_path) as first:
+        url = f"{first.url}/ds/log"
+        assert httpx.put(url, headers={"Content-Type": "text/plain"}).status_code == 201
+        assert httpx.post(url, headers=producer(0), content=b"a").status_code == 200
+        assert httpx.post(url, headers=producer(1), content=b"b").status_code == 200
+    with GatewayProcess(cli_env, *DS, tmp=tmp_path) as second:
+        url = f"{second.url}/ds/log"
+        retry = httpx.post(url, headers=producer(1), content=b"b")
+        assert (retry.status_code, retry.headers["Producer-Seq"]) == (204, "1")
+        gap = httpx.post(url, headers=producer(3), content=b"d")
+        assert (gap.status_code, gap.headers["Producer-Expected-Seq"]) == (409, "2")
+        assert httpx.post(url, headers=producer(2), content=b"c").status_code == 200
+        zombie = httpx.post(url, headers=producer(0, epoch=1), content=b"x")
+        assert zombie.status_code == 200  # a new epoch fences the old one
+        stale = httpx.post(url, headers=producer(3), content=b"y")
+        assert (stale.status_code, stale.headers["Producer-Epoch"]) == (403, "1")
+        assert httpx.get(url).text == "abcx"
+
+
+def test_an_engine_stream_is_read_per_partition_and_read_only(
+    ds: GatewayProcess, engine: subengine.Engine
+) -> None:
+    engine.create_stream("orders", partitions=4)
+    engine.append("orders", [NewEvent("order-1", "OrderPlaced", {"total": n}) for n in (1, 2)])
+    partition = subengine.partition_for("order-1", 4)
+    url = f"{ds.url}/ds/__subengine/streams/orders/{partition}"
+
+    page = httpx.get(url)
+    assert page.status_code == 200
+    assert page.headers["Content-Type"] == "application/json"
+    events = page.json()
+    assert [(e["type"], e["data"], e["position"]) for e in events] == [
+        ("OrderPlaced", {"total": 1}, 1),
+        ("OrderPlaced", {"total": 2}, 2),
+    ]
+    tail = page.headers["Stream-Next-Offset"]
+    assert httpx.get(url, params={"offset": tail}).content == b"[]"
+    with httpx.Client(timeout=30) as client:
+        engine.append("orders", [NewEvent("order-1", "OrderPaid", {"total": 2})])
+        poll = client.get(url, params={"offset": tail, "live": "long-poll"})
+    assert [e["type"] for e in poll.json()] == ["OrderPaid"]
+    assert poll.headers["Stream-Next-Offset"] > tail
+
+    for method in ("POST", "PUT", "DELETE"):
+        refused = httpx.request(method, url, headers={"Content-Type": "application/json"})
+        assert refused.status_code == 405, method
+        assert refused.headers["Allow"] == "GET, HEAD, OPTIONS"
+    assert httpx.get(f"{ds.url}/ds/__subengine/streams/orders/4").status_code == 404
+
+
+def test_below_the_retention_floor_is_gone_with_the_missing_range(
+    ds: GatewayProcess, engine: subengine.Engine
+) -> None:
+    engine.create_stream("events", partitions=1, retention=Retention(max_events=2))
+    engine.append("events", [NewEvent("k", "T", {"n": n}) for n in range(5)])
+    url = f"{ds.url}/ds/__subengine/streams/events/0"
+    tail = httpx.get(url).headers["Stream-Next-Offset"]
+    after_first = tail[: -len("5")] + "1"  # the offset after position 1 of 5
+    engine.run_retention("events")  # keeps positions 4 and 5
+
+    gone = httpx.get(url, params={"offset": after_first})
+    assert gone.status_code == 410
+    assert (gone.headers["Subengine-Gap-From"], gone.headers["Subengine-Gap-To"]) == ("2", "3")
+    resume = httpx.get(url, params={"offset": gone.headers["Subengine-Floor"]})
+    assert [e["data"] for e in resume.json()] == [{"n": 3}, {"n": 4}]
+    assert [e["data"] for e in httpx.get(url).json()] == [{"n": 3}, {"n": 4}]
+
+
+def test_an_offset_of_a_deleted_incarnation_is_gone(ds: GatewayProcess) -> None:
+    url = f"{ds.url}/ds/again"
+    text = {"Content-Type": "text/plain"}
+    assert httpx.put(url, headers=text, content=b"old").status_code == 201
+    old = httpx.get(url).headers["Stream-Next-Offset"]
+    assert httpx.delete(url).status_code == 204
+    created = httpx.put(url, headers=text, content=b"new")
+    assert created.status_code == 201
+    assert created.headers["Stream-Next-Offset"] > old  # offsets keep increasing
+
+    assert httpx.get(url, params={"offset": old}).status_code == 410
+    assert httpx.get(url).text == "new"
+
+
+def test_an_expired_stream_is_swept_with_its_engine_stream(
+    ds: GatewayProcess, sql: psycopg.Connection[Any]
+) -> None:
+    url = f"{ds.url}/ds/short-lived"
+    put = httpx.put(url, headers={"Content-Type": "text/plain", "Stream-TTL": "1"}, content=b"x")
+    assert put.status_code == 201
+    stream = engine_stream(sql, "/short-lived")
+
+    def swept() -> bool:
+        left = sql.execute(
+            "SELECT (SELECT count(*) FROM subengine.durable_streams)"
+            " + (SELECT count(*) FROM subengine.streams WHERE name = %(s)s)"
+            " + (SELECT count(*) FROM subengine.durable_stream_bytes WHERE stream = %(s)s)"
+            " + (SELECT count(*) FROM subengine.durable_stream_garbage)",
+            {"s": stream},
+        ).fetchone()
+        return left == (0,)
+
+    wait_for(swept, "the sweeper to remove the expired stream", timeout=30)
+    assert httpx.get(url).status_code == 404
+
+
+def test_api_keys_are_bearer_tokens_on_the_engine_stream_names(
+    ds: GatewayProcess, engine: subengine.Engine
+) -> None:
+    _, token = engine.create_api_key(["read", "append"], ["ds.orders*"])
+    _, other = engine.create_api_key(["read", "append"], ["payments*"])
+    url = f"{ds.url}/ds/orders/1"
+
+    refused = httpx.put(url, headers={"Content-Type": "text/plain"})
+    assert refused.status_code == 401
+    assert refused.headers["WWW-Authenticate"] == "Bearer"
+    forbidden = httpx.put(url, headers={"Authorization": f"Bearer {other}"})
+    assert forbidden.status_code == 403
+    allowed = {"Authorization": f"Bearer {token}", "Content-Type": "text/plain"}
+    assert httpx.put(url, headers=allowed, content=b"hi").status_code == 201
+    assert httpx.get(url, headers=allowed).text == "hi"
+    assert "secret" not in refused.text and token not in ds.output()
