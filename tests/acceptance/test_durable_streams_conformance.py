@@ -14,26 +14,20 @@ reported, so that the list only shrinks.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from ds_suite import WRAPPER, suite_folder
 from helpers import GatewayProcess
 
-HERE = Path(__file__).parent
-WRAPPER = HERE.parent / "conformance"
 KNOWN_FAILURES = WRAPPER / "known-failures.txt"
-WRAPPER_FILES = ("package.json", "durable-streams.test.mjs", "vitest.config.mjs")
 # vitest's filter over full case names: every case but the forks' (a later issue)
 CASES = "^(?!Fork - )"
 # the server's long-poll wait, short so that the cases that wait for a 204 are quick
 LONG_POLL_SECONDS = "2"
-INSTALL_SECONDS = 600
 RUN_SECONDS = 900
 
 pytestmark = pytest.mark.xdist_group("durable-streams-conformance")
@@ -49,33 +43,6 @@ def known_failures() -> dict[str, str]:
         assert separator and why.strip(), f"known-failures.txt: say why {name!r} fails"
         known[name.strip()] = why.strip()
     return known
-
-
-def suite_folder() -> Path:
-    """The cache folder of the pinned packages, installed there when missing."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node and npm are not installed (Debian: apt-get install nodejs npm)")
-    pins = (WRAPPER / "package.json").read_bytes()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "subengine"
-    folder = cache / f"durable-streams-conformance-{hashlib.sha256(pins).hexdigest()[:12]}"
-    folder.mkdir(parents=True, exist_ok=True)
-    with (folder / ".lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another pytest process may be installing
-        for name in WRAPPER_FILES:
-            shutil.copyfile(WRAPPER / name, folder / name)
-        installed = folder / "node_modules" / ".subengine-installed"
-        if not installed.exists():
-            done = subprocess.run(
-                ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"],
-                cwd=folder,
-                capture_output=True,
-                text=True,
-                timeout=INSTALL_SECONDS,
-            )
-            if done.returncode != 0:
-                pytest.fail(f"npm install of the conformance suite failed:\n{done.stderr[-3000:]}")
-            installed.touch()
-    return folder
 
 
 def case_results(report: Path) -> dict[str, str]:
