@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
 from typing import Any
 
@@ -43,7 +44,10 @@ from subengine.gateway._ds_http import (
 from subengine.gateway._ds_state import DurableStreamsState
 from subengine.gateway._hub import Watcher
 from subengine.gateway._sse import Blocked, EventStream, Gone
+from subengine.model._errors import DatabaseUnavailable
 from subengine.outside._durable_streams import CatalogStream, media_type
+
+log = logging.getLogger("subengine.gateway")
 
 # Seconds an SSE response stays open before the server ends it (PROTOCOL.md 10.2: about
 # a minute, so that caches can collapse readers); the client resumes from its offset.
@@ -138,8 +142,9 @@ async def _page(
     headers["Cache-Control"] = CACHEABLE if messages else NO_STORE
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={**SECURITY_HEADERS, **headers})
-    state.gateway.metrics.sent(PULL, None, 0)
-    return text_response(200, _body(found, messages), headers)
+    body = _body(found, messages)
+    state.gateway.metrics.sent(PULL, None, len(body))
+    return text_response(200, body, headers)
 
 
 async def _long_poll(
@@ -174,7 +179,9 @@ async def _long_poll(
                     headers[UP_TO_DATE] = "true"
                     if found.closed:
                         headers[CLOSED] = "true"
-                return text_response(200, _body(found, messages), headers)
+                body = _body(found, messages)
+                gateway.metrics.sent(LONG_POLL, None, len(body))
+                return text_response(200, body, headers)
             if found.closed:
                 headers = {NEXT_OFFSET: offset(found.epoch, after), UP_TO_DATE: "true"}
                 return text_response(204, b"", {**headers, CLOSED: "true"})
@@ -275,8 +282,12 @@ class DsEventStream:
             await self._run(stream, watcher)
         except (Gone, Blocked):
             pass
+        except (DatabaseUnavailable, DsError) as error:
+            # the client resumes from its last offset (and learns then what is wrong)
+            log.warning("durable streams: an event stream ended: %s", error)
         finally:
             gateway.open_streams.discard(stream)
+            gateway.metrics.sent(SSE, None, stream.bytes_sent)
             self.slot.release()
             gateway.hub.remove(watcher)
             await stream.end()

@@ -222,3 +222,33 @@ def test_api_keys_are_bearer_tokens_on_the_engine_stream_names(
     assert httpx.put(url, headers=allowed, content=b"hi").status_code == 201
     assert httpx.get(url, headers=allowed).text == "hi"
     assert "secret" not in refused.text and token not in ds.output()
+
+
+def test_a_stream_a_subscription_consumes_is_not_deleted_under_it(
+    ds: GatewayProcess, engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    url = f"{ds.url}/ds/consumed"
+    put = httpx.put(url, headers={"Content-Type": "text/plain", "Stream-TTL": "1"}, content=b"x")
+    assert put.status_code == 201
+    stream = engine_stream(sql, "/consumed")
+    app = subengine.App()
+    app.subscription("reader", stream=stream).handler()(record)
+    engine.ensure_subscription(app.subscriptions["reader"])
+
+    refused = httpx.delete(url)
+    assert refused.status_code == 409
+    # expired: the path is free, but the engine stream stays while it is consumed
+    # HEAD, unlike GET, does not reset the TTL's countdown
+    wait_for(lambda: httpx.head(url).status_code == 404, "the stream to expire", timeout=30)
+    wait_for(
+        lambda: _garbage(sql) == [stream], "the sweeper to leave it to the subscription", timeout=30
+    )
+    assert [s.name for s in engine.streams()] == [stream]
+    engine.delete_subscription("reader")
+    wait_for(lambda: not engine.streams(), "the sweeper to delete it then", timeout=30)
+    assert _garbage(sql) == []
+
+
+def _garbage(sql: psycopg.Connection[Any]) -> list[str]:
+    rows = sql.execute("SELECT stream FROM subengine.durable_stream_garbage").fetchall()
+    return [row[0] for row in rows]

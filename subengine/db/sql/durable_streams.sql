@@ -129,8 +129,12 @@ SELECT path, stream FROM {schema}.durable_streams
  LIMIT %(limit)s
 
 -- name: ds_garbage
--- Engine streams of deleted Durable Streams streams, still to delete, oldest first.
-SELECT stream FROM {schema}.durable_stream_garbage ORDER BY created_at, stream LIMIT %(limit)s
+-- Engine streams of deleted Durable Streams streams, still to delete, oldest first; not
+-- those a subscription consumes (they wait until it is deleted).
+SELECT g.stream FROM {schema}.durable_stream_garbage g
+ WHERE NOT EXISTS (SELECT 1 FROM {schema}.subscriptions s WHERE s.stream = g.stream)
+ ORDER BY g.created_at, g.stream
+ LIMIT %(limit)s
 
 -- name: ds_delete_bytes
 -- Up to %(batch)s byte messages of a deleted stream; how many went.
