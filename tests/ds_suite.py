@@ -16,6 +16,7 @@ import pytest
 WRAPPER = Path(__file__).parent / "conformance"
 WRAPPER_FILES = ("package.json", "durable-streams.test.mjs", "vitest.config.mjs", "interop.mjs")
 INSTALL_SECONDS = 600
+MIN_NODE = 20
 
 
 def suite_folder() -> Path:
@@ -23,6 +24,10 @@ def suite_folder() -> Path:
     the test when node or npm is missing."""
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node and npm are not installed (Debian: apt-get install nodejs npm)")
+    version = subprocess.run(["node", "--version"], capture_output=True, text=True, timeout=30)
+    major = version.stdout.strip().lstrip("v").split(".")[0]
+    if not major.isdecimal() or int(major) < MIN_NODE:
+        pytest.skip(f"vitest 4 needs Node {MIN_NODE} or later, not {version.stdout.strip()!r}")
     pins = (WRAPPER / "package.json").read_bytes()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "subengine"
     folder = cache / f"durable-streams-conformance-{hashlib.sha256(pins).hexdigest()[:12]}"
