@@ -54,6 +54,8 @@ def test_messages_appended_through_ds_are_engine_events_a_worker_handles_once(
         ("durable-streams.message", {"n": 3}),
         ("durable-streams.closed", {}),
     ]
+    native = httpx.get(f"{ds.url}/v1/streams/{stream}/events").json()
+    assert [e["data"] for e in native["events"]] == [{"n": 1}, {"n": 2}, {"n": 3}, {}]
     app = subengine.App()
     app.subscription("billing", stream=stream).handler()(record)
     with Running(app, fast_engine):
