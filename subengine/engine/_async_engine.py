@@ -45,7 +45,7 @@ from subengine.outside._api_keys import ApiKey
 from subengine.streams import _read, _retention, _streams
 from subengine.streams._append import ExpectedVersion, append_events, prepare, schema_not_ready
 from subengine.streams._listener import AsyncListener
-from subengine.streams._read import Page, RawEvent
+from subengine.streams._read import EncodedPage, Page, RawEvent
 from subengine.streams._tail import LISTENER_APPLICATION_NAME, AsyncTail
 from subengine.subscriptions import _inspection, _stream_deletion, _subscriptions
 from subengine.subscriptions._stream_deletion import DeletedStream
@@ -293,6 +293,33 @@ class AsyncEngine:
         catch-up read; see `subengine.streams._read.read_page`)."""
         query = _read.read_page(
             stream, positions, self.settings.read_limit if limit is None else limit
+        )
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def read_page_json(
+        self,
+        stream: str,
+        positions: Sequence[int],
+        limit: int,
+        *,
+        keys: Iterable[str] | None = None,
+        types: Iterable[str] | None = None,
+        include_data: bool = True,
+        max_bytes: int | None = None,
+        oversize: bool = True,
+    ) -> EncodedPage:
+        """`read_page` with each event's JSON made by PostgreSQL as the gateway sends it,
+        filtered and bounded in bytes (see `subengine.streams._read.read_page_json`)."""
+        query = _read.read_page_json(
+            stream,
+            positions,
+            limit,
+            keys=keys,
+            types=types,
+            include_data=include_data,
+            max_bytes=max_bytes,
+            oversize=oversize,
         )
         async with self.connection() as conn:
             return await self.sql.run_async(conn, query)

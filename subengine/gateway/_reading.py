@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
-from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, event_json, tombstone_body
+from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, tombstone_body
 from subengine.model._events import Tombstone, partition_for
 from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
-from subengine.streams._read import Page, RawEvent
+from subengine.streams._read import EncodedPage, RawEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,23 @@ class Selection:
         if self.keys is None or count is None:
             return None
         return frozenset(partition_for(key, count) for key in self.keys)
+
+
+# The most bytes of event JSON a page holds (but for a single larger event): a page of
+# large events stays a size a client and the gateway hold at once, whatever its `limit`.
+PAGE_BYTES = 1 << 20
+
+
+class Taken(NamedTuple):
+    """A page taken by a reader: the kept events' JSON, the tombstones, whether the stream
+    is now read up to its heads, the bytes of the events' JSON joined by commas, and
+    whether the byte bound ended the page."""
+
+    events: list[str]
+    tombstones: list[dict[str, Any]]
+    up_to_date: bool
+    size: int
+    full: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +119,27 @@ class Reader:
 
     # catching up by cursor
 
-    async def _read_page(self, stream: str, limit: int) -> Page:
-        """A page of `stream` after the cursor. A changed epoch emits a `reset` frame and
-        reads the stream again from its beginning. The cursor then names every
-        partition."""
-        page = await self.hub.read_engine.read_page(stream, self.marks[stream], limit)
+    async def _read_page(
+        self, stream: str, limit: int, max_bytes: int, oversize: bool = True
+    ) -> EncodedPage:
+        """A page of `stream` after the cursor, its events' JSON made by PostgreSQL. A
+        changed epoch emits a `reset` frame and reads the stream again from its
+        beginning. The cursor then names every partition."""
+        selection = self.selections[stream]
+        read = partial(
+            self.hub.read_engine.read_page_json,
+            stream,
+            limit=limit,
+            keys=selection.keys,
+            types=selection.types,
+            include_data=selection.include_data,
+            max_bytes=max_bytes,
+            oversize=oversize,
+        )
+        page = await read(self.marks[stream])
         if page.epoch != self.epochs[stream]:
             self._reset(stream, self.epochs[stream], page.epoch)
-            page = await self.hub.read_engine.read_page(stream, (), limit)
+            page = await read(())
         elif not page.fits:
             raise InvalidCursor(
                 f"the cursor has {len(self.marks[stream])} positions for stream {stream!r}, "
@@ -122,10 +153,13 @@ class Reader:
             page = replace(page, tombstones=gaps)
         return page
 
-    async def page(self, stream: str, limit: int) -> tuple[list[str], list[dict[str, Any]], bool]:
-        """One page of `stream` after the cursor: the kept events' JSON, the tombstones,
-        and whether the stream is now read up to its heads. Moves the cursor."""
-        return self._take_page(await self._read_page(stream, limit))
+    async def page(
+        self, stream: str, limit: int, max_bytes: int = PAGE_BYTES, oversize: bool = True
+    ) -> Taken:
+        """One page of `stream` after the cursor (at most `limit` events and, but for a
+        first event larger than it when `oversize`, `max_bytes` of their JSON). Moves
+        the cursor."""
+        return self._take_page(await self._read_page(stream, limit, max_bytes, oversize))
 
     def _reset(self, stream: str, previous: int, epoch: int) -> None:
         self.epochs[stream] = epoch
@@ -140,50 +174,50 @@ class Reader:
             },
         )
 
-    def _take_page(self, page: Page) -> tuple[list[str], list[dict[str, Any]], bool]:
+    def _take_page(self, page: EncodedPage) -> Taken:
         stream = page.stream
-        selection = self.selections[stream]
+        marks = self.marks[stream]
         tombstones = []
         for tombstone in page.tombstones:
             self._advance(stream, tombstone.partition, tombstone.gap_to)
             tombstones.append(tombstone_body(tombstone))
         events = []
-        for event in page.events:
-            self._advance(stream, event.partition, event.position)
-            if selection.keeps(event):
-                events.append(event_json(event, selection.include_data))
-        return events, tombstones, self._up_to_date(page)
+        # a page's positions are after the cursor, and rise along each partition
+        for partition, position, text in page.events:
+            marks[partition] = position
+            if text is not None:
+                events.append(text)
+        return Taken(events, tombstones, self._up_to_date(page), page.size, page.full)
 
-    def _up_to_date(self, page: Page) -> bool:
+    def _up_to_date(self, page: EncodedPage) -> bool:
         marks = self.marks[page.stream]
         return all(mark >= head for mark, head in zip(marks, page.heads, strict=True))
 
-    async def catch_up_frames(self, stream: str, limit: int) -> bool:
+    async def catch_up_frames(self, stream: str, limit: int, max_bytes: int = PAGE_BYTES) -> bool:
         """Read one page of `stream` and emit it as frames (a tombstone frame per gap,
         an events frame per partition); whether the stream is up to date."""
-        page = await self._read_page(stream, limit)
+        page = await self._read_page(stream, limit, max_bytes)
         for tombstone in page.tombstones:
             self._advance(stream, tombstone.partition, tombstone.gap_to)
             self._emit("tombstone", tombstone_body(tombstone))
-        by_partition: dict[int, list[RawEvent]] = {}
-        for event in page.events:
-            by_partition.setdefault(event.partition, []).append(event)
-        selection = self.selections[stream]
-        for partition, events in by_partition.items():
-            kept = [
-                event_json(event, selection.include_data)
-                for event in events
-                if selection.keeps(event)
-            ]
-            self._advance(stream, partition, events[-1].position)
-            if kept:
+        # per partition, in the order the page first reaches it: its first and last
+        # positions and its kept events' JSON
+        firsts: dict[int, int] = {}
+        lasts: dict[int, int] = {}
+        kept: dict[int, list[str]] = {}
+        for partition, position, text in page.events:
+            if partition not in firsts:
+                firsts[partition] = position
+                kept[partition] = []
+            lasts[partition] = position
+            if text is not None:
+                kept[partition].append(text)
+        for partition, first in firsts.items():
+            last = lasts[partition]
+            self._advance(stream, partition, last)
+            if kept[partition]:
                 self._emit_events(
-                    stream,
-                    partition,
-                    events[0].position,
-                    events[-1].position,
-                    page.heads[partition],
-                    kept,
+                    stream, partition, first, last, page.heads[partition], kept[partition]
                 )
         return self._up_to_date(page)
 

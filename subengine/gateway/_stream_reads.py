@@ -30,7 +30,7 @@ from subengine.gateway._http import (
     path_stream,
 )
 from subengine.gateway._hub import dumps
-from subengine.gateway._reading import Reader, Selection
+from subengine.gateway._reading import PAGE_BYTES, Reader, Selection
 from subengine.gateway._sse_response import (
     EventStreamResponse,
     open_event_stream,
@@ -122,8 +122,8 @@ async def read_events(request: Request) -> Response | EventStreamResponse:
     try:
         start = await gateway.start_of(stream, request)
         reader = Reader(gateway.hub, {stream: selection}, {stream: start})
-        events, tombstones, up_to_date = await reader.page(stream, limit)
-        answer = _page(reader, events, tombstones, up_to_date)
+        taken = await reader.page(stream, limit)
+        answer = _page(reader, taken.events, taken.tombstones, taken.up_to_date)
     finally:
         slot.release()
     gateway.metrics.sent(PULL, None, len(answer.body))
@@ -225,18 +225,27 @@ async def _long_poll(
     if superseded is not None:
         ended.append(asyncio.ensure_future(superseded.wait()))
     events: list[str] = []
+    size = 0  # bytes of the events' JSON joined by commas
     tombstones: list[dict[str, Any]] = []
     up_to_date = True
     try:
         while True:
             watcher.take()  # what moves from now on wakes the wait below
-            more, gaps, up_to_date = await reader.page(stream, gathering.limit - len(events))
+            # what a reply gathers stays within one page's bytes: a later read adds only
+            # what fits beside what is there (and a comma)
+            room = PAGE_BYTES - size - 1 if events else PAGE_BYTES
+            taken = await reader.page(
+                stream, gathering.limit - len(events), room, oversize=not events
+            )
             now = time.monotonic()
-            if more and not events and gathering.linger is not None:
+            if taken.events and not events and gathering.linger is not None:
                 answer_by = min(now + gathering.linger, deadline)
-            events += more
-            tombstones += gaps
-            if tombstones or reader.frames_out or len(events) >= gathering.min_events:
+            if taken.events:
+                size += taken.size + 1 if events else taken.size
+                events += taken.events
+            tombstones += taken.tombstones
+            up_to_date = taken.up_to_date
+            if tombstones or reader.frames_out or len(events) >= gathering.min_events or taken.full:
                 return _page(reader, events, tombstones, up_to_date)
             if now >= answer_by or any(task.done() for task in ended):
                 break

@@ -201,26 +201,134 @@ def read_page(stream: str, positions: Sequence[int], limit: int) -> Query[Page]:
             # not a cursor of this stream: of an earlier one of the name (its epoch
             # tells), or none at all; the caller decides, nothing of it is read
             return Page(stream, epoch, tuple(heads), tuple(floors), [], [], fits=False)
-        tombstones = [
-            Tombstone(
-                stream,
-                partition,
-                position + 1,
-                floor - 1,
-                floor,
-                gap_reason(position + 1, aged[partition], capped[partition]),
-                heads[partition],
-            )
-            for partition, (position, floor) in enumerate(
-                zip(after or [0] * partitions, floors, strict=True)
-            )
-            if position < floor - 1
-        ]
+        tombstones = _gaps(stream, after or [0] * partitions, heads, floors, aged, capped)
         events = _raw_events([row[6:] for row in result.rows])
         return Page(stream, epoch, tuple(heads), tuple(floors), tombstones, events)
 
     params = {"stream": stream, "positions": after, "limit": _limit(limit)}
     return Query("read_page", params, read)
+
+
+def _gaps(
+    stream: str,
+    after: Sequence[int],
+    heads: Sequence[int],
+    floors: Sequence[int],
+    aged: Sequence[int],
+    capped: Sequence[int],
+) -> list[Tombstone]:
+    """A tombstone for each partition whose positions after `after` retention removed."""
+    return [
+        Tombstone(
+            stream,
+            partition,
+            position + 1,
+            floor - 1,
+            floor,
+            gap_reason(position + 1, aged[partition], capped[partition]),
+            heads[partition],
+        )
+        for partition, (position, floor) in enumerate(zip(after, floors, strict=True))
+        if position < floor - 1
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPage:
+    """What `read_page_json` found, in one snapshot: `Page`'s epoch, heads, floors and
+    tombstones, and the events as (partition, position, JSON text) in page order, the
+    text None for an event the filters passed over. `size` is the bytes of the kept
+    events' texts joined by commas; `full` says that the byte bound ended the page before
+    an event it had read."""
+
+    stream: str
+    epoch: int
+    heads: tuple[int, ...]
+    floors: tuple[int, ...]
+    tombstones: list[Tombstone]
+    events: list[tuple[int, int, str | None]]
+    size: int = 0
+    full: bool = False
+    fits: bool = True
+
+
+def _names(names: Iterable[str] | None, what: str) -> list[str] | None:
+    if names is None:
+        return None
+    if isinstance(names, str | bytes):
+        raise InvalidInput(f"{what} must be a collection of names, not one name")
+    found = list(names)
+    if not all(isinstance(name, str) for name in found):
+        raise InvalidInput(f"{what} must be names (text)")
+    return found
+
+
+def read_page_json(
+    stream: str,
+    positions: Sequence[int],
+    limit: int,
+    *,
+    keys: Iterable[str] | None = None,
+    types: Iterable[str] | None = None,
+    include_data: bool = True,
+    max_bytes: int | None = None,
+    oversize: bool = True,
+) -> Query[EncodedPage]:
+    """`read_page` as the gateway sends it: each event's JSON text made by PostgreSQL,
+    byte for byte what `event_json` writes (docs/gateway.md, "Reading events"), without
+    data unless `include_data`, and None for an event not of `keys` and `types` (None:
+    all), which the cursor still passes.
+
+    With `max_bytes`, the page ends before the first kept event that would take the
+    kept texts (joined by commas) past it; with `oversize`, a page's first kept event
+    comes even when it alone is larger. An event the filters passed over takes no
+    bytes. Whatever the bound leaves out is after every event the page holds, in
+    every partition: the page is still a prefix of what follows the cursor."""
+    validate_stream_name(stream)
+    after = _positions(positions, "the cursor")
+    if not isinstance(include_data, bool):
+        raise InvalidInput(f"include_data must be True or False, not {include_data!r}")
+    if max_bytes is not None:
+        validate_whole_number(max_bytes, "max_bytes", 0, BIGINT_MAX)
+    budget = BIGINT_MAX if max_bytes is None else max_bytes
+
+    def read(result: Result) -> EncodedPage:
+        rows = result.rows
+        if not rows:
+            raise StreamNotFound(stream)
+        epoch, partitions, heads, floors, aged, capped = rows[0][:6]
+        if heads is None:  # its partitions are gone first: `stream delete` is under way
+            raise StreamBeingDeleted(stream)
+        if after and len(after) != partitions:
+            # not a cursor of this stream (see read_page): nothing of it is read
+            return EncodedPage(stream, epoch, tuple(heads), tuple(floors), [], [], fits=False)
+        tombstones = _gaps(stream, after or [0] * partitions, heads, floors, aged, capped)
+        events: list[tuple[int, int, str | None]] = []
+        size, full = -1, False  # -1: no kept event yet (the first takes no comma)
+        for row in rows:
+            if row[6] is None:  # a page without events: one row, of the stream alone
+                break
+            text = row[8]
+            if text is not None:
+                grown = size + 1 + (len(text) if text.isascii() else len(text.encode()))
+                if grown > budget and (size >= 0 or not oversize):
+                    full = True
+                    break
+                size = grown
+            events.append((row[6], row[7], text))
+        return EncodedPage(
+            stream, epoch, tuple(heads), tuple(floors), tombstones, events, max(size, 0), full
+        )
+
+    params = {
+        "stream": stream,
+        "positions": after,
+        "limit": _limit(limit),
+        "keys": _names(keys, "keys"),
+        "types": _names(types, "types"),
+        "include_data": include_data,
+    }
+    return Query("read_page_json", params, read)
 
 
 def positions_since(stream: str, since: datetime) -> Query[tuple[int, list[int]]]:

@@ -295,6 +295,94 @@ SELECT s.epoch, s.partitions, h.heads, h.floors, h.aged, h.capped, e.id, e.strea
  WHERE s.name = %(stream)s
  ORDER BY e.recorded_at, e.partition, e.position
 
+-- name: read_page_json
+-- read_page as the gateway sends it: the same page (up to `limit` events after the cursor
+-- `positions`, oldest first across partitions, in one snapshot), a row per event with its
+-- partition, its position and its JSON text, made here; NULL for an event that the `keys`
+-- and `types` filters (NULL: all) pass over. The text is byte for byte what the gateway's
+-- `event_json` writes (docs/gateway.md, "Reading events"): the same keys in the same
+-- order, no spaces but those in data and metadata (jsonb's text), times as Python's
+-- isoformat writes them in the session's time zone (a fraction only when there are
+-- microseconds, an offset's seconds only when it has some), data only with
+-- `include_data`. The stream's epoch, partition count, heads and floors and what removed
+-- their gaps come on the first row only (NULL on the others: decoded once). The
+-- candidates of every partition are read narrow (ctid, recorded_at, position); only the
+-- chosen rows are read whole, by ctid, in the same snapshot. Positions that are not one
+-- per partition of the stream read no events. `OFFSET 0` keeps each event's
+-- recorded_at text a value made once: without it the planner writes its expression into
+-- both places that use it.
+SELECT CASE WHEN c.n IS NULL OR c.n = 1 THEN s.epoch END AS epoch,
+       CASE WHEN c.n IS NULL OR c.n = 1 THEN s.partitions END AS partitions,
+       CASE WHEN c.n IS NULL OR c.n = 1 THEN h.heads END AS heads,
+       CASE WHEN c.n IS NULL OR c.n = 1 THEN h.floors END AS floors,
+       CASE WHEN c.n IS NULL OR c.n = 1 THEN h.aged END AS aged,
+       CASE WHEN c.n IS NULL OR c.n = 1 THEN h.capped END AS capped,
+       c.partition, c.position, j.json
+  FROM {schema}.streams s
+  CROSS JOIN LATERAL (
+        SELECT array_agg(p.head ORDER BY p.partition) AS heads,
+               array_agg(p.floor ORDER BY p.partition) AS floors,
+               array_agg(p.aged_through ORDER BY p.partition) AS aged,
+               array_agg(p.capped_through ORDER BY p.partition) AS capped,
+               '{{"stream":' || to_json(s.name)::text || ',"partition":' AS prefix
+          FROM {schema}.partitions p
+         WHERE p.stream = s.name) h
+  LEFT JOIN LATERAL (
+        SELECT x.at, x.partition, x.position,
+               row_number() OVER (ORDER BY x.recorded_at, x.partition, x.position) AS n
+          FROM (
+                SELECT x.*
+                  FROM {schema}.partitions p
+                 CROSS JOIN LATERAL (
+                       SELECT e.ctid AS at, e.recorded_at, e.partition, e.position
+                         FROM {schema}.events e
+                        WHERE e.stream = p.stream AND e.partition = p.partition
+                          AND e.position > coalesce((%(positions)s::bigint[])[p.partition + 1], 0)
+                        ORDER BY e.position
+                        LIMIT %(limit)s) x
+                 WHERE p.stream = s.name
+                   AND p.head > coalesce((%(positions)s::bigint[])[p.partition + 1], 0)
+                   AND coalesce(cardinality(%(positions)s::bigint[]), 0) IN (0, s.partitions)
+                 ORDER BY x.recorded_at, x.partition, x.position
+                 LIMIT %(limit)s) x) c ON true
+  LEFT JOIN {schema}.events e ON e.ctid = c.at
+  LEFT JOIN LATERAL (
+        SELECT to_char(e.recorded_at,
+                       CASE WHEN date_trunc('second', e.recorded_at) = e.recorded_at
+                            THEN 'YYYY-MM-DD"T"HH24:MI:SSTZH:TZM'
+                            ELSE 'YYYY-MM-DD"T"HH24:MI:SS.USTZH:TZM' END)
+               || CASE WHEN extract(timezone FROM e.recorded_at)::int %% 60 = 0 THEN ''
+                       ELSE ':' || lpad((abs(extract(timezone FROM e.recorded_at)::int) %% 60)::text,
+                                        2, '0') END AS recorded
+        OFFSET 0) t ON true
+  LEFT JOIN LATERAL (
+        SELECT CASE WHEN (%(keys)s::text[] IS NULL OR e.key = ANY (%(keys)s::text[]))
+                     AND (%(types)s::text[] IS NULL OR e.type = ANY (%(types)s::text[]))
+               THEN h.prefix || e.partition
+                    || ',"position":' || e.position
+                    || ',"id":"' || e.id
+                    || '","key":' || to_json(e.key)::text
+                    || ',"key_version":' || e.key_version
+                    || ',"type":' || to_json(e.type)::text
+                    || ',"metadata":' || e.metadata::text
+                    || ',"occurred_at":"'
+                    || CASE WHEN e.occurred_at = e.recorded_at THEN t.recorded
+                            ELSE to_char(e.occurred_at,
+                                         CASE WHEN date_trunc('second', e.occurred_at) = e.occurred_at
+                                              THEN 'YYYY-MM-DD"T"HH24:MI:SSTZH:TZM'
+                                              ELSE 'YYYY-MM-DD"T"HH24:MI:SS.USTZH:TZM' END)
+                                 || CASE WHEN extract(timezone FROM e.occurred_at)::int %% 60 = 0
+                                         THEN ''
+                                         ELSE ':' || lpad((abs(extract(timezone FROM e.occurred_at)::int)
+                                                           %% 60)::text, 2, '0') END
+                       END
+                    || '","recorded_at":"' || t.recorded
+                    || CASE WHEN %(include_data)s::boolean THEN '","data":' || e.data::text || '}}'
+                            ELSE '"}}' END
+               END AS json) j ON true
+ WHERE s.name = %(stream)s
+ ORDER BY c.n
+
 -- name: positions_since
 -- Where a reader of every partition stands just before the first event recorded at or
 -- after a time, exactly (recorded_at never decreases along a partition): the position

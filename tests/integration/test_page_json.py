@@ -1,0 +1,200 @@
+"""The gateway's catch-up page with each event's JSON made by PostgreSQL (`read_page_json`):
+byte for byte what `event_json` writes for the same event, in every session time zone;
+the same page as `read_page`; filters that pass events over without leaving them behind;
+and a bound in bytes that never splits what follows the cursor."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+import pytest
+
+import subengine
+from subengine.db._sql import SQL
+from subengine.gateway._hub import event_json
+from subengine.streams._read import EncodedPage, read_page, read_page_json
+
+ODD_KEYS = ["plain", 'qu"ote', "back\\slash", "é-ünïcode", "emoji-😀", "tab?", "x" * 200]
+ODD_TIMES = [
+    None,  # the time of the append: equal to recorded_at
+    datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),  # no microseconds
+    datetime(2026, 1, 2, 3, 4, 5, 1, tzinfo=UTC),
+    datetime(2026, 6, 30, 23, 59, 59, 999999, tzinfo=timezone(timedelta(hours=-3, minutes=-30))),
+    datetime(1900, 1, 1, tzinfo=UTC),  # local mean time: offsets with seconds in some zones
+    datetime(999, 12, 31, 12, tzinfo=UTC),  # a year of three digits
+]
+ZONES = ["UTC", "Africa/Abidjan", "Europe/Paris", "America/St_Johns", "Asia/Kathmandu"]
+
+
+def fill(engine: subengine.Engine, sql: psycopg.Connection[Any], stream: str) -> None:
+    engine.create_stream(stream, partitions=3)
+    events = [
+        subengine.NewEvent(
+            key,
+            f"type-{n % 3}" if n % 5 else 'ty"pe',
+            {"n": n, "text": 'a "quoted" \\ line\nand more', "nested": {"list": [1, 2.5, None]}},
+            metadata={"by": "test", "n": n} if n % 2 else None,
+            occurred_at=ODD_TIMES[n % len(ODD_TIMES)],
+        )
+        for n, key in enumerate(ODD_KEYS * 6)
+    ]
+    for first in range(0, len(events), 7):
+        engine.append(stream, events[first : first + 7])
+    # recorded_at without microseconds, which the engine's clock seldom gives (at the
+    # start of each partition: recorded_at still never decreases along one)
+    sql.execute(
+        psycopg.sql.SQL(
+            "UPDATE {}.events SET recorded_at = date_trunc('second', recorded_at)"
+            " WHERE stream = %s AND position <= 5"
+        ).format(psycopg.sql.Identifier(engine.schema)),
+        (stream,),
+    )
+
+
+def whole_page(
+    sql: psycopg.Connection[Any], schema: str, stream: str, **options: Any
+) -> EncodedPage:
+    return SQL(schema).run(sql, read_page_json(stream, [], 10_000, **options))
+
+
+@pytest.mark.parametrize("zone", ZONES)
+def test_each_event_is_the_text_event_json_writes(
+    engine: subengine.Engine, sql: psycopg.Connection[Any], zone: str
+) -> None:
+    fill(engine, sql, "odd")
+    sql.execute(psycopg.sql.SQL("SET TimeZone = {}").format(psycopg.sql.Literal(zone)))
+    run = SQL(engine.schema).run
+    raw = run(sql, read_page("odd", [], 10_000))
+    encoded = run(sql, read_page_json("odd", [], 10_000))
+    metadata_only = run(sql, read_page_json("odd", [], 10_000, include_data=False))
+    assert len(raw.events) == len(ODD_KEYS) * 6
+    assert [(p, q) for p, q, _ in encoded.events] == [(e.partition, e.position) for e in raw.events]
+    assert [text for _, _, text in encoded.events] == [event_json(e, True) for e in raw.events]
+    assert [text for _, _, text in metadata_only.events] == [
+        event_json(e, False) for e in raw.events
+    ]
+    texts = [json.loads(text) for _, _, text in encoded.events if text is not None]
+    times = [e[name] for e in texts for name in ("occurred_at", "recorded_at")]
+    assert any("." not in time for time in times)  # the cases the test means to meet
+    assert any(time.startswith("0999-") for time in times)
+    if zone == "Africa/Abidjan":  # its local mean time until 1912: -00:16:08
+        assert any(time.endswith("-00:16:08") for time in times)
+    assert (encoded.epoch, encoded.heads, encoded.floors) == (raw.epoch, raw.heads, raw.floors)
+
+
+def test_filters_pass_events_over_and_the_cursor_still_moves(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    fill(engine, sql, "odd")
+    every = whole_page(sql, engine.schema, "odd")
+    some = whole_page(sql, engine.schema, "odd", keys=['qu"ote', "emoji-😀"], types=["type-1"])
+    assert [(p, q) for p, q, _ in some.events] == [(p, q) for p, q, _ in every.events]
+    kept = [json.loads(text) for _, _, text in some.events if text is not None]
+    assert kept
+    assert all(e["key"] in ('qu"ote', "emoji-😀") and e["type"] == "type-1" for e in kept)
+    assert [t for _, _, t in some.events if t is not None] == [
+        t
+        for _, _, t in every.events
+        if t is not None
+        and json.loads(t)["key"] in ('qu"ote', "emoji-😀")
+        and json.loads(t)["type"] == "type-1"
+    ]
+    nothing = whole_page(sql, engine.schema, "odd", keys=[])
+    assert len(nothing.events) == len(every.events)
+    assert all(text is None for _, _, text in nothing.events)
+    assert nothing.size == 0
+
+
+def read_by_pages(
+    sql: psycopg.Connection[Any], schema: str, stream: str, max_bytes: int, **options: Any
+) -> tuple[list[tuple[int, int, str | None]], list[EncodedPage]]:
+    """Every event after the beginning, page by page (7 events at most) until up to date."""
+    positions: list[int] = []
+    events: list[tuple[int, int, str | None]] = []
+    pages: list[EncodedPage] = []
+    for _ in range(1000):
+        page = SQL(schema).run(
+            sql, read_page_json(stream, positions, 7, max_bytes=max_bytes, **options)
+        )
+        pages.append(page)
+        positions = list(positions or [0] * len(page.heads))
+        for partition, position, text in page.events:
+            assert position == positions[partition] + 1  # nothing skipped, nothing twice
+            positions[partition] = position
+            events.append((partition, position, text))
+        if positions == list(page.heads):
+            return events, pages
+    raise AssertionError("never up to date")
+
+
+def joined_size(page: EncodedPage) -> int:
+    return len(",".join(t for _, _, t in page.events if t is not None).encode())
+
+
+@pytest.mark.parametrize("max_bytes", [0, 300, 1000, 2500, 10**9])
+def test_a_page_stays_within_its_bytes_and_pages_read_everything_once_in_order(
+    engine: subengine.Engine, sql: psycopg.Connection[Any], max_bytes: int
+) -> None:
+    fill(engine, sql, "odd")
+    expected = whole_page(sql, engine.schema, "odd").events
+    events, pages = read_by_pages(sql, engine.schema, "odd", max_bytes)
+    assert events == expected
+    for page in pages:
+        kept = [t for _, _, t in page.events if t is not None]
+        assert page.size == joined_size(page)
+        assert page.size <= max_bytes or len(kept) == 1  # but for one larger event
+        assert page.full or len(page.events) == 7 or page is pages[-1]
+    if max_bytes == 0:
+        assert all(len(page.events) == 1 for page in pages)
+    if max_bytes == 10**9:
+        assert not any(page.full for page in pages)
+
+
+def test_a_filtered_page_counts_only_the_events_it_keeps(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    fill(engine, sql, "odd")
+    options = {"keys": ["plain"], "include_data": False}
+    expected = whole_page(sql, engine.schema, "odd", **options).events
+    one = max(len(t.encode()) for _, _, t in expected if t is not None)
+    events, pages = read_by_pages(sql, engine.schema, "odd", one, **options)
+    assert events == expected
+    for page in pages:
+        assert sum(t is not None for _, _, t in page.events) <= 1
+        assert page.size <= one
+
+
+def test_without_oversize_a_first_event_too_large_ends_the_page_before_it(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    fill(engine, sql, "odd")
+    run = SQL(engine.schema).run
+    alone = run(sql, read_page_json("odd", [], 7, max_bytes=10))
+    assert len(alone.events) == 1 and alone.full and alone.size > 10
+    none = run(sql, read_page_json("odd", [], 7, max_bytes=10, oversize=False))
+    assert none.events == [] and none.full and none.size == 0
+    # the events a filter passes over before it still come: they take no bytes
+    filtered = run(
+        sql, read_page_json("odd", [], 7, max_bytes=10, oversize=False, keys=["emoji-😀"])
+    )
+    every = run(sql, read_page_json("odd", [], 7)).events
+    assert filtered.full and filtered.events
+    assert all(text is None for _, _, text in filtered.events)
+    assert [(p, q) for p, q, _ in filtered.events] == [(p, q) for p, q, _ in every][
+        : len(filtered.events)
+    ]
+    following = every[len(filtered.events)][2]
+    assert following is not None and json.loads(following)["key"] == "emoji-😀"
+
+
+def test_a_cursor_of_other_partitions_reads_nothing(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    fill(engine, sql, "odd")
+    page = SQL(engine.schema).run(sql, read_page_json("odd", [0, 0], 7))
+    assert not page.fits and page.events == [] and len(page.heads) == 3
+    with pytest.raises(subengine.StreamNotFound):
+        SQL(engine.schema).run(sql, read_page_json("nothing-here", [], 7))
