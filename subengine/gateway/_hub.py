@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from subengine.engine._async_engine import AsyncEngine
 from subengine.model._errors import DatabaseUnavailable
 from subengine.model._events import Tombstone
@@ -40,11 +42,12 @@ _CACHED_SECONDS = 2.0
 
 def event_json(event: RawEvent, include_data: bool) -> str:
     """An event as the gateway sends it (docs/gateway.md, "Reading events"), its data and
-    metadata spliced in as the JSON text PostgreSQL gave."""
+    metadata spliced in as the JSON text PostgreSQL gave. (Catch-up pages have the same
+    text made by PostgreSQL: `subengine.streams._read.read_page_json`.)"""
     head = (
-        f'{{"stream":{dumps(event.stream)},"partition":{event.partition},'
-        f'"position":{event.position},"id":"{event.id}","key":{dumps(event.key)},'
-        f'"key_version":{event.key_version},"type":{dumps(event.type)},'
+        f'{{"stream":{_text(event.stream)},"partition":{event.partition},'
+        f'"position":{event.position},"id":"{event.id}","key":{_text(event.key)},'
+        f'"key_version":{event.key_version},"type":{_text(event.type)},'
         f'"metadata":{event.metadata},"occurred_at":"{event.occurred_at.isoformat()}",'
         f'"recorded_at":"{event.recorded_at.isoformat()}"'
     )
@@ -66,6 +69,12 @@ def tombstone_body(tombstone: Tombstone) -> dict[str, Any]:
 
 def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _text(text: str) -> str:
+    """A JSON string, as `dumps` writes it (no escapes but the ones JSON requires), about
+    ten times as fast: an event's stream, key and type."""
+    return orjson.dumps(text).decode()
 
 
 @dataclass(eq=False)
