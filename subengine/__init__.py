@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from subengine.model._logging import configure_logging
     from subengine.model._records import (
         DeadLetter,
+        ParkedEvent,
+        ParkedKey,
         PartitionStatus,
         StoredSubscription,
         SubscriptionSummary,
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
     from subengine.streams._retention import RetentionRun
     from subengine.streams._tail import AsyncTail, Tail
     from subengine.subscriptions._batches import BatchOutcome
+    from subengine.subscriptions._parking import ParkedKeyRetry
     from subengine.subscriptions._reset import reset_subscription
     from subengine.subscriptions._stream_deletion import DeletedStream
     from subengine.subscriptions._subscriptions import SubscriptionPosition
@@ -112,6 +115,8 @@ _PUBLIC: dict[str, str] = {
     "partition_for": "subengine.model._events",
     "configure_logging": "subengine.model._logging",
     "DeadLetter": "subengine.model._records",
+    "ParkedEvent": "subengine.model._records",
+    "ParkedKey": "subengine.model._records",
     "PartitionStatus": "subengine.model._records",
     "StoredSubscription": "subengine.model._records",
     "SubscriptionSummary": "subengine.model._records",
@@ -128,6 +133,7 @@ _PUBLIC: dict[str, str] = {
     "reset_subscription": "subengine.subscriptions._reset",
     "DeletedStream": "subengine.subscriptions._stream_deletion",
     "BatchOutcome": "subengine.subscriptions._batches",
+    "ParkedKeyRetry": "subengine.subscriptions._parking",
     "SubscriptionPosition": "subengine.subscriptions._subscriptions",
     "App": "subengine.worker._app",
 }
@@ -153,6 +159,9 @@ __all__ = [
     "InvalidInput",
     "MigrationError",
     "NewEvent",
+    "ParkedEvent",
+    "ParkedKey",
+    "ParkedKeyRetry",
     "PartitionNotFound",
     "PartitionState",
     "PartitionStatus",

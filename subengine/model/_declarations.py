@@ -178,12 +178,12 @@ EventHandler = Callable[[Event, psycopg.Connection[Any] | None], object]
 BatchHandler = Callable[[Sequence[Event], psycopg.Connection[Any] | None], object]
 Start = Literal["beginning", "end"] | datetime | Mapping[int, int]
 Ack = Literal["transactional", "at_least_once"]
-OnError = Literal["stop", "dead_letter"]
+OnError = Literal["stop", "dead_letter", "park"]
 OnGap = Literal["stop", "skip", "handler"]
 GapHandler = Callable[[Tombstone, psycopg.Connection[Any] | None], object]
 
 ACK_MODES = ("transactional", "at_least_once")
-ERROR_POLICIES = ("stop", "dead_letter")
+ERROR_POLICIES = ("stop", "dead_letter", "park")
 GAP_POLICIES = ("stop", "skip", "handler")
 MAX_BATCH_SIZE = 10_000
 

@@ -45,13 +45,16 @@ class SubscriptionSummary:
     paused: int
     workers: int
     gap: int = 0
+    parked_keys: int = 0
+    parked_events: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class PartitionStatus:
     """Where a subscription stands in one partition, how far behind, in which state
     (ok, idle, retrying, stopped, paused, or gap: below the floor, so retention removed
-    positions `gap_from` to `gap_to` before it handled them), and which worker holds it."""
+    positions `gap_from` to `gap_to` before it handled them), which worker holds it, and
+    the keys it has parked there with the events waiting under them."""
 
     subscription: str
     stream: str
@@ -73,6 +76,8 @@ class PartitionStatus:
     floor: int = 1
     gap_from: int | None = None
     gap_to: int | None = None
+    parked_keys: int = 0
+    parked_events: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,4 +126,51 @@ class DeadLetter:
     retries: int
     resolution: str | None
     created_at: datetime
+    resolved_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedKey:
+    """A key a subscription parked (policy park): the event at `position` failed
+    `attempts` times, and it and every later event of the key are set aside until an
+    operator retries or discards them. `events` were parked under it, `waiting` of them
+    are not yet replayed (the first at `next_position`), the last parked at
+    `last_position`. `resolution`: None while parked, else retried, discarded, or
+    superseded by a reset."""
+
+    subscription: str
+    stream: str
+    partition: int
+    key: str
+    generation: int
+    position: int
+    event_id: uuid.UUID
+    type: str | None
+    events: int
+    waiting: int
+    next_position: int | None
+    last_position: int
+    error: str
+    attempts: int
+    retries: int
+    resolution: str | None
+    created_at: datetime
+    resolved_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedEvent:
+    """An event set aside under a parked key, and what became of it (resolution: None
+    while it waits, else retried, discarded or superseded); `type` is None when the
+    event is no longer stored."""
+
+    subscription: str
+    stream: str
+    partition: int
+    key: str
+    position: int
+    event_id: uuid.UUID
+    type: str | None
+    resolution: str | None
+    parked_at: datetime
     resolved_at: datetime | None

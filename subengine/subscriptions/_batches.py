@@ -1,7 +1,8 @@
 """The batch transaction of the Consume flow (DESIGN.md): lock the position row, read the
-next events, run the handlers on the same connection, compare-and-set the position,
-commit. The handlers' writes and the new position commit together or not at all
-(invariant 2); a gap retention left is passed or stopped before, never skipped silently.
+next events, set aside those of parked keys, run the handlers on the same connection,
+compare-and-set the position, commit. The handlers' writes and the new position commit
+together or not at all (invariant 2); a gap retention left is passed or stopped before,
+never skipped silently.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from datetime import datetime
 from itertools import groupby
 from operator import itemgetter
 from typing import Any
+from uuid import UUID
 
 import psycopg
 
@@ -25,17 +27,20 @@ from subengine.model._errors import (
 )
 from subengine.model._events import Event, Tombstone, gap_reason, stored_events
 from subengine.subscriptions._failures import BatchFailed, database_trouble, stop_partition
+from subengine.subscriptions._parking import check_parked, park_events, parked_among
 
 
 @dataclass(frozen=True, slots=True)
 class BatchOutcome:
-    """What one batch did: the events handled and the position after them."""
+    """What one batch did: the events handled and the position after them, and the
+    events of parked keys it set aside instead (policy park)."""
 
     partition: int
     handled: int
     position: int
     next_time: datetime | None
     gap: Tombstone | None = None  # the gap the batch passed (policy skip or a handler)
+    parked: int = 0
 
 
 def process_batch(db: Db, subscription: Subscription, partition: int) -> BatchOutcome | None:
@@ -80,6 +85,7 @@ def handle_batch(
     if subscription.ack == "transactional":
         return _transactional_batch(db, subscription, partition, size, companions)
     batch: _Batch | None = None
+    parked: frozenset[UUID] = frozenset()
     try:
         for _ in range(2):  # again once a gap's bounds are stored, for its handler to run
             with db.transaction():
@@ -90,6 +96,7 @@ def handle_batch(
                     part = batch.parts[0]
                     db.run(_bounds(subscription, part.partition, part.old, part.generation,
                                    part.events[-1].position))  # fmt: skip
+                    parked = parked_among(db, subscription, _parking_parts(batch))
             if batch is None or not batch.bounds_stored:
                 break
     except psycopg.Error as error:
@@ -101,9 +108,10 @@ def handle_batch(
         return None
     if batch.missing is not None:
         raise batch.missing
-    _run_handlers(subscription, batch, None)
+    _run_handlers(subscription, batch, None, parked)
     with db.transaction():
-        return _commit_positions(db, subscription, batch)
+        parked = check_parked(db, subscription, _parking_parts(batch), partition, parked)
+        return _commit_positions(db, subscription, batch, parked)
 
 
 def _bounds(
@@ -138,9 +146,10 @@ def _transactional_batch(
         with db.transaction():
             batch = _next_batch(db, subscription, partition, size, companions)
             if batch is not None and batch.missing is None:
-                _run_handlers(subscription, batch, db.conn)
+                parked = park_events(db, subscription, _parking_parts(batch))
+                _run_handlers(subscription, batch, db.conn, parked)
                 handled = True
-                outcomes = _commit_positions(db, subscription, batch)
+                outcomes = _commit_positions(db, subscription, batch, parked)
     except psycopg.Error as error:
         # Once the handlers have run, an error that is not the database's own trouble
         # comes from what they did: a write that breaks a deferred constraint at COMMIT,
@@ -153,12 +162,24 @@ def _transactional_batch(
     return outcomes
 
 
+def _parking_parts(batch: _Batch) -> list[tuple[list[Event], int]]:
+    return [(part.events, part.generation) for part in batch.parts]
+
+
 def _run_handlers(
-    subscription: Subscription, batch: _Batch, conn: psycopg.Connection[Any] | None
+    subscription: Subscription,
+    batch: _Batch,
+    conn: psycopg.Connection[Any] | None,
+    parked: frozenset[UUID] = frozenset(),
 ) -> None:
-    for part in batch.parts:  # each partition's events in one call: its order is kept
+    """Each partition's events in one call, in position order, but those set aside for
+    their parked key (`parked`): a handler sees no event of a parked key."""
+    for part in batch.parts:
+        events = part.events
+        if parked:
+            events = [event for event in events if event.id not in parked]
         try:
-            subscription.handle(part.events, conn)
+            subscription.handle(events, conn)
         except Exception as error:
             if database_trouble(error):
                 raise  # a database error is never the events' failure (invariant 8)
@@ -166,6 +187,8 @@ def _run_handlers(
 
 
 def _failed(error: Exception, batch: _Batch, part: _Part) -> BatchFailed:
+    # the part's events as read, those set aside included: a failure of a part that held
+    # more than one of them is split, so that it is charged to the failing event alone
     last = part.events[-1].position if part.events else part.old
     return BatchFailed(
         error, len(part.events), last, part.old, part.generation, part.partition,
@@ -353,7 +376,9 @@ def _parts(rows: Sequence[Row]) -> list[tuple[_Part | None, int | None]]:
     return parts
 
 
-def _commit_positions(db: Db, subscription: Subscription, batch: _Batch) -> list[BatchOutcome]:
+def _commit_positions(
+    db: Db, subscription: Subscription, batch: _Batch, parked: frozenset[UUID] = frozenset()
+) -> list[BatchOutcome]:
     news = [
         part.events[-1].position if part.events else part.gap.gap_to if part.gap else part.old
         for part in batch.parts
@@ -398,7 +423,13 @@ def _commit_positions(db: Db, subscription: Subscription, batch: _Batch) -> list
         )
     # each next event's time as stored: events committed since the batch read may have
     # brought one
-    return [
-        BatchOutcome(part.partition, len(part.events), new, moved[part.partition], part.gap)
-        for part, new in zip(batch.parts, news, strict=True)
-    ]
+    outcomes = []
+    for part, new in zip(batch.parts, news, strict=True):
+        aside = sum(event.id in parked for event in part.events) if parked else 0
+        outcomes.append(
+            BatchOutcome(
+                part.partition, len(part.events) - aside, new, moved[part.partition], part.gap,
+                aside,
+            )
+        )  # fmt: skip
+    return outcomes

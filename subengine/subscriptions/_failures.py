@@ -1,6 +1,7 @@
 """What a failed batch leaves behind: the attempt counted, the retry delay, and at the last
-attempt the error policy's stopped partition or dead letter, each fenced like the position
-(invariant 3); and which errors are the events' failures at all (invariant 8)."""
+attempt the error policy's stopped partition, dead letter or parked key, each fenced like
+the position (invariant 3); and which errors are the events' failures at all (invariant
+8)."""
 
 from __future__ import annotations
 
@@ -93,11 +94,13 @@ def stop_partition(
 class Failure:
     """A failed batch as recorded: its attempt, and what the error policy did (`retry`:
     nothing yet; `stopped`; `dead_lettered`: the failing event was recorded and skipped;
-    `missing`: the failing event is no longer stored, so the partition stopped before it;
-    `fenced`: nothing, because the position moved since the batch read it)."""
+    `parked`: the failing event's `key` was parked, the event set aside under it and
+    skipped; `missing`: the failing event is no longer stored, so the partition stopped
+    before it; `fenced`: nothing, because the position moved since the batch read it)."""
 
     attempts: int
-    action: Literal["retry", "stopped", "dead_lettered", "missing", "fenced"]
+    action: Literal["retry", "stopped", "dead_lettered", "parked", "missing", "fenced"]
+    key: str | None = None
 
 
 def postpone_batch(db: Db, subscription: Subscription, failed: BatchFailed) -> bool:
@@ -166,25 +169,22 @@ def record_failure(
         if subscription.on_error == "stop" or failed.events == 0:
             db.run(stop_partition(subscription.name, partition, failed.position, failed.generation))
             return Failure(attempts, "stopped")
-        # dead_letter: the event after the position is the failing one
+        # dead_letter or park: the event after the position is the failing one
         failing = failed.position + 1
+        key: str | None = None
         try:
             with db.transaction():  # the older open dead letter stays open if none follows
-                db.run(Query("supersede_dead_letters", {**where, "position": failing}, nothing))
-                recorded = db.run(
-                    Query(
-                        "dead_letter",
-                        {
-                            **where,
-                            "stream": subscription.stream,
-                            "position": failing,
-                            "error": text,
-                            "attempts": attempts,
-                        },
-                        first_row,
-                    )
-                )
-                if recorded is None:
+                if subscription.on_error == "park":
+                    key = db.run(
+                        park_key(
+                            subscription.name, subscription.stream, partition, failing,
+                            failed.generation, text, attempts,
+                        )
+                    )  # fmt: skip
+                    recorded = key is not None
+                else:
+                    recorded = _dead_letter(db, subscription, where, failing, text, attempts)
+                if not recorded:
                     raise _EventGone
         except _EventGone:
             missing = PositionsMissing(
@@ -197,4 +197,57 @@ def record_failure(
             )
             return Failure(attempts, "missing")
         db.run(Query("skip_event", where, nothing))
+        if key is not None:
+            return Failure(attempts, "parked", key)
         return Failure(attempts, "dead_lettered")
+
+
+def _dead_letter(
+    db: Db,
+    subscription: Subscription,
+    where: dict[str, object],
+    failing: int,
+    text: str,
+    attempts: int,
+) -> bool:
+    """Record the failing event as a dead letter, closing its older open ones; False when
+    the event is no longer stored."""
+    db.run(Query("supersede_dead_letters", {**where, "position": failing}, nothing))
+    recorded = db.run(
+        Query(
+            "dead_letter",
+            {
+                **where,
+                "stream": subscription.stream,
+                "position": failing,
+                "error": text,
+                "attempts": attempts,
+            },
+            first_row,
+        )
+    )
+    return recorded is not None
+
+
+def park_key(
+    name: str,
+    stream: str,
+    partition: int,
+    position: int,
+    generation: int,
+    error: str,
+    attempts: int,
+) -> Query[str | None]:
+    """Park the key of the event at `position` (its last attempt failed with `error`), in
+    `generation`, with the event as the first set aside under it: the key, or None when
+    the event is no longer stored (see the `park_key` query)."""
+    params = {
+        "name": name,
+        "stream": stream,
+        "partition": partition,
+        "position": position,
+        "generation": generation,
+        "error": error,
+        "attempts": attempts,
+    }
+    return Query("park_key", params, lambda result: str(result.rows[0][0]) if result.rows else None)

@@ -33,6 +33,7 @@ from subengine.model._events import Tombstone, gap_reason
 from subengine.model._names import INTEGER_MAX, validate_stream_name, validate_whole_number
 from subengine.streams._streams import get_stream, partition_states
 from subengine.subscriptions._batches import record_gap
+from subengine.subscriptions._parking import release_parked_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +81,15 @@ def reset_subscription(db: Db, name: str, to: Start, *, dry_run: bool = False) -
     """Move positions of a stored subscription to `to`, in a new generation.
 
     `to` is 'beginning', 'end', a time, or a map of partition to position; a map moves
-    only the partitions it names, the others keep their position, generation and failure
-    state. One transaction: it waits for the batches in flight on the partitions it moves
-    (they hold their position rows), then moves them at once and clears their failure
-    state. A batch that read the old generation fails its compare-and-set (`Fenced`) and
-    commits nothing. The stored start point is unchanged: it records where the
-    subscription began. Returns the position of every partition after the reset; with
-    `dry_run`, what they would be, and nothing changes.
+    only the partitions it names, the others keep their position, generation, failure
+    state and parked keys. One transaction: it waits for the batches in flight on the
+    partitions it moves (they hold their position rows), then moves them at once, clears
+    their failure state and releases their parked keys (superseded: from the new
+    positions their events are handled again, or skipped). A batch that read the old
+    generation fails its compare-and-set (`Fenced`) and commits nothing. The stored start
+    point is unchanged: it records where the subscription began. Returns the position of
+    every partition after the reset; with `dry_run`, what they would be, and nothing
+    changes.
     """
     validate_stream_name(name)
     start = start_to_json(to)
@@ -97,6 +100,7 @@ def reset_subscription(db: Db, name: str, to: Start, *, dry_run: bool = False) -
         stream, generation = bumped
         _check_start_positions(db, stream, start)
         moved = db.run(_write_positions(name, stream, start, generation, only_named=True))
+        db.run(release_parked_keys(name, list(moved)))
         return {p.partition: moved.get(p.partition, p.position) for p in db.run(positions(name))}
 
 

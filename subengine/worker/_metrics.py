@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from subengine.engine._engine import Engine
 from subengine.model._errors import ConfigurationError
 from subengine.subscriptions._inspection import PartitionLag
 from subengine.subscriptions._inspection import read_lag as read_lag  # looked up here
+from subengine.subscriptions._parking import parked_counts
 
 log = logging.getLogger("subengine.worker")
 
@@ -35,19 +36,22 @@ _BATCH_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 
 
 class _LagCollector(Collector):
-    """Exports the latest lag reading as it is; nothing before the first one."""
+    """Exports the latest lag reading as it is, with the parked keys read with it;
+    nothing before the first one."""
 
     def __init__(self) -> None:
-        self._reading: list[PartitionLag] | None = None
-        self._at = 0.0
+        self._latest: tuple[list[PartitionLag], float, Mapping[str, tuple[int, int]]] | None
+        self._latest = None
 
-    def update(self, reading: list[PartitionLag], at: float) -> None:
-        self._reading, self._at = reading, at  # replaced whole: a scrape sees one reading
+    def update(
+        self, reading: list[PartitionLag], at: float, parked: Mapping[str, tuple[int, int]]
+    ) -> None:
+        self._latest = (reading, at, parked)  # replaced whole: a scrape sees one reading
 
     def collect(self) -> Iterator[Metric]:
-        reading, at = self._reading, self._at
-        if reading is None:
+        if self._latest is None:
             return
+        reading, at, parked = self._latest
         lag = GaugeMetricFamily(
             "subengine_lag_events",
             "Events of the partition after the subscription's position (head - position), "
@@ -64,6 +68,24 @@ class _LagCollector(Collector):
             "Unix time of the last lag reading (taken every SUBENGINE_PROGRESS_INTERVAL).",
             value=at,
         )
+        keys = GaugeMetricFamily(
+            "subengine_parked_keys",
+            "Keys the subscription has parked now (policy park), as of the last lag "
+            "reading; exported by the worker that exports its lag.",
+            labels=["subscription"],
+        )
+        events = GaugeMetricFamily(
+            "subengine_parked_events",
+            "Events waiting under the subscription's parked keys, as of the last lag "
+            "reading; exported by the worker that exports its lag.",
+            labels=["subscription"],
+        )
+        for name in sorted({row.subscription for row in reading if row.reported}):
+            parked_keys, parked_events = parked.get(name, (0, 0))
+            keys.add_metric([name], parked_keys)
+            events.add_metric([name], parked_events)
+        yield keys
+        yield events
 
 
 class WorkerMetrics:
@@ -102,6 +124,20 @@ class WorkerMetrics:
         self._dead_letters = Counter(
             "subengine_dead_letters",
             "Events sent to the dead letters (policy dead_letter).",
+            per_subscription,
+            registry=self.registry,
+        )
+        self._keys_parked = Counter(
+            "subengine_keys_parked",
+            "Keys parked (policy park): an event failed its last attempt, and it and every "
+            "later event of its key are set aside.",
+            per_subscription,
+            registry=self.registry,
+        )
+        self._events_parked = Counter(
+            "subengine_events_parked",
+            "Events of parked keys that batches set aside instead of handling them (policy "
+            "park; the failing event of each parking is counted in subengine_keys_parked).",
             per_subscription,
             registry=self.registry,
         )
@@ -162,6 +198,8 @@ class WorkerMetrics:
                 self._batch_events,
                 self._failures,
                 self._dead_letters,
+                self._keys_parked,
+                self._events_parked,
                 self._database_errors,
                 self._gap_events,
             ):
@@ -178,17 +216,26 @@ class WorkerMetrics:
 
     # what the worker reports
 
-    def batch_committed(self, subscription: str, events: int, seconds: float) -> None:
+    def batch_committed(
+        self, subscription: str, events: int, seconds: float, parked: int = 0
+    ) -> None:
+        """A batch committed: `events` handled (or skipped for want of a handler), and
+        `parked` set aside for their parked keys; the position passed both."""
         self._events.labels(subscription).inc(events)
         self._batch_seconds.labels(subscription).observe(seconds)
-        self._batch_events.labels(subscription).observe(events)
+        self._batch_events.labels(subscription).observe(events + parked)
+        if parked:
+            self._events_parked.labels(subscription).inc(parked)
         with self._done_lock:
-            self._done[subscription] += events
+            self._done[subscription] += events + parked
 
     def batch_failed(self, subscription: str, dead_lettered: bool) -> None:
         self._failures.labels(subscription).inc()
         if dead_lettered:
             self._dead_letters.labels(subscription).inc()
+
+    def key_parked(self, subscription: str) -> None:
+        self._keys_parked.labels(subscription).inc()
 
     def gap_passed(self, subscription: str, action: str, events: int) -> None:
         self._gaps.labels(subscription, action).inc()
@@ -212,8 +259,15 @@ class WorkerMetrics:
     def looked_for_work(self, found: bool) -> None:
         self._looks.labels("true" if found else "false").inc()
 
-    def lag_read(self, reading: list[PartitionLag], at: float) -> None:
-        self._lag.update(reading, at)
+    def lag_read(
+        self,
+        reading: list[PartitionLag],
+        at: float,
+        parked: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """A lag reading taken at `at`, with the parked keys and events per subscription
+        read with it (subscriptions with none left out)."""
+        self._lag.update(reading, at, parked or {})
 
     def done(self) -> dict[str, int]:
         """Events committed so far, per subscription (for the progress lines)."""
@@ -374,10 +428,11 @@ def follow_progress(
             try:
                 with engine.db() as db:
                     reading = read_lag(db, names, worker_id)
+                    parked = parked_counts(db, names)
             except Exception as error:  # progress is for people: never fatal
                 log.warning("could not read the lag: %s", error, extra=_fields(worker_id))
             else:
-                metrics.lag_read(reading, time.time())
+                metrics.lag_read(reading, time.time(), parked)
                 for line in progress.report(time.monotonic(), done, reading):
                     log.info("%s", line.message(), extra=_fields(worker_id, **line.fields()))
         if stop.wait(engine.settings.progress_interval):

@@ -1,6 +1,7 @@
 """How a worker reports what its batches did: the metrics it counts and the log lines
-it writes for each outcome (committed, failed, split, postponed, a gap passed, a database
-error, a fenced batch, a subscription gone, events missing). No database work here."""
+it writes for each outcome (committed, events of parked keys set aside, failed, split,
+postponed, a gap passed, a database error, a fenced batch, a subscription gone, events
+missing). No database work here."""
 
 from __future__ import annotations
 
@@ -109,14 +110,23 @@ class Reporter:
     def batch_committed(
         self, subscription: Subscription, outcomes: Sequence[BatchOutcome], seconds: float
     ) -> None:
+        parked = sum(outcome.parked for outcome in outcomes)
         self._metrics.batch_committed(
-            subscription.name, sum(outcome.handled for outcome in outcomes), seconds
+            subscription.name, sum(outcome.handled for outcome in outcomes), seconds, parked
         )
+        if parked:
+            log.info(
+                "subscription %s: %s event(s) of parked keys set aside",
+                subscription.name,
+                parked,
+                extra=self._state.fields(subscription=subscription.name, events=parked),
+            )
         if not log.isEnabledFor(logging.DEBUG):
             return
         for outcome in outcomes:
-            # positions are dense: the batch held the `handled` positions up to the new one
-            first = outcome.position - outcome.handled + 1
+            # positions are dense: the batch held the handled and parked positions up to
+            # the new one
+            first = outcome.position - outcome.handled - outcome.parked + 1
             log.debug(
                 "subscription %s partition %s: positions %s to %s in %.3f s",
                 subscription.name,
@@ -139,6 +149,8 @@ class Reporter:
     ) -> None:
         dead_lettered = failure.action == "dead_lettered"
         self._metrics.batch_failed(subscription.name, dead_lettered)
+        if failure.action == "parked":
+            self._metrics.key_parked(subscription.name)
         fields = self._state.fields(
             subscription=subscription.name,
             partition=partition,
@@ -146,6 +158,8 @@ class Reporter:
             max_attempts=subscription.max_attempts,
             error=error_text(error),
         )
+        if failure.key is not None:
+            fields["key"] = failure.key
         where = f"subscription {subscription.name} partition {partition}"
         if failure.action == "fenced":
             log.info(
@@ -166,6 +180,9 @@ class Reporter:
         )
         outcomes = {
             "dead_lettered": "the failing event went to the dead letters; the partition goes on",
+            "parked": f"key {failure.key!r} is parked: the failing event and every later "
+            "event of the key are set aside until `subengine parked retry` or `discard`; "
+            "the partition's other keys go on",
             "stopped": "the partition is stopped at the failing event (on_error='stop')",
             "missing": "the failing event is no longer stored, so it cannot be dead-lettered: "
             "the partition is stopped before it",

@@ -121,7 +121,7 @@ class Turns:
             outcome = outcomes[0]
             if outcome.gap is not None:
                 self._report.gap_passed(subscription, outcome.gap)
-            if any(o.handled for o in outcomes):
+            if any(o.handled or o.parked for o in outcomes):
                 self._report.batch_committed(subscription, outcomes, time.monotonic() - started)
                 self._board.retry_deferred()  # this batch may have held one of them
             # one at a time only through the failed batch's events: a reset that moved

@@ -149,6 +149,38 @@ def test_a_dead_lettered_event_is_counted(
     assert value(samples, "subengine_events_processed_total", subscription="billing") == 11
 
 
+def test_parked_keys_and_their_events_are_counted_and_gauged(
+    metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    # key p's first event fails, so it and p's two later events are set aside; the others
+    # of the partition are handled
+    app = subengine.App()
+    sub = app.subscription("billing", stream="orders", on_error="park", max_attempts=1)
+
+    @sub.handler()
+    def handle(event: subengine.Event, conn: Any) -> None:
+        if event.key == "p":
+            raise ValueError("poison")
+        record(event, conn)
+
+    metered_engine.append("orders", [NewEvent(k, "T", {}) for k in ("p", "q", "p", "q", "p")])
+    port = free_port()
+    with Running(app, metered_engine, metrics_port=port):
+        wait_for(lambda: count(sql) == 2, what="q's events")
+        wait_for(
+            lambda: value(scrape(port), "subengine_parked_events", subscription="billing") == 3,
+            what="the parked gauges to be read",
+        )
+        samples = scrape(port)
+    assert value(samples, "subengine_parked_keys", subscription="billing") == 1
+    assert value(samples, "subengine_keys_parked_total", subscription="billing") == 1
+    # the failing event is counted with its key; the two set aside after it here
+    assert value(samples, "subengine_events_parked_total", subscription="billing") == 2
+    assert value(samples, "subengine_events_processed_total", subscription="billing") == 2
+    [summary] = metered_engine.subscription_summary("billing")
+    assert (summary.parked_keys, summary.parked_events) == (1, 3)
+
+
 def test_notifications_wake_ups_and_looks_for_work_are_counted(
     metered_engine: subengine.Engine, sql: psycopg.Connection[Any]
 ) -> None:

@@ -895,8 +895,8 @@ SELECT name, stream, start, generation, paused, created_at
  ORDER BY name
 
 -- name: subscription_summary
--- One row per subscription: its partitions' lag in events and seconds, their states, and
--- how many connected workers run it.
+-- One row per subscription: its partitions' lag in events and seconds, their states, how
+-- many connected workers run it, and its parked keys with the events waiting under them.
 SELECT subscription, stream, count(*) AS partitions, sum(lag) AS lag,
        max(lag_seconds) AS lag_seconds, max(generation) AS generation,
        count(*) FILTER (WHERE state = 'ok') AS ok,
@@ -906,7 +906,8 @@ SELECT subscription, stream, count(*) AS partitions, sum(lag) AS lag,
        count(*) FILTER (WHERE state = 'paused') AS paused,
        (SELECT count(*) FROM {schema}.workers_status w
          WHERE w.connected AND subscription = ANY (w.subscriptions)) AS workers,
-       count(*) FILTER (WHERE state = 'gap') AS gap
+       count(*) FILTER (WHERE state = 'gap') AS gap,
+       sum(parked_keys)::bigint AS parked_keys, sum(parked_events)::bigint AS parked_events
   FROM {schema}.subscription_status
  WHERE %(name)s::text IS NULL OR subscription = %(name)s
  GROUP BY subscription, stream
@@ -916,7 +917,7 @@ SELECT subscription, stream, count(*) AS partitions, sum(lag) AS lag,
 -- The status view's rows of one subscription, or of all.
 SELECT subscription, stream, partition, position, head, lag, next_event_at, lag_seconds,
        state, attempts, last_error, retry_at, generation, worker_id, worker_host, worker_pid,
-       updated_at, floor, gap_from, gap_to
+       updated_at, floor, gap_from, gap_to, parked_keys, parked_events
   FROM {schema}.subscription_status
  WHERE %(name)s::text IS NULL OR subscription = %(name)s
  ORDER BY subscription, partition
