@@ -5,7 +5,9 @@ is active or failing, an engine `Worker` whose subscriptions are the webhooks' e
 subscriptions (at_least_once). So the delivery workers of every gateway process compete
 through the engine's own partition locks, one batch in flight per partition (order kept),
 and a killed process loses nothing: its batches' positions did not move, and another
-process sends them again under the same webhook-id.
+process sends them again under the same webhook-id. Its slots take a plain batch in two
+statements, its events' JSON made by PostgreSQL and spliced into the body as bytes
+(`_delivery_turns`); the engine's batch, whose handlers are here too, takes the rest.
 
 The supervisor, about every second: ends webhooks whose lease ran out (`expired`, their
 positions deleted) or that failed longer than the failure timeout (`failed`); sends the
@@ -15,7 +17,6 @@ worker when the set of webhooks to deliver changed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
@@ -23,11 +24,10 @@ import secrets
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 import psycopg
-from standardwebhooks import Webhook as Signer
 
 from subengine.engine._engine import Engine
 from subengine.gateway._callbacks import (
@@ -36,22 +36,27 @@ from subengine.gateway._callbacks import (
     CallbackResponse,
     CallbackUnreachable,
 )
+from subengine.gateway._delivery_bodies import (
+    batch_body,
+    batch_cursor,
+    event_body,
+    message_id,
+    signed_headers,
+)
+from subengine.gateway._delivery_turns import DeliveryWorker, Route
 from subengine.gateway._hub import tombstone_body
 from subengine.model._errors import RetryLater, SubengineError
 from subengine.model._events import Event, Tombstone
-from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 from subengine.outside import _webhooks
+from subengine.outside._webhook_batches import ClaimedBatch
 from subengine.outside._webhooks import (
     Deliverable,
     DeliveryContext,
     WebhookNotFound,
     WebhookStream,
 )
-from subengine.worker._worker import Worker
 
 log = logging.getLogger("subengine.gateway.webhooks")
-
-USER_AGENT = "subengine-webhooks/1"
 
 
 @dataclass(frozen=True)
@@ -74,49 +79,6 @@ class DeliveryConfig:
     keep_expired: float = 86_400.0
 
 
-def message_id(
-    serial: int, stream: str, partition: int, generation: int, after: int, through: int
-) -> str:
-    """The webhook-id of a batch: the same for every attempt to send it, wherever it is
-    sent from. Its bounds are stored when the engine first reads it (at_least_once), so
-    a batch sent again, after a failure or a crash, covers the same positions."""
-    text = f"{serial}/{stream}/{partition}/{generation}/{after}/{through}"
-    return "msg_" + hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def signed_headers(message: str, body: str, keys: Sequence[str]) -> dict[str, str]:
-    """Standard Webhooks headers for `body`, signed with every key (during a rotation a
-    receiver may know only one of them)."""
-    now = datetime.now(UTC)
-    signatures = " ".join(Signer(key).sign(message, now, body) for key in keys)
-    return {
-        "content-type": "application/json",
-        "user-agent": USER_AGENT,
-        "webhook-id": message,
-        "webhook-timestamp": str(int(now.timestamp())),
-        "webhook-signature": signatures,
-    }
-
-
-def event_body(event: Event, include_data: bool) -> dict[str, Any]:
-    """An event as the gateway's pull API shows it."""
-    body: dict[str, Any] = {
-        "id": str(event.id),
-        "stream": event.stream,
-        "partition": event.partition,
-        "position": event.position,
-        "type": event.type,
-        "key": event.key,
-        "key_version": event.key_version,
-        "occurred_at": event.occurred_at.isoformat(),
-        "recorded_at": event.recorded_at.isoformat(),
-        "metadata": event.metadata,
-    }
-    if include_data:
-        body["data"] = event.data
-    return body
-
-
 class _Failed(Exception):
     """A delivery or challenge that did not succeed: the one-line reason, and the
     receiver's Retry-After when it sent one."""
@@ -128,6 +90,18 @@ class _Failed(Exception):
 
 class _Cancelled(Exception):
     """The receiver answered 410 Gone: it wants nothing more under this id."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Where and how a batch is sent: the callback, the secrets that sign it, the
+    subscription's generation (in the body and the webhook-id) and the webhook's state
+    when the batch was read."""
+
+    callback: str
+    secrets: tuple[str, ...]
+    generation: int
+    state: str
 
 
 def _outcome(response: CallbackResponse) -> None:
@@ -229,15 +203,18 @@ class Deliveries:
     def _restart_worker(self, plan: list[Deliverable]) -> None:
         self._stop_worker()
         self._plan = plan
-        subscriptions = [
-            subscription
-            for hook in plan
-            for index, stream in enumerate(hook.streams)
-            for subscription in [self._declaration(hook, index, stream)]
-        ]
+        subscriptions = []
+        routes: dict[str, Route] = {}
+        for hook in plan:
+            for index, stream in enumerate(hook.streams):
+                declared = self._declaration(hook, index, stream)
+                subscriptions.append(declared)
+                routes[declared.name] = (hook, stream)
         if not subscriptions:
             return
-        worker = Worker(self.engine, subscriptions, concurrency=self.config.concurrency)
+        worker = DeliveryWorker(
+            self.engine, subscriptions, routes, self._send_claimed, self.config.concurrency
+        )
         stop = self._worker_stop = threading.Event()
 
         def run() -> None:
@@ -258,6 +235,8 @@ class Deliveries:
         self._plan = []
 
     def _declaration(self, hook: Deliverable, index: int, stream: WebhookStream) -> Any:
+        """The engine subscription of a webhook's stream, whose handlers deliver what the
+        delivery worker's short way leaves to the engine (see `_delivery_turns`)."""
         declared = _webhooks.engine_subscription(
             hook.serial, index, stream, hook.max_events, hook.starts[index]
         )
@@ -273,6 +252,33 @@ class Deliveries:
 
     # one batch
 
+    def _send_claimed(self, route: Route, partition: int, batch: ClaimedBatch) -> None:
+        """Send a batch the delivery worker claimed (its events' JSON made by
+        PostgreSQL)."""
+        hook, stream = route
+        cursor = batch_cursor(stream.stream, batch.epoch, batch.positions, partition, batch.through)
+        body = batch_body(
+            hook.id,
+            batch.subscription_generation,
+            stream.stream,
+            partition,
+            batch.position,
+            batch.through,
+            b"" if batch.events is None else batch.events.encode(),
+            b"",
+            cursor,
+        )
+        self._send(
+            hook,
+            _Target(batch.callback, batch.secrets, batch.subscription_generation, batch.state),
+            stream.stream,
+            partition,
+            batch.position,
+            batch.through,
+            body,
+            batch.wanted,
+        )
+
     def _context(self, hook: Deliverable, name: str) -> DeliveryContext | None:
         with self.engine.db() as db:
             context = db.run(_webhooks.delivery_context(hook.id, name))
@@ -283,6 +289,7 @@ class Deliveries:
     def _deliver(
         self, hook: Deliverable, name: str, stream: WebhookStream, events: Sequence[Event]
     ) -> None:
+        """Deliver a batch the engine read (see `_declaration`)."""
         context = self._context(hook, name)
         if context is None:
             return  # deleted: the position is gone too, so nothing commits
@@ -290,21 +297,25 @@ class Deliveries:
         # subscriber need not pull to learn that nothing was missed
         wanted = [event for event in events if stream.wants(event)]
         first, last = events[0], events[-1]
-        body = self._body(
-            hook, context, first.stream, first.partition, first.position - 1, last.position
+        encoded = ",".join(
+            json.dumps(event_body(event, context.include_data), separators=(",", ":"))
+            for event in wanted
         )
-        body["events"] = [event_body(event, context.include_data) for event in wanted]
-        self._send(hook, context, body, len(wanted))
+        self._send_read(
+            hook, context, first.stream, first.partition, first.position - 1, last.position,
+            encoded.encode(), b"", len(wanted),
+        )  # fmt: skip
 
     def _deliver_gap(self, hook: Deliverable, name: str, gap: Tombstone) -> None:
         context = self._context(hook, name)
         if context is None:
             return
-        body = self._body(hook, context, gap.stream, gap.partition, gap.gap_from - 1, gap.gap_to)
-        body["tombstones"] = [tombstone_body(gap)]
-        self._send(hook, context, body, 0)
+        self._send_read(
+            hook, context, gap.stream, gap.partition, gap.gap_from - 1, gap.gap_to, b"",
+            orjson.dumps(tombstone_body(gap)), 0,
+        )  # fmt: skip
 
-    def _body(
+    def _send_read(
         self,
         hook: Deliverable,
         context: DeliveryContext,
@@ -312,39 +323,35 @@ class Deliveries:
         partition: int,
         after: int,
         through: int,
-    ) -> dict[str, Any]:
-        positions = list(context.positions)
-        if partition < len(positions):
-            positions[partition] = through
-        cursor = GatewayCursor({stream: StreamPosition(context.epoch, tuple(positions))})
-        return {
-            "type": "events",
-            "subscription": hook.id,
-            "generation": context.generation,
-            "stream": stream,
-            "partition": partition,
-            "after": after,
-            "through": through,
-            "events": [],
-            "tombstones": [],
-            "cursor": cursor.encode(),
-        }
+        events: bytes,
+        tombstones: bytes,
+        count: int,
+    ) -> None:
+        cursor = batch_cursor(stream, context.epoch, context.positions, partition, through)
+        generation = context.generation
+        body = batch_body(
+            hook.id, generation, stream, partition, after, through, events, tombstones, cursor
+        )
+        target = _Target(context.callback, context.secrets, generation, context.state)
+        self._send(hook, target, stream, partition, after, through, body, count)
 
     def _send(
-        self, hook: Deliverable, context: DeliveryContext, body: dict[str, Any], events: int
+        self,
+        hook: Deliverable,
+        target: _Target,
+        stream: str,
+        partition: int,
+        after: int,
+        through: int,
+        body: bytes,
+        events: int,
     ) -> None:
-        text = json.dumps(body, separators=(",", ":"))
-        message = message_id(
-            hook.serial,
-            body["stream"],
-            body["partition"],
-            context.generation,
-            body["after"],
-            body["through"],
-        )
-        headers = signed_headers(message, text, context.secrets)
+        """POST a batch; return when the callback took it (or cancelled the webhook), or
+        raise RetryLater."""
+        message = message_id(hook.serial, stream, partition, target.generation, after, through)
+        headers = signed_headers(message, body, target.secrets)
         try:
-            _outcome(self.client.post(context.callback, text.encode(), headers))
+            _outcome(self.client.post(target.callback, body, headers))
         except _Cancelled:
             self._count("cancelled")
             log.warning("webhook %s: the callback answered 410 Gone; deleting it", hook.id)
@@ -364,7 +371,7 @@ class Deliveries:
         self._count("delivered", events)
         with self._count_lock:
             self._succeeded[hook.id] = self._succeeded.get(hook.id, 0) + events
-        if context.state != "active":
+        if target.state != "active":
             self._record_successes()  # failing no more: say so now, not at the next round
 
     def _record_successes(self) -> None:
@@ -410,11 +417,11 @@ class Deliveries:
                 "lease_seconds": challenge.lease_seconds,
             },
             separators=(",", ":"),
-        )
+        ).encode()
         message = "msg_challenge_" + secrets.token_hex(12)
         headers = signed_headers(message, body, (challenge.secret,))
         try:
-            response = self.client.post(challenge.callback, body.encode(), headers)
+            response = self.client.post(challenge.callback, body, headers)
             if response.status >= 500 or response.status == 429:
                 raise _Failed(f"the callback answered {response.status}", response.retry_after())
             if 200 <= response.status < 300 and _echoed(response.body) == token:

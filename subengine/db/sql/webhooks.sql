@@ -152,3 +152,107 @@ UPDATE {schema}.webhooks
        challenge_due = CASE WHEN NOT %(paused)s AND state = 'pending' THEN now()
                             ELSE challenge_due END
  WHERE id = %(id)s
+
+-- name: claim_webhook_batch
+-- The next batch of one partition of a webhook's engine subscription, claimed for the
+-- gateway's delivery in one statement (docs/webhooks.md, "Deliveries"): the position row
+-- locked as lock_batch locks it, the wanted events' JSON as the delivery sends it, made
+-- here and joined with commas in position order (events the filters leave out count in
+-- the bounds), and what the delivery needs (the webhook's callback, secrets and state, the
+-- subscription's generation, the stream's epoch and every partition's position, for the
+-- cursor). `fast` is false, and nothing is written, unless the batch is plain: the
+-- partition is not halted and retries no failure, has events after its position and holds
+-- every one of them up to the batch's end, and the webhook is delivered (active or
+-- failing, not paused); the engine's own batch handles the rest (gaps, missing events,
+-- failures). No row when the subscription or the webhook is gone.
+--
+-- A retry is the same batch (DESIGN.md): a batch of fewer than %(size)s events has its
+-- end stored (batch_through, as fix_batch stores it), and the statement then commits
+-- durably before the batch is sent. A full batch's end needs no storing: read again from
+-- the same position it is the same %(size)s events, however many came since, and a
+-- stored end is never passed (the `take` below, as lock_batch's). A statement that stored
+-- nothing (it only locked the row) commits without waiting for its WAL to reach the disk
+-- (synchronous_commit off for this transaction alone): losing it in a crash loses a row
+-- lock, nothing else.
+--
+-- Times are written as Python's isoformat writes them (no fraction when it is zero), in
+-- the session's time zone; a batch with a time before 1980 is not plain (some zones'
+-- offsets had seconds then, which to_char does not write). The text stays under psycopg's
+-- 4,096 bytes, or it would parse it again at every call.
+WITH chosen AS (
+    SELECT sp.position, sp.generation, sub.generation AS sub_generation, sp.batch_through,
+           NOT (sp.stopped OR sub.paused OR coalesce(sp.retry_at > now(), false)
+              OR sp.attempts > 0) AS runnable,
+           greatest(0, least(p.head - sp.position, %(size)s::bigint,
+                           CASE WHEN sp.batch_through > sp.position
+                                THEN sp.batch_through - sp.position END))::bigint AS take,
+           to_json(sub.stream)::text AS stream_json
+      FROM {schema}.subscription_positions sp
+      JOIN {schema}.subscriptions sub ON sub.name = sp.subscription
+      JOIN {schema}.partitions p ON p.stream = sub.stream AND p.partition = sp.partition
+     WHERE sp.subscription = %(name)s AND sp.partition = %(partition)s
+       AND sub.stream = %(stream)s
+       FOR UPDATE OF sp
+),
+hook AS (
+    SELECT callback, secret, state, include_data,
+           CASE WHEN previous_secret_until > now() THEN previous_secret END AS previous,
+           state IN ('active', 'failing') AND NOT paused AS delivered
+      FROM {schema}.webhooks WHERE id = %(id)s
+),
+read AS (
+    SELECT e.*, e.position <= c.position + c.take AS inside, c.stream_json,
+           (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
+           AND (%(keys)s::text[] IS NULL OR e.key = ANY(%(keys)s::text[])) AS wanted,
+           CASE WHEN h.include_data THEN ',"data":' || e.data::text ELSE '' END AS data_json
+      FROM chosen c, hook h, LATERAL (
+           SELECT * FROM {schema}.events e
+            WHERE e.stream = %(stream)s AND e.partition = %(partition)s
+              AND e.position > c.position
+            ORDER BY e.position LIMIT c.take + 1) e
+     WHERE c.runnable AND h.delivered AND c.take > 0
+),
+batch AS (
+    SELECT count(*) FILTER (WHERE inside) AS found,
+           max(position) FILTER (WHERE inside) AS last,
+           min(least(occurred_at, recorded_at)) FILTER (WHERE inside) AS oldest,
+           count(*) FILTER (WHERE inside AND wanted) AS wanted,
+           min(occurred_at) FILTER (WHERE NOT inside) AS next_time,
+           string_agg(
+             '{{"id":"' || id::text || '","stream":' || stream_json
+             || ',"partition":' || partition::text || ',"position":' || position::text
+             || ',"type":' || to_json(type)::text || ',"key":' || to_json(key)::text
+             || ',"key_version":' || key_version::text || ',"occurred_at":"'
+             || replace(to_char(occurred_at, 'YYYY-MM-DD"T"HH24:MI:SS.USTZH:TZM'),
+                        '.000000', '')
+             || '","recorded_at":"'
+             || replace(to_char(recorded_at, 'YYYY-MM-DD"T"HH24:MI:SS.USTZH:TZM'),
+                        '.000000', '')
+             || '","metadata":' || metadata::text || data_json || '}}',
+             ',' ORDER BY position) FILTER (WHERE inside AND wanted) AS events
+      FROM read
+),
+plain AS (
+    SELECT c.take > 0 AND b.found = c.take AND b.last = c.position + c.take
+           AND b.oldest >= '1980-01-01' AS fast,
+           c.take < %(size)s AND c.batch_through IS DISTINCT FROM c.position + c.take
+             AS unbounded
+      FROM chosen c, batch b
+),
+fixed AS (
+    UPDATE {schema}.subscription_positions sp
+       SET batch_through = c.position + c.take
+      FROM chosen c, plain
+     WHERE plain.fast AND plain.unbounded
+       AND sp.subscription = %(name)s AND sp.partition = %(partition)s
+       AND sp.position = c.position AND sp.generation = c.generation
+    RETURNING 1
+)
+SELECT plain.fast, c.position, c.generation, c.take, b.events, b.wanted, b.next_time,
+       h.callback, h.secret, h.previous, h.state, c.sub_generation, st.epoch,
+       ARRAY(SELECT sp.position FROM {schema}.subscription_positions sp
+              WHERE sp.subscription = %(name)s ORDER BY sp.partition),
+       CASE WHEN NOT EXISTS (SELECT FROM fixed)
+            THEN set_config('synchronous_commit', 'off', true) END
+  FROM chosen c, hook h, batch b, plain, {schema}.streams st
+ WHERE st.name = %(stream)s
