@@ -26,6 +26,7 @@ from .database import db, migrate
 from .dead_letters import dead_letters
 from .events import append, read
 from .gateway import gateway
+from .parked import parked
 from .retention import retention
 from .serve import serve
 from .showcase import demo
@@ -103,6 +104,7 @@ for command in (
     status,
     workers,
     dead_letters,
+    parked,
     serve,
     demo,
     gateway,

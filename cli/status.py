@@ -29,8 +29,14 @@ SUMMARY_COLUMNS = _render.columns(
     "stopped",
     "paused",
     "gap",
+    ("parked_keys", "parked keys"),
+    ("parked_events", "parked events"),
     "workers",
     "generation",
+)
+STATUS_PARTITION_COLUMNS = (
+    *PARTITION_COLUMNS,
+    *_render.columns(("parked_keys", "parked keys"), ("parked_events", "parked events")),
 )
 
 
@@ -60,7 +66,7 @@ def status(
         raise click.UsageError("--watch cannot be combined with --json")
     engine = context.engine()
     per_partition = partitions or name is not None
-    columns = PARTITION_COLUMNS if per_partition else SUMMARY_COLUMNS
+    columns = STATUS_PARTITION_COLUMNS if per_partition else SUMMARY_COLUMNS
 
     def rows() -> Sequence[subengine.PartitionStatus | subengine.SubscriptionSummary]:
         if per_partition:
