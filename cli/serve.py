@@ -11,6 +11,7 @@ from subengine import Engine, InvalidInput
 
 from ._context import Context, pass_context
 from ._errors import CommandError
+from ._running import load_app
 
 
 def _loopback(host: str) -> bool:
@@ -171,6 +172,18 @@ def _require_schema(engine: Engine) -> None:
     help="Seconds a Durable Streams long-poll waits for data before answering 204.",
 )
 @click.option(
+    "--ui/--no-ui",
+    default=True,
+    show_default=True,
+    help="Serve the status page at /ui (docs/status-page.md).",
+)
+@click.option(
+    "--app",
+    "app_spec",
+    metavar="MODULE:ATTR",
+    help="The app whose handlers the status page's retries of dead letters run.",
+)
+@click.option(
     "--access-log/--no-access-log",
     default=False,
     show_default=True,
@@ -199,6 +212,8 @@ def serve(
     durable_streams: bool,
     durable_streams_prefix: str,
     durable_streams_long_poll: float,
+    ui: bool,
+    app_spec: str | None,
     access_log: bool,
 ) -> None:
     """Serve streams over HTTP: pull, long-poll, server-sent events and watches."""
@@ -218,6 +233,10 @@ def serve(
             "a path such as /ds, outside /v1 and without '{'", param_hint="--durable-streams-prefix"
         )
 
+    if app_spec is not None:
+        if not ui:
+            raise click.UsageError("--app serves the status page's retries: drop --no-ui")
+        load_app(app_spec)  # fail now, not at the first retry
     engine = context.engine()
     _require_schema(engine)
     if not _loopback(host) and not engine.any_active_api_key():
@@ -248,6 +267,8 @@ def serve(
         durable_streams=durable_streams,
         durable_streams_prefix=prefix,
         durable_streams_long_poll=durable_streams_long_poll,
+        ui=ui,
+        ui_app=app_spec,
     )
     run(
         config,

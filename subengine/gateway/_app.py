@@ -37,6 +37,8 @@ from subengine.gateway._http import (
 )
 from subengine.gateway._state import Gateway, GatewayConfig
 from subengine.gateway._stream_reads import list_streams, read_events, show_stream
+from subengine.gateway._ui import ui_routes
+from subengine.gateway._ui_page import close_status_page
 from subengine.gateway._watches import create_watch, open_watch
 from subengine.gateway._webhook_endpoints import delete_webhook, put_webhook, show_webhook
 from subengine.model._settings import Settings
@@ -105,6 +107,7 @@ def create_app(
                 signal.signal(number, handler)
             _open_gateways.discard(gateway)
             await durable.close()
+            await close_status_page(gateway)
             await gateway.close()
 
     routes: list[Route | Mount] = [
@@ -121,6 +124,8 @@ def create_app(
         Route("/v1/webhooks/{webhook_id}", _endpoint(show_webhook)),
         Route("/v1/webhooks/{webhook_id}", _endpoint(delete_webhook), methods=["DELETE"]),
     ]
+    if config.ui:
+        routes += ui_routes()  # the status page (docs/status-page.md)
     allow_headers = ["Authorization", "Content-Type", "Last-Event-ID"]
     expose_headers = [CURSOR_HEADER, UP_TO_DATE_HEADER, SUPERSEDED_HEADER, "Retry-After"]
     if config.durable_streams:

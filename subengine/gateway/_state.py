@@ -61,6 +61,10 @@ class GatewayConfig:
     durable_streams: bool = False
     durable_streams_prefix: str = "/ds"
     durable_streams_long_poll: float = 20.0
+    # the status page at /ui (docs/status-page.md), and the application (MODULE:ATTR) whose
+    # handlers its retries of dead letters run
+    ui: bool = True
+    ui_app: str | None = None
     # webhooks (docs/webhooks.md): whether this process delivers them, how, and which
     # internal networks callbacks may reach (none: only global addresses)
     deliver: bool = True

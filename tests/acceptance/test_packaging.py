@@ -39,6 +39,10 @@ def test_wheel_maps_cli_and_migrations_under_the_package(wheel: Path) -> None:
     for expected in (
         "subengine/__init__.py",
         "subengine/db/sql/queries.sql",
+        "subengine/gateway/ui/index.html",
+        "subengine/gateway/ui/app.js",
+        "subengine/gateway/ui/vendor/uPlot.iife.min.js",
+        "subengine/gateway/ui/vendor/uPlot.LICENSE.txt",
         "subengine/spark/__init__.py",
         "subengine/cli/main.py",
         "subengine/migrations/env.py",
