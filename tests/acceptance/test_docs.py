@@ -30,7 +30,8 @@ def blocks(text: str, language: str) -> list[str]:
 @pytest.fixture
 def operated(engine: subengine.Engine, sql: psycopg.Connection[Any], tmp_path: Path) -> Path:
     """Stream orders (8 partitions) with 20 events in partition 3, subscription billing
-    (the README's app), and two dead letters at partition 3, positions 17 and 18."""
+    (the README's app), two dead letters at partition 3, positions 17 and 18, and the key
+    of them all parked at position 19, with 20 parked after it."""
     write_readme_app(tmp_path)
     sql.execute("CREATE TABLE invoices (order_id text, total int)")
     engine.create_stream("orders", partitions=8)
@@ -45,6 +46,18 @@ def operated(engine: subengine.Engine, sql: psycopg.Connection[Any], tmp_path: P
             " (subscription, partition, position, generation, event_id, error, attempts)"
             " VALUES ('billing', %s, %s, 1, %s, 'ValueError: test', 5)",
             (a.partition, a.position, a.id),
+        )
+    [parked] = sql.execute(
+        "INSERT INTO subengine.parked_keys"
+        " (subscription, partition, key, generation, position, event_id, error, attempts)"
+        " VALUES ('billing', 3, %s, 1, 19, %s, 'ValueError: test', 5) RETURNING id",
+        (key, stored[18].id),
+    ).fetchall()
+    for a in stored[18:]:
+        sql.execute(
+            "INSERT INTO subengine.parked_events (parked_key, position, event_id)"
+            " VALUES (%s, %s, %s)",
+            (parked[0], a.position, a.id),
         )
     return tmp_path
 
@@ -63,6 +76,8 @@ def test_every_sql_block_of_the_operations_page_runs(
         assert stuck == []
         letters = sql.execute(statements[4]).fetchall()
         assert [(r[1], r[2]) for r in letters] == [(3, 17), (3, 18)]
+        parked = sql.execute(statements[5]).fetchall()
+        assert [(r[1], r[3], r[5]) for r in parked] == [(3, 19, 2)]
     finally:
         sql.execute(
             "DO $$ BEGIN IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'subengine_operator')"
@@ -79,7 +94,7 @@ def test_every_command_of_the_operations_page_runs(
         for line in block.splitlines()
         if line.startswith("subengine ")
     ]
-    assert len(commands) >= 14
+    assert len(commands) >= 18
     for command in commands:
         if "--watch" in command:
             since = sql.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
@@ -94,12 +109,14 @@ def test_every_command_of_the_operations_page_runs(
             result = run_subengine(cli_env, *command[1:], cwd=operated)
         assert result.returncode == 0, (command, result.stderr)
     # what the commands did: paused and resumed, reset to the end, one letter retried
-    # (the README handler wrote its invoice) and one discarded
+    # (the README handler wrote its invoice) and one discarded, the parked key retried
+    # (two invoices, in order)
     resolutions = sql.execute(
         "SELECT position, resolution FROM subengine.dead_letters ORDER BY 1"
     ).fetchall()
     assert resolutions == [(17, "retried"), (18, "discarded")]
-    assert sql.execute("SELECT total FROM invoices").fetchall() == [(16,)]
+    assert sql.execute("SELECT total FROM invoices").fetchall() == [(18,), (19,), (16,)]
+    assert sql.execute("SELECT resolution FROM subengine.parked_keys").fetchall() == [("retried",)]
     assert sql.execute(
         "SELECT bool_and(NOT paused), max(generation) FROM subengine.subscriptions"
     ).fetchone() == (True, 2)

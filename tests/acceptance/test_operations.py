@@ -396,6 +396,16 @@ def test_the_documented_operator_role_runs_every_read_only_command(
         " VALUES ('billing', %s, %s, 1, %s, 'ValueError: test', 5)",
         (letter.partition, letter.position, letter.id),
     )
+    sql.execute(
+        "INSERT INTO subengine.parked_keys"
+        " (subscription, partition, key, generation, position, event_id, error, attempts)"
+        " VALUES ('billing', %s, 'k4', 1, %s, %s, 'ValueError: test', 5)",
+        (stored[4].partition, stored[4].position, stored[4].id),
+    )
+    sql.execute(
+        "INSERT INTO subengine.parked_events (parked_key, position, event_id)"
+        " SELECT id, position, event_id FROM subengine.parked_keys"
+    )
     [grants] = [
         block
         for block in re.findall(r"```sql\n(.*?)```", OPERATIONS, flags=re.DOTALL)
@@ -415,6 +425,8 @@ def test_the_documented_operator_role_runs_every_read_only_command(
             ["workers"],
             ["dead-letters", "list", "--all"],
             ["dead-letters", "show", "billing", partition, position],
+            ["parked", "list", "--all"],
+            ["parked", "show", "billing", "k4"],
             ["stream", "list"],
             ["stream", "show", "orders"],
             ["read", "orders"],
@@ -429,6 +441,7 @@ def test_the_documented_operator_role_runs_every_read_only_command(
             ["subscription", "pause", "billing"],
             ["subscription", "reset", "billing", "--to", "end"],
             ["dead-letters", "discard", "billing", partition, position],
+            ["parked", "discard", "billing", "k4"],
             ["append", "orders", "--key", "k", "--type", "T", "--data", "{}"],
         ):
             refused = run(operator, *args, ok=False)
