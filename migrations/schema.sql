@@ -1009,9 +1009,7 @@ CREATE INDEX events_recorded_at ON subengine.events USING btree (stream, recorde
 
 CREATE INDEX gaps_of_subscription ON subengine.gaps USING btree (subscription, partition, id);
 
-CREATE UNIQUE INDEX parked_keys_one_open ON subengine.parked_keys USING btree (subscription, key) WHERE (resolution IS NULL);
-
-CREATE INDEX parked_keys_open_by_partition ON subengine.parked_keys USING btree (subscription, partition) WHERE (resolution IS NULL);
+CREATE UNIQUE INDEX parked_keys_one_open ON subengine.parked_keys USING btree (subscription, partition, key) WHERE (resolution IS NULL);
 
 CREATE INDEX subscription_positions_work ON subengine.subscription_positions USING btree (subscription, next_time) WHERE ((next_time IS NOT NULL) AND (NOT stopped));
 

@@ -5,7 +5,9 @@ set aside with every later event of it, while the partition's other keys go on.
   the partition's position then: the event whose failure parked it (position, id,
   error, attempts), the retries an operator ran, and how it ended (resolution:
   retried, discarded, or superseded by a reset; NULL while the key is parked). A key
-  is parked at most once at a time per subscription (parked_keys_one_open).
+  is parked at most once at a time per subscription (parked_keys_one_open: a key lies
+  in one partition, which leads the index so that a batch's probe of its keys and the
+  count of a partition's parked keys are both exact index lookups).
 - parked_events: the events set aside under a parked key, the failing one first, each
   recorded in the transaction that moved the position past it, and replayed (retried),
   discarded or superseded with its key.
@@ -79,9 +81,7 @@ COMMENT ON TABLE parked_keys IS
     'Keys a subscription parked (on_error=park): the event at position failed, and it and every later event of the key are set aside until retried or discarded.';
 COMMENT ON COLUMN parked_keys.error IS
     'The error that parked the key, or the last one a retry met.';
-CREATE UNIQUE INDEX parked_keys_one_open ON parked_keys (subscription, key)
-    WHERE resolution IS NULL;
-CREATE INDEX parked_keys_open_by_partition ON parked_keys (subscription, partition)
+CREATE UNIQUE INDEX parked_keys_one_open ON parked_keys (subscription, partition, key)
     WHERE resolution IS NULL;
 
 CREATE TABLE parked_events (

@@ -31,12 +31,14 @@ BatchPart = tuple[Sequence[Event], int]
 
 
 def _batch_params(subscription: Subscription, parts: Iterable[BatchPart]) -> dict[str, Any] | None:
+    partitions: list[int] = []
     keys: list[str] = []
     positions: list[int] = []
     ids: list[uuid.UUID] = []
     generations: list[int] = []
     for events, generation in parts:
         for event in events:
+            partitions.append(event.partition)
             keys.append(event.key)
             positions.append(event.position)
             ids.append(event.id)
@@ -45,6 +47,7 @@ def _batch_params(subscription: Subscription, parts: Iterable[BatchPart]) -> dic
         return None
     return {
         "name": subscription.name,
+        "partitions": partitions,
         "keys": keys,
         "positions": positions,
         "ids": ids,

@@ -7,14 +7,16 @@
 -- name: parked_among
 -- The events of a batch whose key the subscription has parked in the generation the
 -- batch read: an at_least_once batch asks before its handlers run, and checks at its
--- commit that park_events sets aside the same ones. Each distinct key is one probe of the
--- open keys' unique index.
+-- commit that park_events sets aside the same ones. Each distinct key is one exact probe
+-- of the open keys' unique index (subscription, partition, key), whatever the statistics.
 WITH parked AS MATERIALIZED (
     SELECT k.key, k.generation
-      FROM (SELECT DISTINCT x.key FROM unnest(%(keys)s::text[]) AS x(key)) AS x
+      FROM (SELECT DISTINCT x.partition, x.key
+              FROM unnest(%(partitions)s::integer[], %(keys)s::text[]) AS x(partition, key)) AS x
      CROSS JOIN LATERAL (
             SELECT k.key, k.generation FROM {schema}.parked_keys k
-             WHERE k.subscription = %(name)s AND k.key = x.key AND k.resolution IS NULL
+             WHERE k.subscription = %(name)s AND k.partition = x.partition
+               AND k.key = x.key AND k.resolution IS NULL
              LIMIT 1) AS k
 )
 SELECT x.event_id
@@ -30,10 +32,12 @@ SELECT x.event_id
 -- their ids.
 WITH parked AS MATERIALIZED (
     SELECT k.id, k.key, k.generation
-      FROM (SELECT DISTINCT x.key FROM unnest(%(keys)s::text[]) AS x(key)) AS x
+      FROM (SELECT DISTINCT x.partition, x.key
+              FROM unnest(%(partitions)s::integer[], %(keys)s::text[]) AS x(partition, key)) AS x
      CROSS JOIN LATERAL (
             SELECT k.id, k.key, k.generation FROM {schema}.parked_keys k
-             WHERE k.subscription = %(name)s AND k.key = x.key AND k.resolution IS NULL
+             WHERE k.subscription = %(name)s AND k.partition = x.partition
+               AND k.key = x.key AND k.resolution IS NULL
              LIMIT 1) AS k
 )
 INSERT INTO {schema}.parked_events (parked_key, position, event_id)
