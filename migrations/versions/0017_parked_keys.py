@@ -108,7 +108,7 @@ CREATE OR REPLACE VIEW subscription_status AS
           FROM parked_keys k
          WHERE k.subscription = sp.subscription AND k.partition = sp.partition
            AND k.resolution IS NULL) pk ON true;
-"""
+"""  # noqa: S608  (composed of this file's constants, no input)
     )
 
 
