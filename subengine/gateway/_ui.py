@@ -25,7 +25,7 @@ from subengine.gateway._auth import Denied
 from subengine.gateway._http import NO_STORE, api_error, error_response
 from subengine.gateway._ui_actions import act
 from subengine.gateway._ui_live import live, next_snapshot
-from subengine.gateway._ui_page import COOKIE, StatusPage, status_page_of
+from subengine.gateway._ui_page import COOKIE, StatusPage, from_own_origin, status_page_of
 
 PREFIX = "/ui"
 _FORM_BYTES = 4096
@@ -128,7 +128,7 @@ async def static(request: Request) -> Response:
 async def sign_in(request: Request) -> Response:
     """`POST /ui/sign-in` (a form with `key`): keep the key in the page's cookie."""
     status_page = status_page_of(request)
-    if not _same_origin(request):
+    if not from_own_origin(request):
         return _html(request, "message.html", 403, message="sign in from the gateway's own page")
     token = (await _form(request)).get("key", "").strip()
     key = await status_page.gateway.engine.authenticate(token) if token else None
@@ -157,7 +157,7 @@ async def sign_out(request: Request) -> Response:
     """`POST /ui/sign-out` (a form with the page's token): forget the key."""
     status_page = status_page_of(request)
     form = await _form(request)
-    if not _same_origin(request) or form.get("csrf") != await status_page.csrf_token(request):
+    if not from_own_origin(request) or form.get("csrf") != await status_page.csrf_token(request):
         return _html(request, "message.html", 403, message="sign out from the gateway's own page")
     answer = RedirectResponse(_root(request) + PREFIX, 303, headers={"Cache-Control": NO_STORE})
     _forget_cookie(answer, request)
@@ -172,13 +172,6 @@ def _forget_cookie(answer: Response, request: Request) -> None:
         samesite="strict",
         secure=request.url.scheme == "https",
     )
-
-
-def _same_origin(request: Request) -> bool:
-    origin = request.headers.get("origin")
-    site = request.headers.get("sec-fetch-site")
-    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
-    return origin == own and site in (None, "same-origin")
 
 
 async def _form(request: Request) -> dict[str, str]:

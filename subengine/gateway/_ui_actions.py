@@ -1,9 +1,9 @@
 """What an operator does from the status page (docs/status-page.md): pause and resume a
-subscription, accept a partition's gap, retry or discard a dead letter. Each needs the
-`admin` scope on the subscription's stream (anyone, on an open gateway), comes from a
-page the gateway served (its origin and anti-forgery token), changes the database as
-the command line's twin does, says what it did, and is logged (who, what; never a
-token).
+subscription, accept a partition's gap, retry or discard a dead letter or a parked key.
+Each needs the `admin` scope on the subscription's stream (anyone, on an open gateway),
+comes from a page the gateway served (its origin and anti-forgery token), changes the
+database as the command line's twin does, says what it did, and is logged (who, what;
+never a token).
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from starlette.responses import Response
 
 from subengine.gateway._auth import Denied, Principal
 from subengine.gateway._http import ApiError, bad_request, json_response, read_json_body
-from subengine.gateway._ui_page import CSRF_HEADER, StatusPage, status_page_of
+from subengine.gateway._ui_page import CSRF_HEADER, StatusPage, from_own_origin, status_page_of
 from subengine.model._errors import InvalidInput, SubscriptionNotFound
-from subengine.model._names import BIGINT_MAX, INTEGER_MAX, validate_stream_name
+from subengine.model._names import BIGINT_MAX, INTEGER_MAX, validate_key, validate_stream_name
+from subengine.subscriptions._parking import ParkedKeyRetry
 
 log = logging.getLogger("subengine.gateway")
 
-ACTIONS = ("pause", "resume", "skip_gap", "retry", "discard")
+ACTIONS = ("pause", "resume", "skip_gap", "retry", "discard", "retry_parked", "discard_parked")
 # what each action needs besides the subscription
 _NEEDS = {
     "pause": (),
@@ -32,20 +33,23 @@ _NEEDS = {
     "skip_gap": ("partition",),
     "retry": ("partition", "position"),
     "discard": ("partition", "position"),
+    "retry_parked": ("key",),
+    "discard_parked": ("key",),
 }
 _BODY_BYTES = 4096
 
 
 async def act(request: Request) -> Response:
     """`POST /ui/api/actions` with `{"action": ..., "subscription": ..., "partition":
-    ..., "position": ...}`: `{"message": what it did, "ok": whether it did it}`."""
+    ..., "position": ..., "key": ...}`: `{"message": what it did, "ok": whether it did
+    it}`."""
     page = status_page_of(request)
     if "authorization" not in request.headers:
         # a browser's request: it must come from a page of this gateway
         await _check_from_the_page(page, request)
     principal = await page.principal(request)
     body = await read_json_body(request, _BODY_BYTES)
-    action, name, partition, position = _parse(body)
+    action, name, partition, position, key = _parse(body)
     stream = await _stream_of(page, name)
     if not principal.may(stream, "admin"):
         raise Denied(
@@ -54,7 +58,7 @@ async def act(request: Request) -> Response:
             f"this key may not change subscription {name!r}: that needs the admin scope "
             f"on stream {stream!r}",
         )
-    ok, message = await asyncio.to_thread(_run, page, action, name, partition, position)
+    ok, message = await asyncio.to_thread(_run, page, action, name, partition, position, key)
     log.info("status page: %s: %s", _who(principal), message)
     page.refresher.poke()
     return json_response({"message": message, "ok": ok})
@@ -64,10 +68,7 @@ async def _check_from_the_page(page: StatusPage, request: Request) -> None:
     """Refuse a request that a page of another site could have sent: its origin must be
     the gateway's own, and it must carry the page's anti-forgery token (a header, which a
     form or a cross-site request without the gateway's consent cannot set)."""
-    host = request.headers.get("host", "")
-    origin = request.headers.get("origin")
-    site = request.headers.get("sec-fetch-site")
-    if origin != f"{request.url.scheme}://{host}" or site not in (None, "same-origin"):
+    if not from_own_origin(request):
         raise Denied(403, "forbidden", "an action must come from the status page itself")
     expected = await page.csrf_token(request)
     given = request.headers.get(CSRF_HEADER, "")
@@ -75,8 +76,9 @@ async def _check_from_the_page(page: StatusPage, request: Request) -> None:
         raise Denied(403, "forbidden", "the page's token is missing or stale: reload the page")
 
 
-def _parse(body: Any) -> tuple[str, str, int, int]:
-    """The action, subscription, partition and position (0 where the action needs none)."""
+def _parse(body: Any) -> tuple[str, str, int, int, str]:
+    """The action, subscription, partition, position and key (0 or '' where the action
+    needs none)."""
     if not isinstance(body, dict):
         raise bad_request('expected {"action": ..., "subscription": ...}')
     action = body.get("action")
@@ -100,7 +102,13 @@ def _parse(body: Any) -> tuple[str, str, int, int]:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise bad_request(f"{field} must be a whole number from {low} to {high}")
             numbers[field] = value
-    return action, name, numbers["partition"], numbers["position"]
+    key = ""
+    if "key" in _NEEDS[action]:
+        try:
+            key = validate_key(body.get("key"))
+        except InvalidInput as error:
+            raise bad_request(str(error)) from None
+    return action, name, numbers["partition"], numbers["position"], key
 
 
 async def _stream_of(page: StatusPage, name: str) -> str:
@@ -111,7 +119,7 @@ async def _stream_of(page: StatusPage, name: str) -> str:
 
 
 def _run(
-    page: StatusPage, action: str, name: str, partition: int, position: int
+    page: StatusPage, action: str, name: str, partition: int, position: int, key: str
 ) -> tuple[bool, str]:
     """Do `action` (in a thread: the engine's operations are synchronous); whether it
     was done, and what was done, in the command line's words."""
@@ -127,6 +135,12 @@ def _run(
         if action == "skip_gap":
             gap = engine.skip_gap(name, partition)
             return True, f"subscription {name!r} skipped the {gap}; it goes on from {gap.floor}"
+        if action == "discard_parked":
+            discarded = engine.discard_parked_key(name, key)
+            return (
+                True,
+                f"discarded: {discarded} event(s) of key {key!r} of {name!r}; the key is clear",
+            )
         where = f"partition {partition} position {position} of {name!r}"
         if action == "discard":
             engine.discard_dead_letter(name, partition, position)
@@ -136,12 +150,33 @@ def _run(
             raise InvalidInput(
                 f"the gateway's --app {page.app_spec} declares no subscription {name!r}"
             )
+        if action == "retry_parked":
+            return _retried_key(engine.retry_parked_key(declared, key), name, key)
         error = engine.retry_dead_letter(declared, partition, position)
     except SubscriptionNotFound as error:
         raise ApiError(404, "subscription_not_found", str(error)) from None
     if error is not None:
         return False, f"the handlers failed again at {where} (recorded): {error}"
     return True, f"retried the dead letter at {where}: it is handled"
+
+
+def _retried_key(result: ParkedKeyRetry, name: str, key: str) -> tuple[bool, str]:
+    """What a retry of a parked key did, in `subengine parked retry`'s words."""
+    before = f"{result.replayed} event(s) were replayed before it"
+    if result.error is not None:
+        return False, (
+            f"the handlers failed again (recorded; key {key!r} stays parked): "
+            f"{result.error}; {before}"
+        )
+    if result.superseded:
+        return False, (
+            f"a reset released key {key!r} of {name!r} during the retry: the workers handle "
+            f"its events from the reset's positions; {before}"
+        )
+    return True, (
+        f"retried: {result.replayed} event(s) of key {key!r} of {name!r} handled in order; "
+        "the key is clear"
+    )
 
 
 def _who(principal: Principal) -> str:

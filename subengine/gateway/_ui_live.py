@@ -115,7 +115,7 @@ class LiveResponse:
         sent = 0
         while True:
             wake.clear()
-            latest = self.page.refresher.latest
+            latest = self.page.refresher.current()
             if latest is not None and latest.version > sent:
                 body = latest.encoded(self.visibility, self.name, self.subscription)
                 await self._write(stream, frame_text(SNAPSHOT, body.decode(), None))
@@ -155,7 +155,7 @@ async def next_snapshot(request: Request) -> Response:
     try:
         deadline = time.monotonic() + wait
         while True:
-            latest = refresher.latest
+            latest = refresher.current()
             if latest is not None and latest.version > after:
                 body = latest.encoded(Visibility(principal.key), name, subscription)
                 return Response(

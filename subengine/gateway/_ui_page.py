@@ -158,6 +158,22 @@ async def close_status_page(gateway: Gateway) -> None:
         await page.close()
 
 
+def from_own_origin(request: Request) -> bool:
+    """Whether a browser sent `request` from a page of the gateway's own host: its
+    `Origin` names the host the request was sent to (the scheme is not compared, so that
+    a proxy may end TLS in front of the gateway), and `Sec-Fetch-Site`, where the browser
+    sends it, says same-origin. A page of another site can forge neither."""
+    origin = request.headers.get("origin", "")
+    scheme, _, host = origin.partition("://")
+    site = request.headers.get("sec-fetch-site")
+    return (
+        scheme in ("http", "https")
+        and bool(host)
+        and host == request.headers.get("host")
+        and site in (None, "same-origin")
+    )
+
+
 def _with_bearer(request: Request, token: str) -> Request:
     headers = [(name, value) for name, value in request.scope["headers"] if name != b"cookie"]
     headers.append((b"authorization", b"Bearer " + token.encode(errors="replace")))

@@ -110,6 +110,7 @@ class Refresher:
         self._board = Board()
         self._data: dict[str, Any] | None = None
         self._read_at = 0.0
+        self._reading = False
         self.queries = 0
         self.latest: Published | None = None
 
@@ -128,6 +129,18 @@ class Refresher:
             self._poked.set()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run(), name="subengine-gateway-status-page")
+
+    def current(self) -> Published | None:
+        """The latest snapshot to show; None while it is older than two refresh
+        intervals and a new read is on its way (a page that comes back after a pause
+        waits a moment for that one, rather than draw old news)."""
+        latest = self.latest
+        if latest is None:
+            return None
+        age = asyncio.get_running_loop().time() - self._read_at
+        if age > 2 * self._interval and (self._poked.is_set() or self._reading):
+            return None
+        return latest
 
     def leave(self, page: PageWake) -> None:
         self._pages.discard(page)
@@ -155,7 +168,11 @@ class Refresher:
                 continue
             started = loop.time()
             self._poked.clear()
-            await self._refresh()
+            self._reading = True
+            try:
+                await self._refresh()
+            finally:
+                self._reading = False
             self._read_at = started
             took = loop.time() - started
             await _wait_for(self._poked, max(self._interval, _SPACING * took) - took)

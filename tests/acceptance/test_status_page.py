@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import psycopg
-from helpers import APPS, GatewayProcess, Running, record, scrape, value
+from helpers import APPS, GatewayProcess, Running, record, run_subengine, scrape, value
 from helpers import wait_for as wait_for_condition
 from playwright.sync_api import Browser, BrowserContext, Page
 from subengine.cli import _render  # type: ignore[import-not-found]
@@ -259,7 +259,8 @@ def scrape_of(gateway: GatewayProcess) -> Any:
 
 
 def admin_setup(engine: subengine.Engine, sql: psycopg.Connection[Any]) -> None:
-    """Dead letters of subscription `billing` (status_app) and a gap of `audit`."""
+    """Dead letters of subscription `billing` (status_app), parked keys of `shipping`,
+    and a gap of `audit`."""
     sys.path.insert(0, str(APPS))
     try:
         from status_app import app  # type: ignore[import-not-found]
@@ -269,7 +270,14 @@ def admin_setup(engine: subengine.Engine, sql: psycopg.Connection[Any]) -> None:
     sql.execute("INSERT INTO poison VALUES ('order-2'), ('order-5')")
     engine.append("orders", [subengine.NewEvent(f"order-{n}", "Placed", {}) for n in range(8)])
     with Running(app, engine):
-        wait_for(lambda: len(engine.dead_letters("billing")) == 2, "two dead letters")
+        wait_for(
+            lambda: (
+                len(engine.dead_letters("billing")) == 2
+                and len(engine.parked_keys("shipping")) == 2
+                and sql.execute("SELECT count(*) FROM effects").fetchone() == (12,)
+            ),
+            "two dead letters, two parked keys and the other events' effects",
+        )
     engine.create_stream("short", 1, retention=subengine.Retention(max_events=2))
     audit = subengine.App().subscription("audit", stream="short")
     audit.handler()(record)
@@ -378,8 +386,20 @@ def test_actions_need_an_admin_key_and_change_the_database(
         assert sorted(resolutions) == sorted(
             [(fixed.position, "retried"), (dropped.position, "discarded")]
         )
-        assert sql.execute("SELECT count(*) FROM effects").fetchone() == (7,)
+        assert sql.execute("SELECT count(*) FROM effects").fetchone() == (13,)
         wait_for(lambda: page.locator("#dead-letters-table tr").count() == 0, "no letter left")
+
+        page.goto(f"{gateway.url}/ui#/subscriptions/shipping")
+        wait_for(lambda: page.locator("#parked-table tbody tr").count() == 2, "2 parked keys")
+        shots.take(page, "subscription-parked-keys")
+        said = act(page, '[data-focus="retry-key:order-2"]')
+        assert said == (
+            "retried: 1 event(s) of key 'order-2' of 'shipping' handled in order; the key is clear"
+        )
+        said = act(page, '[data-focus="discard-key:order-5"]')
+        assert said == "discarded: 1 event(s) of key 'order-5' of 'shipping'; the key is clear"
+        assert fast_engine.parked_keys("shipping") == []
+        assert sql.execute("SELECT count(*) FROM effects").fetchone() == (14,)
 
         page.goto(f"{gateway.url}/ui#/subscriptions/audit")
         wait_for(lambda: page.locator('[data-focus="skip:0"]').count() == 1, "Skip gap")
@@ -411,3 +431,15 @@ def test_actions_need_an_admin_key_and_change_the_database(
 def stored(name: str, engine: subengine.Engine) -> subengine.StoredSubscription:
     [found] = [s for s in engine.subscriptions() if s.name == name]
     return found
+
+
+def test_serve_no_ui_serves_no_page_and_a_bad_app_stops_serve_at_once(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    with GatewayProcess(cli_env, "--no-ui", tmp=tmp_path) as gateway:
+        for path in ("/ui", "/ui/api/live", "/ui/static/app.js"):
+            answer = httpx.get(f"{gateway.url}{path}")
+            assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found"
+    done = run_subengine(cli_env, "serve", "--app", "no_such_module:app")
+    assert done.returncode != 0
+    assert "--app no_such_module:app: cannot import 'no_such_module'" in done.stderr

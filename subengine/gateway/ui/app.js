@@ -161,9 +161,11 @@
   // ---- the views ----
   const link = (name) => h("a", { href: `#/subscriptions/${encodeURIComponent(name)}`, "data-focus": `link:${name}` }, name);
   function states(summary) {
-    const shown = ["ok", "idle", "retrying", "stopped", "paused", "gap", "parked"]
+    const shown = ["ok", "idle", "retrying", "stopped", "paused", "gap"]
       .filter((s) => summary[s])
       .map((s) => stateBadge(s, summary[s]));
+    // parked keys do not stop a partition: a count beside its state
+    if (summary.parked_keys) shown.push(stateBadge("parked", summary.parked_keys));
     return h("span", { class: "states" }, shown.length ? shown : "-");
   }
   const card = (label, value) => h("div", { class: "card" }, h("div", { class: "label" }, label), h("div", { class: "value" }, value));
@@ -207,7 +209,8 @@
       skeleton: (name) => skeleton("heading", "cards",
         h("h2", {}, "Lag over the last minutes"), h("figure", { class: "chart", id: "chart" }, h("figcaption", { id: "chart-caption", class: "muted" })),
         h("h2", {}, "Partitions"), "partitions", h("h2", {}, "Recent errors"), "errors",
-        h("h2", { id: "dead-letters-title" }, "Dead letters"), "dead-letters"),
+        h("h2", { id: "dead-letters-title" }, "Dead letters"), "dead-letters",
+        h("h2", { id: "parked-title" }, "Parked keys"), "parked"),
       draw(data) {
         if (data.missing) {
           place("heading", h("div", {}, h("h1", {}, `subscription ${data.name}`), h("p", { class: "banner" }, "There is no such subscription, or this key may not see it.")));
@@ -218,7 +221,8 @@
           h("h1", {}, `subscription ${s.subscription} `, h("span", { class: "sub" }, `on stream ${s.stream}`)),
           states(s), pauseOrResume(s)));
         place("cards", h("div", { class: "cards" }, card("lag", s.lag), card("lag s", cell(s.lag_seconds)), card("partitions", s.partitions),
-          card("workers", s.workers), card("dead letters", s.dead_letters), card("generation", s.generation)));
+          card("workers", s.workers), card("dead letters", s.dead_letters), card("parked keys", s.parked_keys),
+          card("generation", s.generation)));
         drawChart(data);
         place("partitions", table("partitions-table", [
           { label: "partition", field: "partition", num: true },
@@ -227,7 +231,8 @@
           { label: "floor", field: "floor", num: true },
           { label: "lag", field: "lag", num: true },
           { label: "lag s", field: "lag_seconds", num: true },
-          { label: "state", value: (p) => stateBadge(p.state) },
+          { label: "state", value: (p) => h("span", { class: "states" }, stateBadge(p.state),
+            p.parked_keys ? stateBadge("parked", p.parked_keys) : null) },
           { label: "gap from", field: "gap_from", num: true },
           { label: "gap to", field: "gap_to", num: true },
           { label: "attempts", field: "attempts", num: true },
@@ -247,8 +252,8 @@
           : h("p", { class: "empty", id: "errors-list" }, "No error since this gateway began watching."));
         document.getElementById("dead-letters-title").textContent =
           s.dead_letters > data.dead_letters.length ? `Dead letters (the newest ${data.dead_letters.length} of ${s.dead_letters})` : "Dead letters";
-        const retryNote = !RETRY && data.dead_letters.length && s.may_act
-          ? h("p", { class: "muted" }, "A retry runs the subscription's handlers: start the gateway with --app to retry from here, or run subengine dead-letters retry.")
+        const retryNote = !RETRY && (data.dead_letters.length || data.parked.length) && s.may_act
+          ? h("p", { class: "muted" }, "A retry runs the subscription's handlers: start the gateway with --app to retry from here, or run subengine dead-letters retry (subengine parked retry for a key).")
           : null;
         const letters = table("dead-letters-table", [
           { label: "partition", field: "partition", num: true },
@@ -266,6 +271,23 @@
               `Discard position ${d.position} of partition ${d.partition}?`, "The dead letter is marked discarded: its event is never handled. It stays listed by subengine dead-letters list --all.", "danger")) : null },
         ], data.dead_letters, (d) => `${d.partition}:${d.position}`, "No dead letter waits.");
         place("dead-letters", retryNote ? h("div", {}, retryNote, letters) : letters);
+        document.getElementById("parked-title").textContent =
+          s.parked_keys > data.parked.length ? `Parked keys (the newest ${data.parked.length} of ${s.parked_keys})` : "Parked keys";
+        place("parked", table("parked-table", [
+          { label: "partition", field: "partition", num: true },
+          { label: "key", field: "key" },
+          { label: "position", field: "position", num: true },
+          { label: "events", field: "events", num: true },
+          { label: "attempts", field: "attempts", num: true },
+          { label: "retries", field: "retries", num: true },
+          { label: "error", field: "error", className: "error" },
+          { label: "created", field: "created_at", kind: "time" },
+          { label: "", className: "actions", value: (k) => s.may_act ? h("span", {},
+            RETRY ? actionButton("Retry", `retry-key:${k.key}`, { action: "retry_parked", subscription: s.subscription, key: k.key },
+              `Retry key ${k.key}?`, `The subscription's handlers replay its ${k.events} parked event(s) now, in position order, each exactly once.`, "quiet") : null,
+            actionButton("Discard", `discard-key:${k.key}`, { action: "discard_parked", subscription: s.subscription, key: k.key },
+              `Discard key ${k.key}?`, `Its ${k.events} parked event(s) are never handled; the key's later events are.`, "danger")) : null },
+        ], data.parked, (k) => k.key, "No key is parked."));
       },
     },
     webhooks: {
@@ -436,6 +458,7 @@
     openStream(current);
   }
   window.addEventListener("hashchange", () => {
+    notice.replaceChildren();
     follow();
     main.focus();
   });
