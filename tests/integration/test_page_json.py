@@ -6,6 +6,7 @@ and a bound in bytes that never splits what follows the cursor."""
 from __future__ import annotations
 
 import json
+import random
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import subengine
 from subengine.db._sql import SQL
 from subengine.gateway._hub import event_json
+from subengine.model._events import partition_for
 from subengine.streams._read import EncodedPage, read_page, read_page_json
 
 ODD_KEYS = ["plain", 'qu"ote', "back\\slash", "é-ünïcode", "emoji-😀", "tab?", "x" * 200]
@@ -198,3 +200,46 @@ def test_a_cursor_of_other_partitions_reads_nothing(
     assert not page.fits and page.events == [] and len(page.heads) == 3
     with pytest.raises(subengine.StreamNotFound):
         SQL(engine.schema).run(sql, read_page_json("nothing-here", [], 7))
+
+
+def uneven(engine: subengine.Engine) -> list[int]:
+    """A stream whose partitions fill unevenly: bursts of one partition, appends that
+    share a time across partitions, an empty partition, and a floor raised by retention.
+    Its heads."""
+    engine.create_stream("uneven", partitions=5)
+    keys: dict[int, str] = {}
+    for n in range(200):
+        keys.setdefault(partition_for(f"key-{n}", 5), f"key-{n}")
+    rng = random.Random(26)
+    for round_ in range(40):
+        if round_ % 4 == 0:  # a burst of one partition, recorded at one time
+            partition = rng.choice([0, 1, 2])
+            batch = [keys[partition]] * rng.randint(20, 60)
+        else:  # a few of each partition but the empty one, recorded at one time
+            batch = [keys[rng.choice([0, 1, 2, 3])] for _ in range(rng.randint(1, 12))]
+        engine.append("uneven", [subengine.NewEvent(key, "t", {"r": round_}) for key in batch])
+    engine.set_retention("uneven", subengine.Retention(max_events=150))
+    engine.run_retention("uneven")
+    engine.set_retention("uneven", None)
+    return [state.head for state in engine.partitions("uneven")]
+
+
+def test_the_page_is_read_pages_page_from_any_cursor(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    heads = uneven(engine)
+    floors = [state.floor for state in engine.partitions("uneven")]
+    assert heads[4] == 0 and max(floors) > 1  # the cases the test means to meet
+    run = SQL(engine.schema).run
+    rng = random.Random(262)
+    cursors: list[list[int]] = [[], [0] * 5, heads, [h // 2 for h in heads]]
+    cursors += [[rng.randint(0, h) for h in heads] for _ in range(40)]
+    cursors += [[h if p == rng.randrange(5) else 0 for p, h in enumerate(heads)] for _ in range(10)]
+    for limit in (1, 2, 5, 17, 64, 250, 5000):
+        for cursor in cursors:
+            expected = run(sql, read_page("uneven", cursor, limit))
+            page = run(sql, read_page_json("uneven", cursor, limit))
+            assert [(p, q) for p, q, _ in page.events] == [
+                (e.partition, e.position) for e in expected.events
+            ], (limit, cursor)
+            assert page.tombstones == expected.tombstones

@@ -305,12 +305,22 @@ SELECT s.epoch, s.partitions, h.heads, h.floors, h.aged, h.capped, e.id, e.strea
 -- isoformat writes them in the session's time zone (a fraction only when there are
 -- microseconds, an offset's seconds only when it has some), data only with
 -- `include_data`. The stream's epoch, partition count, heads and floors and what removed
--- their gaps come on the first row only (NULL on the others: decoded once). The
--- candidates of every partition are read narrow (ctid, recorded_at, position); only the
--- chosen rows are read whole, by ctid, in the same snapshot. Positions that are not one
--- per partition of the stream read no events. `OFFSET 0` keeps each event's
--- recorded_at text a value made once: without it the planner writes its expression into
--- both places that use it.
+-- their gaps come on the first row only (NULL on the others: decoded once). Positions
+-- that are not one per partition of the stream read no events.
+--
+-- Which rows: the page is the first `limit` rows after the cursor in (recorded_at,
+-- partition, position) order. For any time T, the first `limit` of the rows recorded at
+-- or before T (and within `limit` of each partition's cursor) are a prefix of that order,
+-- because recorded_at never decreases along a partition; they are the page itself when
+-- there are at least `limit` of them. So rather than `limit` rows of every partition, it
+-- reads up to T: probes at about 26% steps after each partition's cursor (positions are
+-- dense from the floor to the head) tell, per candidate T, at least how many rows each
+-- partition has by then; T is the first probed time by which they add up to `limit` (none:
+-- no bound), and each partition is read up to its first probe after T. With one partition
+-- nothing is probed. The candidates are read narrow (ctid, recorded_at, position); only
+-- the chosen rows are read whole, by ctid, in the same snapshot. `OFFSET 0` keeps each
+-- event's recorded_at text a value made once: without it the planner writes its
+-- expression into both places that use it.
 SELECT CASE WHEN c.n IS NULL OR c.n = 1 THEN s.epoch END AS epoch,
        CASE WHEN c.n IS NULL OR c.n = 1 THEN s.partitions END AS partitions,
        CASE WHEN c.n IS NULL OR c.n = 1 THEN h.heads END AS heads,
@@ -328,21 +338,49 @@ SELECT CASE WHEN c.n IS NULL OR c.n = 1 THEN s.epoch END AS epoch,
           FROM {schema}.partitions p
          WHERE p.stream = s.name) h
   LEFT JOIN LATERAL (
+        WITH cursor AS (
+            SELECT p.partition, f.lo, least(p.head - f.lo, %(limit)s) AS n
+              FROM {schema}.partitions p
+             CROSS JOIN LATERAL (
+                   SELECT greatest(coalesce((%(positions)s::bigint[])[p.partition + 1], 0),
+                                   p.floor - 1) AS lo) f
+             WHERE p.stream = s.name
+               AND p.head > coalesce((%(positions)s::bigint[])[p.partition + 1], 0)
+               AND coalesce(cardinality(%(positions)s::bigint[]), 0) IN (0, s.partitions)
+        ), probe AS (
+            SELECT c.partition, o.step, e.recorded_at AS at,
+                   o.step - coalesce(lag(o.step) OVER (PARTITION BY c.partition ORDER BY o.step),
+                                     0) AS gain
+              FROM cursor c
+             CROSS JOIN LATERAL (
+                   SELECT DISTINCT least(round(power(10.0::float8, g / 10.0))::bigint, c.n) AS step
+                     FROM generate_series(0, least(ceil(10 * log(%(limit)s::float8))::int, 180)) g) o
+              JOIN {schema}.events e
+                ON e.stream = s.name AND e.partition = c.partition AND e.position = c.lo + o.step
+             WHERE (SELECT count(*) FROM cursor) > 1
+        ), bound AS (
+            SELECT min(r.at) AS at
+              FROM (SELECT probe.at, sum(probe.gain) OVER (ORDER BY probe.at) AS reach
+                      FROM probe) r
+             WHERE r.reach >= %(limit)s
+        ), span AS (
+            SELECT c.partition, c.lo, b.at,
+                   c.lo + coalesce((SELECT min(pr.step) - 1 FROM probe pr
+                                     WHERE pr.partition = c.partition AND pr.at > b.at), c.n) AS hi
+              FROM cursor c CROSS JOIN bound b
+        )
         SELECT x.at, x.partition, x.position,
                row_number() OVER (ORDER BY x.recorded_at, x.partition, x.position) AS n
           FROM (
                 SELECT x.*
-                  FROM {schema}.partitions p
+                  FROM span d
                  CROSS JOIN LATERAL (
                        SELECT e.ctid AS at, e.recorded_at, e.partition, e.position
                          FROM {schema}.events e
-                        WHERE e.stream = p.stream AND e.partition = p.partition
-                          AND e.position > coalesce((%(positions)s::bigint[])[p.partition + 1], 0)
-                        ORDER BY e.position
-                        LIMIT %(limit)s) x
-                 WHERE p.stream = s.name
-                   AND p.head > coalesce((%(positions)s::bigint[])[p.partition + 1], 0)
-                   AND coalesce(cardinality(%(positions)s::bigint[]), 0) IN (0, s.partitions)
+                        WHERE e.stream = s.name AND e.partition = d.partition
+                          AND e.position > d.lo AND e.position <= d.hi
+                          AND (d.at IS NULL OR e.recorded_at <= d.at)
+                        ORDER BY e.position) x
                  ORDER BY x.recorded_at, x.partition, x.position
                  LIMIT %(limit)s) x) c ON true
   LEFT JOIN {schema}.events e ON e.ctid = c.at
