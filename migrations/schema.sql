@@ -20,7 +20,7 @@ CREATE FUNCTION subengine.append(stream_name text, key text, type text, data jso
             CASE WHEN expected_version IS NULL THEN NULL ELSE ARRAY[expected_version] END) AS a
 $$;
 
-CREATE FUNCTION subengine.append_events(stream_name text, event_ids uuid[], event_keys text[], event_types text[], event_data jsonb[], event_metadata jsonb[] DEFAULT NULL::jsonb[], event_occurred_at timestamp with time zone[] DEFAULT NULL::timestamp with time zone[], expected_keys text[] DEFAULT NULL::text[], expected_versions bigint[] DEFAULT NULL::bigint[]) RETURNS TABLE(ordinal integer, partition integer, "position" bigint, id uuid, key_version bigint, duplicate boolean)
+CREATE FUNCTION subengine.append_events(stream_name text, event_ids uuid[], event_keys text[], event_types text[], event_data jsonb[], event_metadata jsonb[] DEFAULT NULL::jsonb[], event_occurred_at timestamp with time zone[] DEFAULT NULL::timestamp with time zone[], expected_keys text[] DEFAULT NULL::text[], expected_versions bigint[] DEFAULT NULL::bigint[], generated_ids uuid[] DEFAULT NULL::uuid[]) RETURNS TABLE(ordinal integer, partition integer, "position" bigint, id uuid, key_version bigint, duplicate boolean)
     LANGUAGE plpgsql
     SET search_path TO 'subengine'
     SET plan_cache_mode TO 'force_generic_plan'
@@ -42,6 +42,7 @@ DECLARE
     conflict         record;
     i                integer;
     new_version      bigint;
+    given_ids        uuid[];        -- the ids the caller gave, which a retry repeats
 BEGIN
     -- The stream; each event's partition; the partitions touched, ascending, with how many
     -- events each receives. One statement: each statement of a function is a trip through
@@ -53,7 +54,9 @@ BEGIN
      CROSS JOIN LATERAL (
             SELECT ARRAY(SELECT partition_for(k.key, s.partitions)
                            FROM unnest(event_keys) WITH ORDINALITY AS k(key, n)
-                          ORDER BY k.n) AS partitions) AS p
+                          ORDER BY k.n) AS partitions
+             OFFSET 0  -- kept apart: pulled up into t below, it would be computed twice
+         ) AS p
      CROSS JOIN LATERAL (
             SELECT array_agg(g.p ORDER BY g.p) AS touched, array_agg(g.c ORDER BY g.p) AS counts
               FROM (SELECT x.p, count(*) AS c FROM unnest(p.partitions) AS x(p) GROUP BY x.p) AS g
@@ -70,6 +73,7 @@ BEGIN
        OR coalesce(cardinality(event_data), 0) <> event_count
        OR coalesce(cardinality(event_metadata), event_count) <> event_count
        OR coalesce(cardinality(event_occurred_at), event_count) <> event_count
+       OR coalesce(cardinality(generated_ids), event_count) <> event_count
        OR coalesce(cardinality(expected_keys), 0) <> coalesce(cardinality(expected_versions), 0)
     THEN
         RAISE EXCEPTION USING
@@ -91,15 +95,20 @@ BEGIN
     IF event_count = 0 THEN
         RETURN;
     END IF;
-    IF event_ids IS NULL OR array_position(event_ids, NULL) IS NOT NULL THEN
-        event_ids := ARRAY(SELECT coalesce(event_ids[n], gen_random_uuid())
+    -- Only the ids the caller gave can repeat an event (a retry): an id made for an event
+    -- without one, here or by the caller (generated_ids, random), is new. Should two
+    -- random ids ever meet, event_id_is_unique refuses the append rather than take one
+    -- event for the other.
+    given_ids := coalesce(array_remove(event_ids, NULL), '{}');
+    IF cardinality(given_ids) < event_count THEN
+        event_ids := ARRAY(SELECT coalesce(event_ids[n], generated_ids[n], gen_random_uuid())
                              FROM generate_series(1, event_count) AS n ORDER BY n);
     END IF;
 
     -- An id that repeats an earlier one of this call is not stored again. Ids stored by
     -- earlier calls are looked up under the partition locks below.
-    IF event_count > 1 THEN  -- a plain expression first: no query for one event
-      IF (SELECT count(DISTINCT x) FROM unnest(event_ids) AS x) < event_count THEN
+    IF cardinality(given_ids) > 1 THEN  -- a plain expression first: no query for one id
+      IF (SELECT count(DISTINCT x) FROM unnest(given_ids) AS x) < cardinality(given_ids) THEN
         event_ordinals := ARRAY(
             SELECT min(n) FROM generate_series(1, event_count) AS n
              GROUP BY event_ids[n] ORDER BY 1);
@@ -155,7 +164,8 @@ BEGIN
     -- (stream, id) index gives without a sort. Asked as an equality, with statistics that
     -- say the table is empty, the planner may as well filter the whole stream out of
     -- another index, once per id.
-    IF EXISTS (SELECT 1 FROM unnest(event_ids) AS x(id)
+    IF cardinality(given_ids) > 0  -- a plain expression first: no query when none was given
+       AND EXISTS (SELECT 1 FROM unnest(given_ids) AS x(id)
                 CROSS JOIN LATERAL (SELECT FROM events e
                                      WHERE e.stream = stream_name AND e.id >= x.id AND e.id <= x.id
                                      ORDER BY e.id LIMIT 1) AS stored)
