@@ -64,6 +64,27 @@ def new_event_ids(count: int) -> list[uuid.UUID]:
     ]
 
 
+# byte 6 of a version 7 UUID: the version (7) above 4 random bits; byte 8: the RFC 4122
+# variant (binary 10) above 6 random bits
+_VERSION_BYTE = bytes(0x70 | (b & 0x0F) for b in range(256))
+_VARIANT_BYTE = bytes(0x80 | (b & 0x3F) for b in range(256))
+
+
+def new_event_id_bytes(count: int) -> bytes:
+    """`new_event_ids(count)` as 16 bytes each, one after another, without a UUID object
+    per id (a 500-event append took 0.5 ms to make them as objects, 0.02 ms as bytes)."""
+    millis = (time.time_ns() // 1_000_000) & ((1 << 48) - 1)
+    randomness = bytearray(os.urandom(10 * count))
+    randomness[0::10] = randomness[0::10].translate(_VERSION_BYTE)
+    randomness[2::10] = randomness[2::10].translate(_VARIANT_BYTE)
+    ids = bytearray(16 * count)
+    for i, byte in enumerate(millis.to_bytes(6, "big")):
+        ids[i::16] = bytes((byte,)) * count
+    for i in range(10):
+        ids[6 + i :: 16] = randomness[i::10]
+    return bytes(ids)
+
+
 @dataclass(frozen=True, slots=True)
 class NewEvent:
     """An event to append: its ordering key, type and JSON data.

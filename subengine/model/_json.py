@@ -6,6 +6,8 @@ value depends on how deep the caller already stands (an append refused data from
 995 levels in a short script, and a command-line read crashed on 990). Whatever the engine
 stores, every reader must be able to read: the fast path is the standard library's, and
 only a RecursionError takes the slower loop, which needs no stack.
+
+`fast_loads` decodes with orjson where that gives exactly what `json.loads` gives.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from json.decoder import JSONDecodeError
 from json.encoder import encode_basestring, encode_basestring_ascii
 from json.scanner import NUMBER_RE
 from typing import Any
+
+import orjson
 
 # the C scanner of a JSON string's rest (after its opening quote): its text and end
 scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
@@ -47,6 +51,22 @@ def dumps(
         return json.dumps(value, default=default, ensure_ascii=ensure_ascii)
     except RecursionError:
         return _dumps_in_a_loop(value, default, ensure_ascii)
+
+
+# A run of 19 digits: perhaps an integer beyond 64 bits, which orjson decodes as a float.
+_DIGITS_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
+_LONG_NUMBER = b"0" * 19
+
+
+def fast_loads(text: bytes) -> Any:
+    """`json.loads(text)`'s value, decoded by orjson (about twice as fast on an append's
+    body of small events); ValueError where orjson might decode otherwise or not at all,
+    so decode those with `json.loads`, which may still take them: text orjson refuses
+    (NaN, a lone surrogate, UTF-16, a byte order mark, nesting deeper than 1,024) and
+    any run of 19 digits (integers beyond 64 bits become floats in orjson)."""
+    if text.translate(_DIGITS_AS_ZEROS).find(_LONG_NUMBER) >= 0:
+        raise ValueError("a long number: decode it with json.loads")
+    return orjson.loads(text)
 
 
 def _skip(text: str, position: int) -> int:

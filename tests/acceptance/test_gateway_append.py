@@ -7,6 +7,7 @@ event and field that changed nothing.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -58,6 +59,42 @@ def test_posted_events_are_stored_as_given_and_where_the_answer_says(
     assert (first.type, first.data, first.metadata) == ("OrderPlaced", {"total": 30}, {"by": "me"})
     assert first.occurred_at == datetime(2026, 1, 2, 2, 4, 5, tzinfo=UTC)
     assert (second.data, second.metadata) == ([1, "two", None], {})
+
+
+# Events as clients write them. The gateway decodes a body with orjson and sends it to
+# PostgreSQL as one jsonb array where it can vouch for that (the first), and otherwise
+# as the engine's append does (the second: orjson would read its long integer as a float).
+WRITTEN = [
+    rb"""[{"key": "a", "type": "T", "data": {"z": 1, "a": [1e2, 1.50, -0.0, 1e-7, 1e16]}},
+ {"key": "a", "type": "T", "data": {"s": "\u00e9\ud83d\ude00\u2028 \"q\" \\ \/", "d": 1, "d": 2},
+  "metadata": {"m": "\u0041"}},
+ {"key": "b\u00e9", "type": "T", "data": null, "metadata": null},
+ {"key": "b", "type": "T", "data": "text", "id": "{0190A2B3-C4D5-7E6F-8A9B-0C1D2E3F4A5B}",
+  "occurred_at": "2026-01-02t03:04:05.1234567z"}]""",
+    rb"""[{"key": "c", "type": "T", "data": [12345678901234567890123, 0.1, [], {}, true]}]""",
+]
+
+
+def test_posted_data_is_stored_as_the_engines_append_stores_it(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess, sql: psycopg.Connection[Any]
+) -> None:
+    engine.create_stream("mirror", partitions=4)
+    for body in WRITTEN:
+        answer = httpx.post(
+            f"{gateway.url}/v1/streams/orders/events",
+            content=body,
+            headers={"Content-Type": "application/json"},
+            timeout=TIMEOUT,
+        )
+        assert answer.status_code == 201, answer.text
+        engine.append("mirror", [subengine.NewEvent.from_json(f) for f in json.loads(body)])
+    query = """
+    SELECT key, key_version, type, data::text, metadata::text, partition, position,
+           nullif(occurred_at, recorded_at)
+      FROM subengine.events WHERE stream = %s ORDER BY partition, position"""
+    posted = sql.execute(query, ("orders",)).fetchall()
+    assert posted == sql.execute(query, ("mirror",)).fetchall()
+    assert any("12345678901234567890123" in row[3] for row in posted)
 
 
 def test_a_retry_is_answered_200_and_stores_nothing_again(
