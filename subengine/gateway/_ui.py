@@ -26,6 +26,7 @@ from subengine.gateway._http import NO_STORE, api_error, error_response
 from subengine.gateway._ui_actions import act
 from subengine.gateway._ui_live import live, next_snapshot
 from subengine.gateway._ui_page import COOKIE, StatusPage, from_own_origin, status_page_of
+from subengine.model._errors import DatabaseUnavailable, SchemaNotReady
 
 PREFIX = "/ui"
 _FORM_BYTES = 4096
@@ -75,6 +76,24 @@ def _html(request: Request, name: str, status: int = 200, **values: str) -> Resp
     return Response(text, status, media_type="text/html; charset=utf-8", headers=_HTML_HEADERS)
 
 
+def _unavailable_as_html(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """`handler` answering a page that says so while PostgreSQL is out of reach."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (DatabaseUnavailable, SchemaNotReady) as error:
+            answer = _html(request, "message.html", 503, message=str(error))
+            answer.headers["Retry-After"] = "5"
+            return answer
+
+    endpoint.__name__ = handler.__name__
+    return endpoint
+
+
+@_unavailable_as_html
 async def page(request: Request) -> Response:
     """`GET /ui`: the status page, or the sign-in form while no valid key is signed in."""
     status_page = status_page_of(request)
@@ -125,6 +144,7 @@ async def static(request: Request) -> Response:
     return Response(body, media_type=media_type, headers=headers)
 
 
+@_unavailable_as_html
 async def sign_in(request: Request) -> Response:
     """`POST /ui/sign-in` (a form with `key`): keep the key in the page's cookie."""
     status_page = status_page_of(request)
@@ -153,6 +173,7 @@ async def sign_in(request: Request) -> Response:
     return answer
 
 
+@_unavailable_as_html
 async def sign_out(request: Request) -> Response:
     """`POST /ui/sign-out` (a form with the page's token): forget the key."""
     status_page = status_page_of(request)

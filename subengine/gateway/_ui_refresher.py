@@ -175,7 +175,11 @@ class Refresher:
                 self._reading = False
             self._read_at = started
             took = loop.time() - started
-            await _wait_for(self._poked, max(self._interval, _SPACING * took) - took)
+            # never two reads back to back, even when asked (pages that come back, an
+            # action): at least half an interval between the end of one and the next
+            rest = max(self._interval / 2, (_SPACING - 1) * took)
+            await asyncio.sleep(rest)
+            await _wait_for(self._poked, max(self._interval, _SPACING * took) - took - rest)
 
     async def _refresh(self) -> None:
         self.queries += 1

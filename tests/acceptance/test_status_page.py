@@ -261,10 +261,11 @@ def test_twenty_open_pages_cost_one_status_query_per_refresh(
     # the gateway read the snapshots the pages drew, and no more (one may be under way)
     assert queries is not None and end <= queries <= max(taken) + 1, (queries, max(taken))
     # one per refresh interval (a second), though twenty pages came and follow: by the
-    # database's own clock, consecutive reads are never closer than that
+    # database's own clock, a second apart on average, and never two back to back
     times = [datetime.fromisoformat(next(iter(taken[n]))) for n in sorted(taken)]
     gaps = [(later - earlier).total_seconds() for earlier, later in pairwise(times)]
-    assert len(gaps) >= 5 and min(gaps) >= 0.8 * REFRESH_SECONDS, gaps
+    assert len(gaps) >= 5 and min(gaps) >= 0.4 * REFRESH_SECONDS, gaps
+    assert sum(gaps) / len(gaps) >= 0.9 * REFRESH_SECONDS, gaps
 
 
 def scrape_of(gateway: GatewayProcess) -> Any:
@@ -433,8 +434,8 @@ def test_actions_need_an_admin_key_and_change_the_database(
         # a revoked key's page goes back to the sign-in form
         [key] = [k for k in fast_engine.api_keys() if k.name == "ops"]
         fast_engine.revoke_api_key(key.id)
-        page.reload()
-        assert page.locator("#key").count() == 1
+        # (once the revocation's notification reached the gateway: reload until then)
+        wait_for(lambda: page.reload() and page.locator("#key").count() == 1, "sign-in")
         log = gateway.output()
     for secret in (admin, reader, "sek_"):
         assert secret not in log
