@@ -243,3 +243,28 @@ def test_the_page_is_read_pages_page_from_any_cursor(
                 (e.partition, e.position) for e in expected.events
             ], (limit, cursor)
             assert page.tombstones == expected.tombstones
+
+
+def test_a_page_reads_about_its_own_rows_before_the_table_is_analyzed(
+    engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    """Right after a bulk append the planner knows nothing of the new rows; the probes
+    must still be index lookups, not a join that reads whole partitions (index entries
+    read, counted in the transaction's own statistics)."""
+    events = psycopg.sql.Identifier(engine.schema, "events")
+    sql.execute(psycopg.sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = false)").format(events))
+    engine.create_stream("bulk", partitions=4)
+    for first in range(0, 8000, 1000):
+        engine.append(
+            "bulk",
+            [subengine.NewEvent(f"k{n % 50}", "t", {"n": n}) for n in range(first, first + 1000)],
+        )
+    index = f"{engine.schema}.events_pkey"
+    with sql.transaction():
+        page = SQL(engine.schema).run(sql, read_page_json("bulk", [5, 5, 5, 5], 100))
+        row = sql.execute(
+            "SELECT pg_stat_get_xact_tuples_returned(%s::regclass)", (index,)
+        ).fetchone()
+    assert len(page.events) == 100
+    # about 350; a join that reads a partition's entries per probe: 16,000
+    assert row is not None and row[0] < 2000, row
