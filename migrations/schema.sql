@@ -328,6 +328,14 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION subengine.durable_stream_pin(stream_name text) RETURNS void
+    LANGUAGE sql
+    SET search_path TO 'subengine'
+    AS $$
+    SELECT pg_advisory_xact_lock_shared(
+        hashtext('subengine durable stream fork ' || current_schema()), hashtext(stream_name))
+$$;
+
 CREATE FUNCTION subengine.lock_class(subscription text) RETURNS bigint
     LANGUAGE sql STABLE PARALLEL SAFE
     SET search_path TO 'subengine'
@@ -476,6 +484,32 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION subengine.retention_hold(stream_name text, partition_number integer, wait boolean) RETURNS bigint
+    LANGUAGE plpgsql
+    SET search_path TO 'subengine'
+    AS $$
+DECLARE
+    held bigint;
+BEGIN
+    IF partition_number <> 0
+       OR NOT EXISTS (SELECT 1 FROM durable_streams d WHERE d.stream = stream_name) THEN
+        RETURN NULL;  -- no Durable Streams stream, so no fork's source
+    END IF;
+    IF wait THEN
+        PERFORM pg_advisory_xact_lock(
+            hashtext('subengine durable stream fork ' || current_schema()),
+            hashtext(stream_name));
+    END IF;
+    SELECT min(i.after) + 1 INTO held
+      FROM durable_stream_inherited i
+      JOIN durable_streams f ON f.stream = i.stream
+     WHERE i.source = stream_name AND f.deleted_at IS NULL;
+    RETURN held;
+END
+$$;
+
+COMMENT ON FUNCTION subengine.retention_hold(stream_name text, partition_number integer, wait boolean) IS 'The lowest position of a partition a Durable Streams fork still reads (NULL: none).';
+
 CREATE FUNCTION subengine.spark_event_id(content uuid, occurrence bigint) RETURNS uuid
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN (encode(set_byte(set_byte(substr(sha256((uuid_send(content) || int8send(occurrence))), 1, 16), 6, ((get_byte(sha256((uuid_send(content) || int8send(occurrence))), 6) & 15) | 128)), 8, ((get_byte(sha256((uuid_send(content) || int8send(occurrence))), 8) & 63) | 128)), 'hex'::text))::uuid;
@@ -515,6 +549,19 @@ CREATE TABLE subengine.durable_stream_garbage (
 
 COMMENT ON TABLE subengine.durable_stream_garbage IS 'Engine streams of deleted Durable Streams streams, still to delete.';
 
+CREATE TABLE subengine.durable_stream_inherited (
+    stream text NOT NULL,
+    source text NOT NULL,
+    after bigint NOT NULL,
+    upto bigint NOT NULL,
+    cut bigint,
+    CONSTRAINT durable_stream_inherited_after_check CHECK ((after >= 0)),
+    CONSTRAINT durable_stream_inherited_check CHECK ((upto > after)),
+    CONSTRAINT durable_stream_inherited_cut_check CHECK ((cut >= 0))
+);
+
+COMMENT ON TABLE subengine.durable_stream_inherited IS 'What forks read of other engine streams: positions after..upto (the last one cut to `cut` bytes when not NULL).';
+
 CREATE TABLE subengine.durable_stream_producers (
     stream text NOT NULL,
     producer text NOT NULL,
@@ -541,8 +588,17 @@ CREATE TABLE subengine.durable_streams (
     closed_by_seq bigint,
     last_seq text,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
+    deleted_at timestamp with time zone,
+    source text,
+    forked_from text,
+    fork_offset text,
+    fork_sub_offset bigint,
+    fork_point bigint,
     CONSTRAINT durable_streams_check CHECK (((ttl_seconds IS NULL) OR (expires_at IS NULL))),
     CONSTRAINT durable_streams_content_type_check CHECK (((char_length(content_type) >= 1) AND (char_length(content_type) <= 255))),
+    CONSTRAINT durable_streams_fork_is_whole CHECK ((((source IS NULL) = (forked_from IS NULL)) AND ((source IS NULL) = (fork_offset IS NULL)) AND ((source IS NULL) = (fork_sub_offset IS NULL)) AND ((source IS NULL) = (fork_point IS NULL)))),
+    CONSTRAINT durable_streams_fork_point_check CHECK ((fork_point >= 0)),
+    CONSTRAINT durable_streams_fork_sub_offset_check CHECK ((fork_sub_offset >= 0)),
     CONSTRAINT durable_streams_path_check CHECK (((char_length(path) >= 1) AND (char_length(path) <= 2000))),
     CONSTRAINT durable_streams_tail_check CHECK ((tail >= 0)),
     CONSTRAINT durable_streams_ttl_seconds_check CHECK ((ttl_seconds >= 0))
@@ -553,6 +609,12 @@ COMMENT ON TABLE subengine.durable_streams IS 'Durable Streams streams of the ga
 COMMENT ON COLUMN subengine.durable_streams.deadline IS 'When the stream expires: Expires-At, or the last access plus its TTL (NULL: never).';
 
 COMMENT ON COLUMN subengine.durable_streams.tail IS 'Position of the last message (0: none); a close marker event may follow it.';
+
+COMMENT ON COLUMN subengine.durable_streams.deleted_at IS 'When it was deleted while forks read it (deleted softly: kept until they are gone).';
+
+COMMENT ON COLUMN subengine.durable_streams.source IS 'The engine stream of the stream this one forks (NULL: not a fork).';
+
+COMMENT ON COLUMN subengine.durable_streams.fork_point IS 'A fork inherits its source''s messages up to this position; its own follow it.';
 
 CREATE TABLE subengine.gaps (
     id bigint NOT NULL,
@@ -948,6 +1010,9 @@ ALTER TABLE ONLY subengine.durable_stream_bytes
 ALTER TABLE ONLY subengine.durable_stream_garbage
     ADD CONSTRAINT durable_stream_garbage_pkey PRIMARY KEY (stream);
 
+ALTER TABLE ONLY subengine.durable_stream_inherited
+    ADD CONSTRAINT durable_stream_inherited_pkey PRIMARY KEY (stream, upto);
+
 ALTER TABLE ONLY subengine.durable_stream_producers
     ADD CONSTRAINT durable_stream_producers_pkey PRIMARY KEY (stream, producer);
 
@@ -1013,7 +1078,11 @@ ALTER TABLE ONLY subengine.workers
 
 CREATE UNIQUE INDEX dead_letters_one_open ON subengine.dead_letters USING btree (subscription, partition, "position") WHERE (resolution IS NULL);
 
+CREATE INDEX durable_stream_inherited_source ON subengine.durable_stream_inherited USING btree (source);
+
 CREATE INDEX durable_streams_deadline ON subengine.durable_streams USING btree (deadline) WHERE (deadline IS NOT NULL);
+
+CREATE INDEX durable_streams_source ON subengine.durable_streams USING btree (source) WHERE (source IS NOT NULL);
 
 CREATE INDEX events_recorded_at ON subengine.events USING btree (stream, recorded_at);
 
@@ -1028,8 +1097,17 @@ CREATE INDEX webhooks_due ON subengine.webhooks USING btree (state, challenge_du
 ALTER TABLE ONLY subengine.dead_letters
     ADD CONSTRAINT dead_letters_subscription_fkey FOREIGN KEY (subscription) REFERENCES subengine.subscriptions(name) ON DELETE CASCADE;
 
+ALTER TABLE ONLY subengine.durable_stream_inherited
+    ADD CONSTRAINT durable_stream_inherited_source_fkey FOREIGN KEY (source) REFERENCES subengine.durable_streams(stream);
+
+ALTER TABLE ONLY subengine.durable_stream_inherited
+    ADD CONSTRAINT durable_stream_inherited_stream_fkey FOREIGN KEY (stream) REFERENCES subengine.durable_streams(stream) ON DELETE CASCADE;
+
 ALTER TABLE ONLY subengine.durable_stream_producers
     ADD CONSTRAINT durable_stream_producers_stream_fkey FOREIGN KEY (stream) REFERENCES subengine.durable_streams(stream) ON DELETE CASCADE;
+
+ALTER TABLE ONLY subengine.durable_streams
+    ADD CONSTRAINT durable_streams_source_fkey FOREIGN KEY (source) REFERENCES subengine.durable_streams(stream);
 
 ALTER TABLE ONLY subengine.gaps
     ADD CONSTRAINT gaps_subscription_fkey FOREIGN KEY (subscription) REFERENCES subengine.subscriptions(name) ON DELETE CASCADE;

@@ -64,7 +64,8 @@ SELECT pg_advisory_unlock(hashtext('subengine retention'), hashtext(%(schema)s))
 -- keep_unprocessed, an event a subscription of the stream has not handled stays unless
 -- it passes hard_max_age or hard_max_events. recorded_at never decreases along a
 -- partition, so every limit keeps a suffix of the partition: the cut is a position.
--- Never above the head: nothing not yet committed is touched.
+-- Never above the head: nothing not yet committed is touched; never above what a
+-- Durable Streams fork still reads (retention_hold), whatever the limits.
 WITH policies AS (
     SELECT s.name AS stream,
            (s.retention ->> 'max_events')::bigint AS max_events,
@@ -118,7 +119,8 @@ WITH policies AS (
 SELECT stream, partition, floor, head,
        greatest(floor, least(head + 1,
                              CASE WHEN keep THEN greatest(least(soft, unprocessed), hard)
-                                  ELSE soft END)) AS cut,
+                                  ELSE soft END,
+                             {schema}.retention_hold(stream, partition, false))) AS cut,
        keep, hard,
        -- positions below these the age limits, and the count limits, want gone
        coalesce(greatest(age_soft, age_hard), 0) AS aged,
@@ -139,18 +141,21 @@ SELECT stream, partition, floor, head,
 -- of the last event removed; `aged_through` and `capped_through` the last position
 -- removed below %(aged)s and %(capped)s, the cuts of the age and count limits (why it
 -- went: a tombstone's reason). A partition whose row is gone (its stream being deleted)
--- loses nothing here and returns no row. Returns how many rows went and the floor.
+-- loses nothing here and returns no row. Returns how many rows went and the floor. What
+-- a Durable Streams fork still reads stays, whatever the limits: retention_hold waits
+-- for a fork being created from the stream, and sees it.
 WITH bound AS (
-    SELECT CASE WHEN %(keep)s
-                THEN least(%(to)s::bigint,
-                           greatest((SELECT min(sp.position) + 1
-                                       FROM {schema}.subscription_positions sp
-                                       JOIN {schema}.subscriptions sub
-                                         ON sub.name = sp.subscription
-                                      WHERE sub.stream = %(stream)s
-                                        AND sp.partition = %(partition)s),
-                                    %(hard)s::bigint))
-                ELSE %(to)s::bigint END AS upto
+    SELECT least(CASE WHEN %(keep)s
+                      THEN least(%(to)s::bigint,
+                                 greatest((SELECT min(sp.position) + 1
+                                             FROM {schema}.subscription_positions sp
+                                             JOIN {schema}.subscriptions sub
+                                               ON sub.name = sp.subscription
+                                            WHERE sub.stream = %(stream)s
+                                              AND sp.partition = %(partition)s),
+                                          %(hard)s::bigint))
+                      ELSE %(to)s::bigint END,
+                 {schema}.retention_hold(%(stream)s, %(partition)s, true)) AS upto
       FROM {schema}.partitions
      WHERE stream = %(stream)s AND partition = %(partition)s
 ), gone AS (
