@@ -7,21 +7,27 @@ Stream-Seq), appends the messages as engine events through `append_events`, stor
 stream's bytes beside them, and records the new tail, Stream-Seq, closed state and
 producer state, all in one transaction: a producer's state commits with its data or not
 at all, and survives restarts and any number of gateway processes.
+
+A fork (`engine/_ds_forks.py`) is created like a stream, with the ranges it inherits;
+a stream that forks read is deleted softly (its row and engine stream stay, the path
+answers 410) until the last of them is gone, and then goes with it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 import psycopg
 
 from subengine.engine._async_engine import AsyncEngine
+from subengine.engine._ds_forks import ForkOf, ForkRefused, fork_expiry, plan_fork, same_fork
 from subengine.model._errors import InvalidInput, StreamNotFound
 from subengine.model._events import NewEvent
+from subengine.outside import _durable_stream_forks as forks
 from subengine.outside import _durable_streams as catalog
 from subengine.outside._durable_streams import (
     CLOSED_TYPE,
@@ -48,11 +54,14 @@ class BadMessage(InvalidInput):
 
 @dataclass(frozen=True, slots=True)
 class Created:
-    """What a PUT did: `created`, `exists` (the same configuration: 200) or `conflict`
-    (another one: 409); the stream as it is now."""
+    """What a PUT did: `created`, `exists` (the same configuration: 200), `conflict`
+    (another one: 409), `deleted` (a stream deleted softly holds the path: 409) or a
+    fork's refusal (`ForkRefused.outcome`, with `detail`); the stream as it is now
+    (None: refused)."""
 
     outcome: str
-    stream: CatalogStream
+    stream: CatalogStream | None
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +69,9 @@ class Appended:
     """What a POST did. `outcome`: `appended`, `closed_only` (a close without data, or of
     a stream already closed), `duplicate` (a producer's retry, or the retry of the request
     that closed it), `closed` (409: the stream is closed), `content_type` (409), `seq`
-    (409: Stream-Seq not above the last), or the producer's refusal (`stale_epoch`,
-    `bad_epoch_seq`, `gap`). `tail` is the stream's tail after it; `producer` what the
-    producer check said."""
+    (409: Stream-Seq not above the last), `deleted` (410: deleted softly), or the
+    producer's refusal (`stale_epoch`, `bad_epoch_seq`, `gap`). `tail` is the stream's
+    tail after it; `producer` what the producer check said."""
 
     outcome: str
     stream: CatalogStream
@@ -73,19 +82,20 @@ class Appended:
 
 @dataclass(frozen=True, slots=True)
 class NewStream:
-    """A PUT's configuration: content type, TTL or Expires-At, closed, and its body."""
+    """A PUT's configuration: content type (None: a fork's, its source's), TTL or
+    Expires-At, closed, its body, and the source it forks."""
 
-    content_type: str
+    content_type: str | None
     ttl_seconds: int | None
     expires_at: datetime | None
     closed: bool
     body: bytes = b""
+    fork: ForkOf | None = None
     json: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "json", catalog.media_type(self.content_type) == "application/json"
-        )
+        kind = catalog.media_type(self.content_type or "")
+        object.__setattr__(self, "json", kind == "application/json")
 
 
 def json_messages(body: bytes, *, allow_empty: bool) -> list[Any]:
@@ -121,19 +131,44 @@ class DurableStreams:
 
     async def stream(self, path: str, *, touch: bool = False) -> CatalogStream | None:
         """The stream at `path`, or None (none, or it has just expired: then it is
-        removed). `touch` resets a TTL stream's countdown (reads do)."""
+        removed, or deleted softly when forks read it). `touch` resets a TTL stream's
+        countdown (reads do). A stream deleted softly comes back `deleted`."""
         async with self.engine.connection() as conn:
             found: CatalogStream | None = await self._run(
                 conn, catalog.get_stream(path, touch=touch)
             )
         if found is not None and found.expired:
-            await self._expire(found)
+            if await self._expire(found.path, found.stream):
+                return replace(found, deleted=True, expired=False)
             return None
         return found
 
-    async def _expire(self, found: CatalogStream) -> None:
+    async def _expire(self, path: str, stream: str) -> bool:
+        """Remove the expired stream at `path` (if it is still engine stream `stream`);
+        whether it is deleted softly now."""
         async with self.engine.connection() as conn:
-            await self._run(conn, catalog.delete_stream(found.path, found.stream))
+            found = await self._run(conn, catalog.lock_stream(path))
+            if found is None or found.stream != stream:
+                return False
+            if found.deleted or not found.expired:
+                return bool(found.deleted)
+            return await self._remove(conn, found)
+
+    async def _remove(self, conn: psycopg.AsyncConnection[Any], found: CatalogStream) -> bool:
+        """Delete `found` (its row locked): softly when forks read it (True), else at
+        once, and then each source up its chain that was deleted softly and that no
+        fork reads any more."""
+        if await self._run(conn, forks.forks_of(found.stream)):
+            await self._run(conn, forks.soft_delete(found.path, found.stream))
+            return True
+        await self._run(conn, catalog.delete_stream(found.path, found.stream))
+        source = found.source
+        while source:
+            # the lock first, then a statement of its own: it sees every fork that a
+            # transaction holding the lock before deleted (so the last one always frees it)
+            await self._run(conn, forks.lock_source(source))
+            source = await self._run(conn, forks.release_source(source))
+        return False
 
     async def read(self, found: CatalogStream, after: int) -> list[tuple[int, Any]]:
         """The messages of `found` after position `after`, up to its tail: (position,
@@ -141,8 +176,10 @@ class DurableStreams:
         by bytes, at least one message when there is any."""
         if after >= found.tail:
             return []
-        if found.json:
-            query: Any = catalog.read_json(
+        if found.inherited:
+            query: Any = forks.read_stitched(found, after, self.max_page_bytes, PAGE_ROWS)
+        elif found.json:
+            query = catalog.read_json(
                 found.stream, after, found.tail, self.max_page_bytes, PAGE_ROWS
             )
         else:
@@ -156,40 +193,113 @@ class DurableStreams:
     # writing
 
     async def create(self, path: str, new: NewStream) -> Created:
-        """Create the stream at `path` as `new` says, with its body as first messages
-        (and closed, if asked), unless one exists (`exists` or `conflict`)."""
-        messages = _messages(new.body, new.json, allow_empty=True)
+        """Create the stream at `path` as `new` says (a fork of `new.fork`, if it names
+        one), with its body as first messages (and closed, if asked), unless one exists
+        (`exists` or `conflict`, or `deleted`: deleted softly)."""
         for _ in range(3):  # a PUT of the same path at the same time: look again
             async with self.engine.connection() as conn:
                 found = await self._run(conn, catalog.lock_stream(path))
                 if found is not None and found.expired:
-                    await self._run(conn, catalog.delete_stream(path, found.stream))
-                    found = None
+                    deleted = await self._remove(conn, found)
+                    found = replace(found, deleted=True) if deleted else None
                 if found is not None:
-                    same = (
-                        catalog.media_type(found.content_type)
-                        == catalog.media_type(new.content_type)
-                        and found.ttl_seconds == new.ttl_seconds
-                        and found.expires_at == new.expires_at
-                        and found.closed == new.closed
-                    )
-                    return Created("exists" if same else "conflict", found)
-                name = catalog.engine_name(path)
-                await self._run(conn, create_stream(name, 1))
-                inserted = await self._run(
-                    conn,
-                    catalog.insert_stream(
-                        path, name, new.content_type, new.ttl_seconds, new.expires_at
-                    ),
-                )
-                if not inserted:
+                    return await self._existing(conn, found, new)
+                try:
+                    created = await self._create(conn, path, new)
+                except ForkRefused as refused:
+                    await conn.rollback()
+                    return Created(refused.outcome, None, refused.message)
+                if created is None:
                     await conn.rollback()
                     continue
-                tail = await self._append(conn, name, new.json, messages, new.closed)
-                await self._run(conn, catalog.appended(path, tail, None, new.closed, None))
-                created = await self._run(conn, catalog.get_stream(path, touch=False))
             return Created("created", created)
         raise InvalidInput(f"the stream {path!r} is being created and deleted at once; retry")
+
+    async def _existing(
+        self, conn: psycopg.AsyncConnection[Any], found: CatalogStream, new: NewStream
+    ) -> Created:
+        """What a PUT at a path that holds `found` gets: `exists` when it asks for that
+        very stream (its configuration, or the same fork), else `conflict`."""
+        if found.deleted:
+            return Created("deleted", found)
+        if new.fork is None:
+            same = (
+                found.source is None
+                and catalog.media_type(found.content_type)
+                == catalog.media_type(new.content_type or "")
+                and found.ttl_seconds == new.ttl_seconds
+                and found.expires_at == new.expires_at
+                and found.closed == new.closed
+            )
+        else:
+            expiry = (new.ttl_seconds, new.expires_at)
+            source = await self._run(conn, catalog.get_stream(new.fork.path, touch=False))
+            if source is not None:
+                expiry = fork_expiry(source, new.ttl_seconds, new.expires_at)
+            same = same_fork(found, new.fork, new.content_type, expiry, new.closed)
+        return Created("exists" if same else "conflict", found)
+
+    async def _create(
+        self, conn: psycopg.AsyncConnection[Any], path: str, new: NewStream
+    ) -> CatalogStream | None:
+        """Create the stream (or fork) at `path`, free in this transaction; None when
+        another PUT took the path meanwhile. Raises ForkRefused and BadMessage."""
+        name = catalog.engine_name(path)
+        if new.fork is None:
+            messages = _messages(new.body, new.json, allow_empty=True)
+            await self._run(conn, create_stream(name, 1))
+            inserted = await self._run(
+                conn,
+                catalog.insert_stream(
+                    path, name, new.content_type or "", new.ttl_seconds, new.expires_at
+                ),
+            )
+            base = 0
+        else:
+            fork = new.fork
+            source = await self._run(conn, catalog.lock_stream(fork.path))
+            if source is not None and source.expired:
+                deleted = await self._remove(conn, source)
+                source = replace(source, deleted=True) if deleted else None
+            if source is None:
+                raise ForkRefused("source_missing", f"no stream at {fork.path!r} to fork")
+            plan = await plan_fork(
+                lambda query: self._run(conn, query),
+                source,
+                fork,
+                new.content_type,
+                new.ttl_seconds,
+                new.expires_at,
+            )
+            new = replace(new, content_type=plan.content_type)
+            messages = _messages(new.body, new.json, allow_empty=True)
+            # retention of what the fork inherits waits for this transaction from here
+            await self._run(conn, forks.pin_sources([part.stream for part in plan.ranges]))
+            await self._run(conn, create_stream(name, 1))
+            await self._run(conn, forks.number_from(name, plan.fork_point))
+            inserted = await self._run(
+                conn,
+                forks.insert_fork(
+                    path,
+                    name,
+                    plan.content_type,
+                    plan.ttl_seconds,
+                    plan.expires_at,
+                    source,
+                    plan.fork_offset,
+                    fork.sub_offset,
+                    plan.fork_point,
+                ),
+            )
+            if inserted and plan.ranges:
+                await self._run(conn, forks.insert_inherited(name, plan.ranges))
+            base = plan.fork_point
+        if not inserted:
+            return None
+        tail = await self._append(conn, name, new.json, messages, new.closed, base)
+        await self._run(conn, catalog.appended(path, tail, None, new.closed, None))
+        created: CatalogStream = await self._run(conn, catalog.get_stream(path, touch=False))
+        return created
 
     async def append(
         self,
@@ -206,11 +316,14 @@ class DurableStreams:
         BadMessage; every other refusal is an `Appended` outcome."""
         async with self.engine.connection() as conn:
             found: CatalogStream | None = await self._run(conn, catalog.lock_stream(path))
-            if found is None or found.expired:
-                if found is not None:
-                    await self._run(conn, catalog.delete_stream(path, found.stream))
-                    await conn.commit()
+            if found is not None and found.expired:
+                deleted = await self._remove(conn, found)
+                await conn.commit()
+                found = replace(found, deleted=True) if deleted else None
+            if found is None:
                 raise StreamNotFound(path)
+            if found.deleted:
+                return Appended("deleted", found, found.tail, found.closed)
             outcome = await self._append_checked(
                 conn, found, content_type, body, close=close, seq=seq, producer=producer
             )
@@ -284,17 +397,21 @@ class DurableStreams:
         return positions[-1] if positions else tail
 
     async def delete(self, path: str) -> str:
-        """Remove the stream at `path`: `deleted`, `missing`, or `subscribed` (an engine
+        """Remove the stream at `path` (softly while forks read it): `deleted`,
+        `missing`, `gone` (deleted softly already) or `subscribed` (an engine
         subscription consumes it: delete that first)."""
         async with self.engine.connection() as conn:
             found = await self._run(conn, catalog.lock_stream(path))
-            if found is None or found.expired:
-                if found is not None:
-                    await self._run(conn, catalog.delete_stream(path, found.stream))
+            if found is None:
+                return "missing"
+            if found.deleted:
+                return "gone"
+            if found.expired:
+                await self._remove(conn, found)
                 return "missing"
             if await self._run(conn, catalog.subscriptions_of(found.stream)):
                 return "subscribed"
-            await self._run(conn, catalog.delete_stream(path, found.stream))
+            await self._remove(conn, found)
         return "deleted"
 
     # the sweeper
@@ -305,8 +422,7 @@ class DurableStreams:
         async with self.engine.connection() as conn:
             expired = await self._run(conn, catalog.expired_streams(limit))
         for path, stream in expired:
-            async with self.engine.connection() as conn:
-                await self._run(conn, catalog.delete_stream(path, stream))
+            await self._expire(path, stream)
         async with self.engine.connection() as conn:
             names: list[str] = await self._run(conn, catalog.garbage(limit))
         gone = 0

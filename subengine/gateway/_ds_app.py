@@ -17,12 +17,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from subengine.engine._ds_forks import ForkOf
 from subengine.engine._durable_streams import BadMessage, NewStream
 from subengine.gateway._auth import Denied, Principal
 from subengine.gateway._connections import Busy
 from subengine.gateway._ds_http import (
     CLOSED,
     EXPIRES_AT,
+    FORK_OFFSET,
+    FORK_SUB_OFFSET,
+    FORKED_FROM,
     NEXT_OFFSET,
     PRODUCER_EPOCH,
     PRODUCER_EXPECTED_SEQ,
@@ -36,7 +40,7 @@ from subengine.gateway._ds_http import (
     DsError,
     closed_header,
     error_response,
-    offset,
+    parse_offset,
     text_response,
 )
 from subengine.gateway._ds_reads import read_stream
@@ -57,6 +61,15 @@ _MAX_WHOLE = 2**53 - 1
 # Stream-TTL: seconds, in decimal without a sign, a point or zeros before it.
 _TTL = re.compile(r"0|[1-9][0-9]{0,17}")
 _METHODS = "GET, HEAD, PUT, POST, DELETE, OPTIONS"
+# What a stream deleted softly answers (PROTOCOL.md 4.2: forks still read it).
+GONE = "the stream at {!r} is deleted; forks of it still read it"
+# The status of a refused fork, by the storage's outcome.
+_FORK_STATUS = {
+    "source_missing": 404,
+    "source_deleted": 409,
+    "content_type": 409,
+    "bad_offset": 400,
+}
 
 
 class DurableStreamsApp:
@@ -102,7 +115,10 @@ class DurableStreamsApp:
             return await read_stream(state, request, principal, path)
         _require(principal, path, "append")
         if method == "PUT":
-            return await _create(state, request, path)
+            fork = _fork(request)
+            if fork is not None:
+                _require(principal, fork.path, "read")
+            return await _create(state, request, path, fork)
         if method == "POST":
             return await _append(state, request, path)
         if method == "DELETE":
@@ -155,7 +171,7 @@ def stream_headers(found: CatalogStream, tail: int | None = None) -> dict[str, s
     """Content-Type and Stream-Next-Offset of a stream, and Stream-Closed if it is."""
     headers = {
         "Content-Type": found.content_type,
-        NEXT_OFFSET: offset(found.epoch, found.tail if tail is None else tail),
+        NEXT_OFFSET: found.offset_at(found.tail if tail is None else tail),
     }
     if found.closed:
         headers[CLOSED] = "true"
@@ -166,6 +182,8 @@ async def _head(state: DurableStreamsState, path: str) -> Response:
     found = await state.lookup(path)
     if found is None:
         raise DsError(404, f"no stream at {path!r}")
+    if found.deleted:
+        raise DsError(410, GONE.format(path))
     headers = stream_headers(found)
     if found.ttl_seconds is not None:
         headers[TTL] = str(found.ttl_seconds)
@@ -211,24 +229,66 @@ def _expiry(request: Request) -> tuple[int | None, datetime | None]:
     return ttl, expires_at
 
 
-async def _create(state: DurableStreamsState, request: Request, path: str) -> Response:
-    if request.headers.get("stream-forked-from") is not None:
-        raise DsError(501, "forking streams is not supported by this server yet")
-    content_type = request.headers.get("content-type") or DEFAULT_CONTENT_TYPE
-    if not content_type.strip() or len(content_type) > 255 or not content_type.isprintable():
+def _fork(request: Request) -> ForkOf | None:
+    """What a PUT's Stream-Forked-From, Stream-Fork-Offset and Stream-Fork-Sub-Offset
+    ask (None: no fork). The source's path is relative to the prefix, like the
+    request's own; one that starts with the prefix is the whole URL path, and is taken
+    below it."""
+    source = request.headers.get(FORKED_FROM.lower())
+    offset_text = request.headers.get(FORK_OFFSET.lower())
+    sub_text = request.headers.get(FORK_SUB_OFFSET.lower())
+    if source is None:
+        if offset_text is not None or sub_text is not None:
+            raise DsError(400, f"{FORK_OFFSET} and {FORK_SUB_OFFSET} need {FORKED_FROM}")
+        return None
+    root: str = request.scope.get("root_path", "")
+    if root and source.startswith(root + "/"):
+        source = source[len(root) :]
+    if not source.startswith("/") or len(source) > MAX_PATH or not source.isprintable():
+        raise DsError(400, f"{FORKED_FROM} must be the path of a stream of this server")
+    sub = 0
+    if sub_text is not None:
+        if _WHOLE.fullmatch(sub_text) is None:
+            raise DsError(400, f"{FORK_SUB_OFFSET} must be a whole number, not {sub_text[:32]!r}")
+        sub = int(sub_text)
+    if offset_text is None:
+        if sub:
+            raise DsError(400, f"{FORK_SUB_OFFSET} needs the {FORK_OFFSET} it counts from")
+        return ForkOf(source)
+    at = parse_offset([offset_text])
+    if at.kind != "at":
+        raise DsError(400, f"{FORK_OFFSET} must be an offset the source returned")
+    return ForkOf(source, (at.epoch, at.position), offset_text, sub)
+
+
+async def _create(
+    state: DurableStreamsState, request: Request, path: str, fork: ForkOf | None
+) -> Response:
+    content_type = request.headers.get("content-type") or None
+    if content_type is None and fork is None:
+        content_type = DEFAULT_CONTENT_TYPE
+    if content_type is not None and (
+        not content_type.strip() or len(content_type) > 255 or not content_type.isprintable()
+    ):
         raise DsError(400, "Content-Type must be a media type")
     ttl, expires_at = _expiry(request)
     close = closed_header(request.headers.get("stream-closed"))
     body = await _body(request, state.gateway.config.max_body_bytes)
-    new = NewStream(content_type.strip(), ttl, expires_at, close, body)
+    new = NewStream(content_type and content_type.strip(), ttl, expires_at, close, body, fork)
     try:
         created = await state.store.create(path, new)
     except BadMessage as error:
         raise DsError(400, str(error)) from None
-    headers = stream_headers(created.stream)
-    if created.outcome == "conflict":
+    outcome = created.outcome
+    if outcome in _FORK_STATUS:
+        raise DsError(_FORK_STATUS[outcome], created.detail)
+    if outcome == "deleted":
+        raise DsError(409, GONE.format(path) + ": the path is taken until they are gone")
+    if outcome == "conflict":
         raise DsError(409, f"a stream with another configuration exists at {path!r}")
-    if created.outcome == "exists":
+    assert created.stream is not None
+    headers = stream_headers(created.stream)
+    if outcome == "exists":
         return text_response(200, b"", headers)
     headers["Location"] = str(request.url.replace(query=""))
     return text_response(201, b"", headers)
@@ -269,14 +329,16 @@ async def _append(state: DurableStreamsState, request: Request, path: str) -> Re
         raise DsError(404, f"no stream at {path!r}") from None
     except BadMessage as error:
         raise DsError(400, str(error)) from None
-    headers = {NEXT_OFFSET: offset(done.stream.epoch, done.tail)}
+    outcome = done.outcome
+    if outcome == "deleted":
+        raise DsError(410, GONE.format(path))
+    headers = {NEXT_OFFSET: done.stream.offset_at(done.tail)}
     if done.closed:
         headers[CLOSED] = "true"
     check = done.producer
     if check is not None:
         headers[PRODUCER_EPOCH] = str(check.epoch)
         headers[PRODUCER_SEQ] = str(check.seq)
-    outcome = done.outcome
     if outcome == "appended":
         return text_response(200 if producer is not None else 204, b"", headers)
     if outcome in ("closed_only", "duplicate"):
@@ -303,6 +365,8 @@ async def _delete(state: DurableStreamsState, path: str) -> Response:
     outcome = await state.store.delete(path)
     if outcome == "missing":
         raise DsError(404, f"no stream at {path!r}")
+    if outcome == "gone":
+        raise DsError(410, GONE.format(path))
     if outcome == "subscribed":
         raise DsError(409, "subscriptions of the engine stream consume it; delete them first")
     state.poke()

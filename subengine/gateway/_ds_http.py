@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
+from subengine.outside._durable_streams import format_offset
+
 # the protocol's headers
 NEXT_OFFSET = "Stream-Next-Offset"
 UP_TO_DATE = "Stream-Up-To-Date"
@@ -32,6 +34,9 @@ PRODUCER_EPOCH = "Producer-Epoch"
 PRODUCER_SEQ = "Producer-Seq"
 PRODUCER_EXPECTED_SEQ = "Producer-Expected-Seq"
 PRODUCER_RECEIVED_SEQ = "Producer-Received-Seq"
+FORKED_FROM = "Stream-Forked-From"
+FORK_OFFSET = "Stream-Fork-Offset"
+FORK_SUB_OFFSET = "Stream-Fork-Sub-Offset"
 # ours: what a 410 Gone below the retention floor misses (a tombstone's fields)
 FLOOR = "Subengine-Floor"
 GAP_FROM = "Subengine-Gap-From"
@@ -59,6 +64,9 @@ REQUEST_HEADERS = (
     "Producer-Id",
     "Producer-Epoch",
     "Producer-Seq",
+    FORKED_FROM,
+    FORK_OFFSET,
+    FORK_SUB_OFFSET,
 )
 EXPOSED_HEADERS = (
     NEXT_OFFSET,
@@ -81,7 +89,6 @@ EXPOSED_HEADERS = (
 )
 
 _OFFSET = re.compile(r"(\d{16})_(\d{16})")
-_DIGITS = 16
 # The protocol's interval cursors (PROTOCOL.md 10.1): 20-second intervals since this time.
 _CURSOR_EPOCH = 1728432000.0  # 2024-10-09T00:00:00Z
 _CURSOR_SECONDS = 20
@@ -98,7 +105,7 @@ class DsError(Exception):
 
 
 def offset(epoch: int, position: int) -> str:
-    return f"{epoch:0{_DIGITS}d}_{position:0{_DIGITS}d}"
+    return format_offset(epoch, position)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,6 @@ from subengine.gateway._ds_http import (
     UP_TO_DATE,
     DsError,
     Offset,
-    offset,
     parse_offset,
     response_cursor,
     text_response,
@@ -55,18 +54,22 @@ SSE_LIFETIME = 60.0
 
 
 def _start(found: CatalogStream, at: Offset) -> int:
-    """The position a read starts after."""
+    """The position a read starts after. A fork's offsets up to its fork point are its
+    source's (docs/durable-streams.md, "Forks")."""
     if at.kind == "beginning":
         return max(found.floor - 1, 0)
     if at.kind == "now":
         return found.tail
-    if at.epoch < found.epoch:
+    kind = found.check_offset(at.epoch, at.position)
+    if kind == "gone":
         raise DsError(410, "the offset is of an earlier stream at this path, deleted since")
-    if at.epoch > found.epoch or at.position > found.tail:
+    if kind == "foreign":
+        raise DsError(400, "the offset is of the stream this one forks, past the fork point")
+    if kind != "ok":
         raise DsError(400, "the offset is beyond the stream's tail: use one it returned")
     if at.position < found.floor - 1:
         headers = {
-            FLOOR: offset(found.epoch, found.floor - 1),
+            FLOOR: found.offset_at(found.floor - 1),
             GAP_FROM: str(at.position + 1),
             GAP_TO: str(found.floor - 1),
         }
@@ -101,6 +104,8 @@ async def read_stream(
     found = await state.lookup(path, touch=True)
     if found is None:
         raise DsError(404, f"no stream at {path!r}")
+    if found.deleted:
+        raise DsError(410, f"the stream at {path!r} is deleted; forks of it still read it")
     after = _start(found, at)
     cursor = params.get("cursor")
     if live == "sse":
@@ -124,14 +129,14 @@ async def _page(
 ) -> Response:
     headers = {"Content-Type": found.content_type}
     if at.kind == "now":
-        headers |= {NEXT_OFFSET: offset(found.epoch, after), UP_TO_DATE: "true"}
+        headers |= {NEXT_OFFSET: found.offset_at(after), UP_TO_DATE: "true"}
         if found.closed:
             headers[CLOSED] = "true"
         return text_response(200, b"[]" if found.json else b"", headers)
     messages = await state.read(found, after)
     last = messages[-1][0] if messages else after
     up_to_date = last >= found.tail
-    headers[NEXT_OFFSET] = offset(found.epoch, last)
+    headers[NEXT_OFFSET] = found.offset_at(last)
     if up_to_date:
         headers[UP_TO_DATE] = "true"
     at_end = up_to_date and found.closed
@@ -171,7 +176,7 @@ async def _long_poll(
                 last = messages[-1][0]
                 headers = {
                     "Content-Type": found.content_type,
-                    NEXT_OFFSET: offset(found.epoch, last),
+                    NEXT_OFFSET: found.offset_at(last),
                     CURSOR: response_cursor(cursor),
                     "Cache-Control": CACHEABLE,
                 }
@@ -183,7 +188,7 @@ async def _long_poll(
                 gateway.metrics.sent(LONG_POLL, None, len(body))
                 return text_response(200, body, headers)
             if found.closed:
-                headers = {NEXT_OFFSET: offset(found.epoch, after), UP_TO_DATE: "true"}
+                headers = {NEXT_OFFSET: found.offset_at(after), UP_TO_DATE: "true"}
                 return text_response(204, b"", {**headers, CLOSED: "true"})
             left = deadline - time.monotonic()
             if left <= 0 or gone.done() or closing.done():
@@ -197,7 +202,7 @@ async def _long_poll(
                 woken.cancel()
             if watcher.event.is_set():
                 again = await state.lookup(path)
-                if again is None or (again.stream, again.epoch) != (found.stream, found.epoch):
+                if again is None or _replaced(found, again):
                     raise DsError(404, f"the stream at {path!r} was deleted")
                 found = again
     finally:
@@ -205,11 +210,16 @@ async def _long_poll(
         closing.cancel()
         gateway.hub.remove(watcher)
     headers = {
-        NEXT_OFFSET: offset(found.epoch, after),
+        NEXT_OFFSET: found.offset_at(after),
         UP_TO_DATE: "true",
         CURSOR: response_cursor(cursor),
     }
     return text_response(204, b"", headers)
+
+
+def _replaced(found: CatalogStream, again: CatalogStream) -> bool:
+    """Whether the stream a live read follows was deleted (softly too) since."""
+    return again.deleted or (again.stream, again.epoch) != (found.stream, found.epoch)
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -307,7 +317,7 @@ class DsEventStream:
             if messages or first or (up_to_date and found.closed):
                 # a data event and its control event go in one write
                 first = False
-                control: dict[str, Any] = {"streamNextOffset": offset(found.epoch, after)}
+                control: dict[str, Any] = {"streamNextOffset": found.offset_at(after)}
                 if up_to_date and found.closed:
                     # the end: no cursor, no reconnection (PROTOCOL.md 5.8)
                     ending = {**control, "streamClosed": True, "upToDate": True}
@@ -322,8 +332,8 @@ class DsEventStream:
             if not await self._wait(stream, watcher, ends):
                 return
             again = await self.state.lookup(self.path)
-            if again is None or (again.stream, again.epoch) != (found.stream, found.epoch):
-                return  # deleted (or expired): a new read will say 404
+            if again is None or _replaced(found, again):
+                return  # deleted (or expired): a new read will say 404 or 410
             found = again
 
     async def _wait(self, stream: EventStream, watcher: Watcher, ends: float) -> bool:

@@ -32,6 +32,8 @@ ENGINE_PREFIX = "ds."
 _NAME_LETTERS = re.compile(r"[^A-Za-z0-9_-]+")
 _NAME_PART = 60
 _STREAM_COLUMNS = 15
+_FORK_COLUMNS = 21
+_OFFSET_DIGITS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +46,36 @@ class Producer:
 
 
 @dataclass(frozen=True, slots=True)
+class Inherited:
+    """A range a fork reads from another engine stream (docs/durable-streams.md, "Forks"):
+    its positions after `after` up to `upto`, the last message cut to its first `cut`
+    bytes when `cut` is not None (a fork point inside a byte message). `epoch` and
+    `floor` are that engine stream's (epoch None: it is gone)."""
+
+    stream: str
+    epoch: int | None
+    after: int
+    upto: int
+    cut: int | None = None
+    floor: int = 1
+
+    @property
+    def lowest(self) -> int:
+        """The lowest position of the range still stored (upto + 1: none)."""
+        if self.epoch is None:
+            return self.upto + 1
+        return min(max(self.floor, self.after + 1), self.upto + 1)
+
+
+@dataclass(frozen=True, slots=True)
 class CatalogStream:
     """A Durable Streams stream as the catalog holds it, with its engine stream's epoch
-    and floor (the lowest stored position)."""
+    and floor: the lowest position readable from there on (for a fork, through what it
+    inherits too).
+
+    A fork (`source` set) reads the ranges it inherits (`inherited`, oldest first: the
+    positions up to `fork_point`) and then its own messages, numbered on from
+    `fork_point`. `deleted`: deleted softly, kept for the forks that read it."""
 
     path: str
     stream: str
@@ -65,10 +94,90 @@ class CatalogStream:
     # "Engine streams"): not in the catalog, each message a whole event
     partition: int = 0
     view: bool = False
+    deleted: bool = False
+    source: str | None = None
+    forked_from: str | None = None
+    fork_offset: str | None = None
+    fork_sub_offset: int = 0
+    fork_point: int = 0
+    inherited: tuple[Inherited, ...] = ()
 
     @property
     def json(self) -> bool:
         return media_type(self.content_type) == "application/json"
+
+    def epoch_at(self, position: int) -> int:
+        """The epoch of the offset that names `position`: that of the engine stream the
+        message there is read from (a fork's offsets are its source's up to the fork
+        point: PROTOCOL.md, "Offsets and forked streams")."""
+        for part in self.inherited:
+            if position <= part.upto:
+                return self.epoch if part.epoch is None else part.epoch
+        return self.epoch
+
+    def offset_at(self, position: int) -> str:
+        """The offset that names `position` of this stream."""
+        return format_offset(self.epoch_at(position), position)
+
+    def check_offset(self, epoch: int, position: int) -> str:
+        """Whether (epoch, position) is an offset of this stream: `ok`; `gone` (an
+        earlier incarnation of the path); `foreign` (an offset of a stream it inherits
+        from, but not of what it inherits); `beyond` (past the tail, a later epoch). The
+        zero offset (epoch 0, which no stream has) is the beginning."""
+        if epoch == 0 and position == 0:
+            return "ok"
+        if epoch == self.epoch:
+            if position > self.tail:
+                return "beyond"
+            return "ok" if position >= self.fork_point else "foreign"
+        for part in self.inherited:
+            if epoch == part.epoch:
+                return "ok" if part.after <= position <= part.upto else "foreign"
+        return "gone" if epoch < self.epoch else "beyond"
+
+    def holder(self, position: int) -> tuple[str, int | None]:
+        """The engine stream that holds the message at `position`, and the bytes of it
+        this stream shows (None: all)."""
+        for part in self.inherited:
+            if part.after < position <= part.upto:
+                return part.stream, part.cut if position == part.upto else None
+        return self.stream, None
+
+    def ranges(self, after: int = 0) -> list[Inherited]:
+        """What a read after `after` reads, in order: the inherited ranges that end past
+        it, then the stream's own messages."""
+        own = Inherited(self.stream, self.epoch, self.fork_point, self.tail)
+        return [part for part in (*self.inherited, own) if part.upto > after]
+
+    def inherit(self, fork_point: int, cut: int | None) -> tuple[Inherited, ...]:
+        """The ranges a fork of this stream at `fork_point` inherits (the message there
+        cut to `cut` bytes when that is not None)."""
+        ranges = []
+        for part in self.ranges():
+            if part.after >= fork_point:
+                break
+            if part.upto >= fork_point:
+                kept = cut if cut is not None else part.cut if part.upto == fork_point else None
+                ranges.append(Inherited(part.stream, part.epoch, part.after, fork_point, kept))
+                break
+            ranges.append(part)
+        return tuple(ranges)
+
+
+def _floor(own_floor: int, fork_point: int, inherited: tuple[Inherited, ...]) -> int:
+    """The lowest position from which every message up to the tail is still stored:
+    past the last range that retention (or an engine stream's deletion) cut into."""
+    floor = own_floor if own_floor > fork_point + 1 else 1
+    for part in inherited:
+        if part.lowest > part.after + 1:
+            floor = max(floor, part.lowest)
+    return floor
+
+
+def format_offset(epoch: int, position: int) -> str:
+    """An offset (docs/durable-streams.md, "Offsets"): `EEEEEEEEEEEEEEEE_PPPPPPPPPPPPPPPP`,
+    an engine stream's epoch and a position, each zero-padded to 16 digits."""
+    return f"{epoch:0{_OFFSET_DIGITS}d}_{position:0{_OFFSET_DIGITS}d}"
 
 
 def media_type(content_type: str) -> str:
@@ -82,10 +191,27 @@ def engine_name(path: str) -> str:
     return f"{ENGINE_PREFIX}{letters}.{secrets.token_hex(6)}"
 
 
+def _inherited(row: Any) -> tuple[Inherited, ...]:
+    streams, epochs, afters, uptos, cuts, floors = row[_FORK_COLUMNS : _FORK_COLUMNS + 6]
+    if not streams:
+        return ()
+    return tuple(
+        Inherited(stream, epoch, after, upto, cut, 1 if floor is None else floor)
+        for stream, epoch, after, upto, cut, floor in zip(
+            streams, epochs, afters, uptos, cuts, floors, strict=True
+        )
+    )
+
+
 def _stream(row: Any) -> CatalogStream:
     (path, stream, content_type, ttl, expires_at, deadline, tail, closed) = row[:8]
     by_producer, by_epoch, by_seq, last_seq, epoch, floor, expired = row[8:_STREAM_COLUMNS]
+    deleted, source, forked_from, fork_offset, sub_offset, fork_point = row[
+        _STREAM_COLUMNS:_FORK_COLUMNS
+    ]
     closed_by = None if by_producer is None else Producer(by_producer, by_epoch, by_seq)
+    inherited = _inherited(row)
+    fork_point = fork_point or 0
     return CatalogStream(
         path,
         stream,
@@ -98,8 +224,15 @@ def _stream(row: Any) -> CatalogStream:
         closed_by,
         last_seq,
         epoch,
-        floor,
+        _floor(floor, fork_point, inherited),
         expired,
+        deleted=deleted,
+        source=source,
+        forked_from=forked_from,
+        fork_offset=fork_offset,
+        fork_sub_offset=sub_offset or 0,
+        fork_point=fork_point,
+        inherited=inherited,
     )
 
 

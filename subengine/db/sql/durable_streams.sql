@@ -3,32 +3,67 @@
 -- replaced by the configured schema, quoted as an identifier; values are bound.
 
 -- name: ds_stream
--- One Durable Streams stream by path, with its engine stream's epoch and floor, and
--- whether it has expired (its deadline passed). With %(touch)s, a TTL stream that has not
--- expired gets a new deadline (a read or write resets the countdown); the row returned is
--- the one before that.
+-- One Durable Streams stream by path, with its engine stream's epoch and floor, whether
+-- it has expired (its deadline passed) or is deleted softly (forks still read it), and,
+-- for a fork, what it inherits. With %(touch)s, a TTL stream that has not expired gets a
+-- new deadline (a read or write resets the countdown); the row returned is the one
+-- before that.
 WITH touched AS (
     UPDATE {schema}.durable_streams
        SET deadline = now() + ttl_seconds * interval '1 second'
      WHERE path = %(path)s AND %(touch)s AND ttl_seconds IS NOT NULL AND deadline > now()
+       AND deleted_at IS NULL
 )
 SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline, d.tail,
        d.closed, d.closed_by_producer, d.closed_by_epoch, d.closed_by_seq, d.last_seq,
-       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired
+       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired,
+       d.deleted_at IS NOT NULL AS deleted, d.source, d.forked_from, d.fork_offset,
+       d.fork_sub_offset, d.fork_point, inherited.streams, inherited.epochs,
+       inherited.afters, inherited.uptos, inherited.cuts, inherited.floors
   FROM {schema}.durable_streams d
   JOIN {schema}.streams s ON s.name = d.stream
   JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
+  -- a fork's inherited ranges, oldest first, with their engine streams' epochs and
+  -- floors (NULL: that engine stream is gone)
+  LEFT JOIN LATERAL (
+      SELECT array_agg(i.source ORDER BY i.upto) AS streams,
+             array_agg(si.epoch ORDER BY i.upto) AS epochs,
+             array_agg(i.after ORDER BY i.upto) AS afters,
+             array_agg(i.upto ORDER BY i.upto) AS uptos,
+             array_agg(i.cut ORDER BY i.upto) AS cuts,
+             array_agg(pi.floor ORDER BY i.upto) AS floors
+        FROM {schema}.durable_stream_inherited i
+        LEFT JOIN {schema}.streams si ON si.name = i.source
+        LEFT JOIN {schema}.partitions pi ON pi.stream = i.source AND pi.partition = 0
+       WHERE i.stream = d.stream AND d.source IS NOT NULL) AS inherited ON true
  WHERE d.path = %(path)s
 
 -- name: ds_lock_stream
--- One Durable Streams stream by path, its row locked until the transaction ends: every
--- append and close takes it, so that they (and their producers' checks) are serialised.
+-- One Durable Streams stream by path, as ds_stream, its row locked until the transaction
+-- ends: every append, close, fork of it and delete takes it, so that they (and their
+-- producers' checks) are serialised.
 SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline, d.tail,
        d.closed, d.closed_by_producer, d.closed_by_epoch, d.closed_by_seq, d.last_seq,
-       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired
+       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired,
+       d.deleted_at IS NOT NULL AS deleted, d.source, d.forked_from, d.fork_offset,
+       d.fork_sub_offset, d.fork_point, inherited.streams, inherited.epochs,
+       inherited.afters, inherited.uptos, inherited.cuts, inherited.floors
   FROM {schema}.durable_streams d
   JOIN {schema}.streams s ON s.name = d.stream
   JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
+  -- a fork's inherited ranges, oldest first, with their engine streams' epochs and
+  -- floors (NULL: that engine stream is gone)
+  LEFT JOIN LATERAL (
+      SELECT array_agg(i.source ORDER BY i.upto) AS streams,
+             array_agg(si.epoch ORDER BY i.upto) AS epochs,
+             array_agg(i.after ORDER BY i.upto) AS afters,
+             array_agg(i.upto ORDER BY i.upto) AS uptos,
+             array_agg(i.cut ORDER BY i.upto) AS cuts,
+             array_agg(pi.floor ORDER BY i.upto) AS floors
+        FROM {schema}.durable_stream_inherited i
+        LEFT JOIN {schema}.streams si ON si.name = i.source
+        LEFT JOIN {schema}.partitions pi ON pi.stream = i.source AND pi.partition = 0
+       WHERE i.stream = d.stream AND d.source IS NOT NULL) AS inherited ON true
  WHERE d.path = %(path)s
    FOR UPDATE OF d
 
@@ -122,7 +157,8 @@ WITH gone AS (
 SELECT stream FROM gone
 
 -- name: ds_expired
--- Streams whose deadline has passed, the longest expired first.
+-- Streams whose deadline has passed, the longest expired first (a stream deleted softly
+-- has no deadline).
 SELECT path, stream FROM {schema}.durable_streams
  WHERE deadline <= now()
  ORDER BY deadline
