@@ -3,7 +3,9 @@
 tests/conformance/interop.mjs; skipped without node and npm) and the Python one
 (`durable-streams` from PyPI). They create streams, append (the TypeScript one through
 its idempotent producer, and closes), subscribe by SSE and long-poll, resume from a
-saved offset, and carry on across a restart of the gateway."""
+saved offset, and carry on across a restart of the gateway; the TypeScript one forks a
+stream (its create() with the fork headers: it has no call of its own for it) and reads
+the fork."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from ds_suite import suite_folder
 from durable_streams import DurableStream
@@ -73,6 +76,50 @@ def test_the_typescript_client_produces_follows_and_survives_a_restart(
     finally:
         if first.process is not None and first.process.poll() is None:
             first.stop()
+
+
+def test_the_typescript_client_forks_a_stream_and_reads_the_fork_stitched(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    folder = suite_folder()
+    with GatewayProcess(cli_env, *DS, tmp=tmp_path) as gateway:
+        source = f"{gateway.url}/ds/interop/chat"
+        fork_point = node(folder, "produce", source, "0", "3")["offset"]
+        node(folder, "produce", source, "3", "2")  # 3 and 4: the source's own, after it
+
+        fork = f"{gateway.url}/ds/interop/chat-fork"
+        forked = node(folder, "fork", fork, "/interop/chat", fork_point)
+        assert forked["contentType"] == "application/json"  # inherited
+        expected = [{"n": 0}, {"n": 1}, {"n": 2}, {"n": "fork"}]
+        assert forked["messages"] == expected
+        followed = node(folder, "follow", fork, "-1", "4", "sse")
+        assert followed["messages"] == expected
+        assert followed["offset"] == forked["offset"]
+        # from the fork point, by long-poll: the fork's own only, never the source's
+        follower = subprocess.Popen(
+            ["node", "interop.mjs", "follow", fork, fork_point, "2", "long-poll"],
+            cwd=folder,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            node(folder, "produce", source, "5", "1")
+            later = httpx.post(
+                fork, headers={"Content-Type": "application/json"}, content=b'"later"'
+            )
+            assert later.status_code == 204
+            out, err = follower.communicate(timeout=CLIENT_SECONDS)
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait()
+        assert follower.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["messages"] == [{"n": "fork"}, "later"]
+
+        # at the source's tail, named by its whole URL path
+        whole = node(folder, "fork", f"{gateway.url}/ds/interop/chat-all", "/ds/interop/chat")
+        assert whole["messages"] == [{"n": n} for n in range(6)] + [{"n": "fork"}]
 
 
 def test_the_python_client_appends_subscribes_and_resumes(

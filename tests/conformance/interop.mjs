@@ -8,6 +8,12 @@
 //   node interop.mjs follow URL OFFSET COUNT MODE
 //       read from OFFSET live (MODE: sse or long-poll) until COUNT messages came;
 //       prints {"messages": [...], "offset": ..., "closed": ...}
+//   node interop.mjs fork URL SOURCE [OFFSET]
+//       create the stream at URL as a fork of the stream at path SOURCE (at OFFSET, or
+//       at its tail), by the client's own create() with the fork headers; append
+//       {"n": "fork"} through an idempotent producer and read the fork from the
+//       beginning, catch-up only; prints {"contentType": ..., "messages": [...],
+//       "offset": ...}
 //
 // Each printed line is JSON, so the test reads what the client saw.
 import { DurableStream, IdempotentProducer } from "@durable-streams/client"
@@ -46,10 +52,38 @@ async function follow(offset, count, live) {
   )
 }
 
+async function fork(source, offset) {
+  // the client has no fork call: the headers of its handle go with its create()
+  const headers = { "Stream-Forked-From": source }
+  if (offset) {
+    headers["Stream-Fork-Offset"] = offset
+  }
+  const created = await DurableStream.create({ url, headers })
+  const stream = new DurableStream({ url, contentType: created.contentType })
+  const failures = []
+  const producer = new IdempotentProducer(stream, "fork-producer", {
+    epoch: 0,
+    lingerMs: 5,
+    onError: (error) => failures.push(error),
+  })
+  producer.append(JSON.stringify({ n: "fork" }))
+  await producer.flush()
+  if (failures.length) {
+    throw failures[0]
+  }
+  const response = await stream.stream({ offset: "-1", live: false })
+  const messages = await response.json()
+  console.log(
+    JSON.stringify({ contentType: created.contentType, messages, offset: response.offset })
+  )
+}
+
 if (command === "produce") {
   await produce(Number(rest[0]), Number(rest[1]), rest[2] === "close")
 } else if (command === "follow") {
   await follow(rest[0], Number(rest[1]), rest[2])
+} else if (command === "fork") {
+  await fork(rest[0], rest[1])
 } else {
   throw new Error(`unknown command ${command}`)
 }
