@@ -167,10 +167,11 @@ UPDATE {schema}.webhooks
 -- failures). No row when the subscription or the webhook is gone.
 --
 -- A retry is the same batch (DESIGN.md): a batch of fewer than %(size)s events has its
--- end stored (batch_through, as fix_batch stores it), and the statement then commits
--- durably before the batch is sent. A full batch's end needs no storing: read again from
--- the same position it is the same %(size)s events, however many came since, and a
--- stored end is never passed (the `take` below, as lock_batch's). A statement that stored
+-- end stored (batch_through, as fix_batch stores it; it is not plain unless that write
+-- happened), and the statement then commits durably before the batch is sent. A full
+-- batch's end needs no storing: read again from the same position it is the same
+-- %(size)s events, however many came since, and a stored end is never passed (the `take`
+-- below, as lock_batch's). A statement that stored
 -- nothing (it only locked the row) commits without waiting for its WAL to reach the disk
 -- (synchronous_commit off for this transaction alone): losing it in a crash loses a row
 -- lock, nothing else.
@@ -202,8 +203,8 @@ hook AS (
 ),
 read AS (
     SELECT e.*, e.position <= c.position + c.take AS inside, c.stream_json,
-           (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s::text[]))
-           AND (%(keys)s::text[] IS NULL OR e.key = ANY(%(keys)s::text[])) AS wanted,
+           (%(types)s::text[] IS NULL OR e.type = ANY(%(types)s))
+           AND (%(keys)s::text[] IS NULL OR e.key = ANY(%(keys)s)) AS wanted,
            CASE WHEN h.include_data THEN ',"data":' || e.data::text ELSE '' END AS data_json
       FROM chosen c, hook h, LATERAL (
            SELECT * FROM {schema}.events e
@@ -248,7 +249,8 @@ fixed AS (
        AND sp.position = c.position AND sp.generation = c.generation
     RETURNING 1
 )
-SELECT plain.fast, c.position, c.generation, c.take, b.events, b.wanted, b.next_time,
+SELECT plain.fast AND (NOT unbounded OR EXISTS (SELECT FROM fixed)), c.position,
+       c.generation, c.take, b.events, b.wanted, b.next_time,
        h.callback, h.secret, h.previous, h.state, c.sub_generation, st.epoch,
        ARRAY(SELECT sp.position FROM {schema}.subscription_positions sp
               WHERE sp.subscription = %(name)s ORDER BY sp.partition),
