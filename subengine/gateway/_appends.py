@@ -22,6 +22,7 @@ from subengine.gateway._http import (
     bad_request,
     json_response,
     path_stream,
+    read_body,
     refuse_unknown_fields,
 )
 from subengine.gateway._state import gateway_of
@@ -47,7 +48,7 @@ async def append_events(request: Request) -> Response:
             415, "unsupported_media_type", "send the events as Content-Type: application/json"
         )
     engine = gateway.engine
-    text = await _body(request, gateway.config.max_body_bytes)
+    text = await read_body(request, gateway.config.max_body_bytes)
     try:
         body = fast_loads(text)
     except ValueError:
@@ -70,23 +71,6 @@ async def append_events(request: Request) -> Response:
         except InvalidInput as error:
             raise ApiError(400, "bad_event", f"event {index}: {error}") from None
     return _answer(await engine.append(stream, events, expected_version))
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    """The request's body, refused (413) as soon as it is over `limit` bytes: by its
-    Content-Length, or as it streams in."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdecimal():
-        if int(declared) > limit:
-            raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _append_request(body: Any) -> tuple[list[Any], Any]:

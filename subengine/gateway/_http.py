@@ -185,7 +185,9 @@ def refuse_unknown_fields(body: Mapping[str, Any], known: Iterable[str]) -> None
         raise bad_request(f"unknown field {sorted(unknown)[0]!r}")
 
 
-async def read_json_body(request: Request, limit: int) -> Any:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) as soon as it is over `limit` bytes: by its
+    Content-Length, or as it streams in."""
     declared = request.headers.get("content-length")
     if (
         declared is not None
@@ -201,7 +203,12 @@ async def read_json_body(request: Request, limit: int) -> Any:
         if size > limit:
             raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json_body(request: Request, limit: int) -> Any:
+    body = await read_body(request, limit)
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(body)
     except (ValueError, RecursionError):
         raise bad_request("the body is not JSON") from None
