@@ -13,6 +13,9 @@ from ._context import Context, pass_context
 from ._errors import CommandError
 from ._running import load_app
 
+# the gateway's own paths: a Durable Streams prefix over one of them would hide its streams
+_GATEWAY_PATHS = ("/v1", "/ui", "/healthz", "/readyz", "/metrics")
+
 
 def _loopback(host: str) -> bool:
     if host == "localhost":
@@ -228,9 +231,11 @@ def serve(
         raise click.BadParameter(str(error), param_hint="--callback-allow") from None
 
     prefix = durable_streams_prefix.rstrip("/")
-    if not prefix.startswith("/") or prefix.startswith("/v1") or "{" in prefix:
+    taken = [path for path in _GATEWAY_PATHS if prefix == path or prefix.startswith(f"{path}/")]
+    if not prefix.startswith("/") or "{" in prefix or taken:
         raise click.BadParameter(
-            "a path such as /ds, outside /v1 and without '{'", param_hint="--durable-streams-prefix"
+            f"a path such as /ds, without '{{' and outside {', '.join(_GATEWAY_PATHS)}",
+            param_hint="--durable-streams-prefix",
         )
 
     if app_spec is not None:

@@ -80,3 +80,16 @@ def test_cli_reports_an_unreachable_database_in_one_line(tmp_path: Path) -> None
         assert result.returncode == 1, result.stderr
         assert "Traceback" not in result.stderr
         assert "error:" in result.stderr and "127.0.0.1" in result.stderr
+
+
+def test_serve_refuses_a_durable_streams_prefix_over_the_gateways_own_paths(
+    cli_env: dict[str, str],
+) -> None:
+    for prefix in ("/ui", "/ui/streams", "/metrics", "/healthz", "/v1", "/v1/ds", "ds", "/a{b}"):
+        result = run(
+            cli_env, "serve", "--durable-streams", "--durable-streams-prefix", prefix, timeout=20
+        )
+        assert result.returncode == 2, (prefix, result.stderr)
+        assert "--durable-streams-prefix" in result.stderr, (prefix, result.stderr)
+        assert "outside /v1, /ui, /healthz, /readyz, /metrics" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
