@@ -152,6 +152,7 @@ def stream_delete(context: Context, name: str, force: bool, as_json: bool) -> No
     """Delete stream NAME: its partitions, then its events in batches (each its own
     transaction), then the stream.
 
+    Refused for the engine stream of a Durable Streams stream (delete that by its URL).
     Refused while subscriptions of it are stored, unless --force, which deletes them too
     (positions, dead letters, gaps). Appends to it fail from the start; running the
     command again finishes an interrupted delete. A stream created later under the name

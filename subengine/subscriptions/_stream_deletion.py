@@ -50,8 +50,9 @@ def delete_stream(
 ) -> DeletedStream:
     """Delete stream `name` and everything of it, on an autocommit connection.
 
-    Refused (InvalidInput, nothing changed) while subscriptions of the stream are stored,
-    unless `force`, which deletes them too, even while connected workers run them (their
+    Refused (InvalidInput, nothing changed), forced or not, for the engine stream of a
+    Durable Streams stream; and while subscriptions of the stream are stored, unless
+    `force`, which deletes them too, even while connected workers run them (their
     batches then commit nothing, as after `delete_subscription(force=True)`). Events go
     `batch` at a time, each batch its own transaction. StreamNotFound when there is no
     such stream.
@@ -62,6 +63,7 @@ def delete_stream(
         stream = db.run(_lock_stream(name))
         if stream is None:
             raise StreamNotFound(name)
+        _refuse_durable_stream(db, name)
         subscriptions = _remove_subscriptions(db, name, force)
         db.run(Query("delete_partitions", {"stream": name}, nothing))
     events = sum(_delete_events(db, name, p, batch) for p in range(stream.partitions))
@@ -90,6 +92,18 @@ def _lock_stream(name: str) -> Query[Stream | None]:
         return Stream(*result.rows[0]) if result.rows else None
 
     return Query("lock_stream_for_delete", {"stream": name}, read)
+
+
+def _refuse_durable_stream(db: Db, name: str) -> None:
+    """Refuse, forced or not, to delete the engine stream of a Durable Streams stream (or
+    of a deleted one that forks still read): its catalog row would point at nothing."""
+    row = db.run(Query("stream_durable_path", {"stream": name}, first_row))
+    if row is not None:
+        path = row[0]
+        raise InvalidInput(
+            f"stream {name!r} holds the Durable Streams stream {path!r}: delete that with "
+            "DELETE on its URL, and the gateway deletes the engine stream once nothing reads it"
+        )
 
 
 def _remove_subscriptions(db: Db, name: str, force: bool) -> tuple[str, ...]:

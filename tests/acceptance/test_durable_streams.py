@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from helpers import GatewayProcess, Running, record, wait_for
+from helpers import GatewayProcess, Running, record, run_subengine, wait_for
 
 import subengine
 from subengine import NewEvent, Retention
@@ -258,3 +258,22 @@ def test_a_stream_a_subscription_consumes_is_not_deleted_under_it(
 def _garbage(sql: psycopg.Connection[Any]) -> list[str]:
     rows = sql.execute("SELECT stream FROM subengine.durable_stream_garbage").fetchall()
     return [row[0] for row in rows]
+
+
+def test_the_engine_stream_of_a_durable_stream_is_not_deleted_from_under_it(
+    ds: GatewayProcess, cli_env: dict[str, str], sql: psycopg.Connection[Any]
+) -> None:
+    url = f"{ds.url}/ds/kept"
+    assert httpx.put(url, headers={"Content-Type": "text/plain"}, content=b"x").status_code == 201
+    fork = {"Content-Type": "text/plain", "Stream-Forked-From": "/kept"}
+    assert httpx.put(f"{ds.url}/ds/kept-fork", headers=fork).status_code == 201
+    stream = engine_stream(sql, "/kept")
+    refused = run_subengine(cli_env, "stream", "delete", stream, "--force")
+    assert refused.returncode == 1
+    assert "holds the Durable Streams stream '/kept'" in refused.stderr, refused.stderr
+    assert httpx.get(f"{url}?offset=-1").text == "x"
+    # deleted, the source stays while its fork reads it: still refused
+    assert httpx.delete(url).status_code == 204
+    again = run_subengine(cli_env, "stream", "delete", stream, "--force")
+    assert "holds the Durable Streams stream '/kept'" in again.stderr, again.stderr
+    assert httpx.get(f"{ds.url}/ds/kept-fork?offset=-1").text == "x"

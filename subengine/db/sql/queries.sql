@@ -479,6 +479,14 @@ SELECT name, partitions, created_at, epoch, retention FROM {schema}.streams
  WHERE name = %(stream)s
    FOR UPDATE
 
+-- name: stream_durable_path
+-- The Durable Streams path a stream holds, if any: that of the live stream, else of a
+-- deleted one whose forks still read it.
+SELECT path FROM {schema}.durable_streams
+ WHERE stream = %(stream)s
+ ORDER BY deleted_at NULLS FIRST
+ LIMIT 1
+
 -- name: stream_subscriptions
 -- The names of the stored subscriptions of a stream.
 SELECT name FROM {schema}.subscriptions WHERE stream = %(stream)s ORDER BY name
