@@ -417,12 +417,17 @@ class DurableStreams:
     # the sweeper
 
     async def sweep(self, limit: int = 100) -> int:
-        """Remove the expired streams from the catalog and delete the engine streams of
-        deleted ones; how many engine streams went."""
+        """Remove the expired streams from the catalog, the byte messages retention left
+        below their floors and the engine streams of deleted streams; how many engine
+        streams went."""
         async with self.engine.connection() as conn:
             expired = await self._run(conn, catalog.expired_streams(limit))
         for path, stream in expired:
             await self._expire(path, stream)
+        while True:  # bytes whose events retention removed
+            async with self.engine.connection() as conn:
+                if not await self._run(conn, catalog.prune_bytes(_DELETE_BATCH)):
+                    break
         async with self.engine.connection() as conn:
             names: list[str] = await self._run(conn, catalog.garbage(limit))
         gone = 0

@@ -355,6 +355,11 @@ def delete_bytes(stream: str, batch: int) -> Query[int]:
     return Query("ds_delete_bytes", {"stream": stream, "batch": batch}, rowcount)
 
 
+def prune_bytes(batch: int) -> Query[int]:
+    """Byte messages below their engine stream's floor (retention removed their events)."""
+    return Query("ds_prune_bytes", {"batch": batch}, rowcount)
+
+
 def forget_garbage(stream: str) -> Query[None]:
     return Query("ds_forget_garbage", {"stream": stream}, nothing)
 

@@ -277,3 +277,26 @@ def test_the_engine_stream_of_a_durable_stream_is_not_deleted_from_under_it(
     again = run_subengine(cli_env, "stream", "delete", stream, "--force")
     assert "holds the Durable Streams stream '/kept'" in again.stderr, again.stderr
     assert httpx.get(f"{ds.url}/ds/kept-fork?offset=-1").text == "x"
+
+
+def test_retention_of_a_byte_stream_takes_its_bytes_too(
+    ds: GatewayProcess, engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    url = f"{ds.url}/ds/blobs/kept-short"
+    octets = {"Content-Type": "application/octet-stream"}
+    assert httpx.put(url, headers=octets, content=b"one").status_code == 201
+    for body in (b"two", b"three"):
+        assert httpx.post(url, headers=octets, content=body).status_code == 204
+    stream = engine_stream(sql, "/blobs/kept-short")
+    engine.set_retention(stream, Retention(max_events=1))
+    engine.run_retention(stream)
+
+    def stored() -> list[bytes]:
+        rows = sql.execute(
+            'SELECT body FROM subengine.durable_stream_bytes WHERE stream = %s ORDER BY "position"',
+            (stream,),
+        ).fetchall()
+        return [bytes(row[0]) for row in rows]
+
+    wait_for(lambda: stored() == [b"three"], "the sweeper to drop the pruned bytes", timeout=30)
+    assert httpx.get(url).content == b"three"  # a read from the start begins at the floor

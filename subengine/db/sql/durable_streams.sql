@@ -180,6 +180,21 @@ DELETE FROM {schema}.durable_stream_bytes
                        WHERE b.stream = %(stream)s
                        ORDER BY b.position LIMIT %(batch)s)
 
+-- name: ds_prune_bytes
+-- Up to %(batch)s byte messages below their engine stream's floor (retention removed
+-- their events, so nothing reads them); how many went.
+DELETE FROM {schema}.durable_stream_bytes b
+ USING (SELECT p.stream, below.position
+          FROM {schema}.durable_streams d
+          JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
+         CROSS JOIN LATERAL (
+               SELECT x.position FROM {schema}.durable_stream_bytes x
+                WHERE x.stream = p.stream AND x.position < p.floor
+                ORDER BY x.position LIMIT %(batch)s) below
+         WHERE p.floor > 1
+         LIMIT %(batch)s) gone
+ WHERE b.stream = gone.stream AND b.position = gone.position
+
 -- name: ds_forget_garbage
 -- A deleted stream's engine stream and bytes are gone.
 DELETE FROM {schema}.durable_stream_garbage WHERE stream = %(stream)s
