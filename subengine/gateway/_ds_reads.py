@@ -67,14 +67,36 @@ def _start(found: CatalogStream, at: Offset) -> int:
         raise DsError(400, "the offset is of the stream this one forks, past the fork point")
     if kind != "ok":
         raise DsError(400, "the offset is beyond the stream's tail: use one it returned")
-    if at.position < found.floor - 1:
+    _check_floor(found, at.position)
+    return at.position
+
+
+def _check_floor(found: CatalogStream, after: int) -> None:
+    """410 when retention removed messages right after position `after`."""
+    if after < found.floor - 1:
         headers = {
             FLOOR: found.offset_at(found.floor - 1),
-            GAP_FROM: str(at.position + 1),
+            GAP_FROM: str(after + 1),
             GAP_TO: str(found.floor - 1),
         }
         raise DsError(410, "retention removed the messages after this offset", headers)
-    return at.position
+
+
+async def _read(
+    state: DurableStreamsState, path: str, found: CatalogStream, after: int
+) -> list[tuple[int, Any]]:
+    """The messages after `after`; 410 when retention removed some of them since `found`
+    was looked up. A catalog stream's messages have dense positions, so a page that
+    does not start right after `after` says to look at the floor again."""
+    messages = await state.read(found, after)
+    if found.view or found.inherited or after >= found.tail:
+        return messages  # a view reads tombstones; a fork's sources are held
+    if messages and messages[0][0] == after + 1:
+        return messages
+    fresh = await state.lookup(path)
+    if fresh is not None and not _replaced(found, fresh):
+        _check_floor(fresh, after)
+    return messages
 
 
 def _binary(found: CatalogStream) -> bool:
@@ -119,13 +141,18 @@ async def read_stream(
             slot.release()
     slot = gateway.connections.admit(PULL, principal.id)
     try:
-        return await _page(state, request, found, after, at)
+        return await _page(state, request, path, found, after, at)
     finally:
         slot.release()
 
 
 async def _page(
-    state: DurableStreamsState, request: Request, found: CatalogStream, after: int, at: Offset
+    state: DurableStreamsState,
+    request: Request,
+    path: str,
+    found: CatalogStream,
+    after: int,
+    at: Offset,
 ) -> Response:
     headers = {"Content-Type": found.content_type}
     if at.kind == "now":
@@ -133,7 +160,7 @@ async def _page(
         if found.closed:
             headers[CLOSED] = "true"
         return text_response(200, b"[]" if found.json else b"", headers)
-    messages = await state.read(found, after)
+    messages = await _read(state, path, found, after)
     last = messages[-1][0] if messages else after
     up_to_date = last >= found.tail
     headers[NEXT_OFFSET] = found.offset_at(last)
@@ -171,7 +198,7 @@ async def _long_poll(
     try:
         while True:
             watcher.take()
-            messages = await state.read(found, after)
+            messages = await _read(state, path, found, after)
             if messages:
                 last = messages[-1][0]
                 headers = {
@@ -308,7 +335,10 @@ class DsEventStream:
         first = True
         watcher.take()
         while True:
-            messages = await self.state.read(found, after)
+            try:
+                messages = await _read(self.state, self.path, found, after)
+            except DsError:
+                return  # retention passed the reader: reconnecting from its offset says 410
             data = ""
             if messages:
                 after = messages[-1][0]

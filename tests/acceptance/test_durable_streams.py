@@ -6,7 +6,10 @@ ranges are 410, expired streams are swept, and API keys are bearer tokens."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +303,50 @@ def test_retention_of_a_byte_stream_takes_its_bytes_too(
 
     wait_for(lambda: stored() == [b"three"], "the sweeper to drop the pruned bytes", timeout=30)
     assert httpx.get(url).content == b"three"  # a read from the start begins at the floor
+
+
+def test_a_long_poll_that_retention_passes_while_it_waits_is_gone_not_short(
+    ds: GatewayProcess,
+    engine: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    cli_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    url = f"{ds.url}/ds/passed"
+    json_type = {"Content-Type": "application/json"}
+    created = httpx.put(url, headers=json_type, content=b'[{"n": 1}]')
+    assert created.status_code == 201
+    waiting_at = created.headers["Stream-Next-Offset"]
+    stream = engine_stream(sql, "/passed")
+    engine.set_retention(stream, Retention(max_events=1))
+    with GatewayProcess(cli_env, *DS, tmp=tmp_path) as other, ThreadPoolExecutor(1) as pool:
+        poll = pool.submit(
+            httpx.get, url, params={"offset": waiting_at, "live": "long-poll"}, timeout=30
+        )
+        wait_for(lambda: _waiting_readers(ds) == 1, "the long-poll to wait")
+        # the gateway sleeps while messages 2 to 4 come through another and retention keeps
+        # the last: woken, the long-poll must not answer with 4 as if 2 and 3 had not been
+        os.kill(ds.process.pid, signal.SIGSTOP)
+        try:
+            posted = httpx.post(
+                f"{other.url}/ds/passed",
+                headers=json_type,
+                content=b'[{"n": 2}, {"n": 3}, {"n": 4}]',
+            )
+            assert posted.status_code == 204
+            engine.run_retention(stream)
+        finally:
+            os.kill(ds.process.pid, signal.SIGCONT)
+        answer = poll.result()
+    assert answer.status_code == 410, answer.text
+    assert (answer.headers["Subengine-Gap-From"], answer.headers["Subengine-Gap-To"]) == ("2", "3")
+    resume = httpx.get(url, params={"offset": answer.headers["Subengine-Floor"]})
+    assert resume.json() == [{"n": 4}]
+
+
+def _waiting_readers(ds: GatewayProcess) -> int:
+    metrics = httpx.get(f"{ds.url}/metrics").text
+    for line in metrics.splitlines():
+        if line.startswith("subengine_gateway_connections{") and 'kind="long_poll"' in line:
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
