@@ -326,6 +326,7 @@ def test_a_long_poll_that_retention_passes_while_it_waits_is_gone_not_short(
         wait_for(lambda: _waiting_readers(ds) == 1, "the long-poll to wait")
         # the gateway sleeps while messages 2 to 4 come through another and retention keeps
         # the last: woken, the long-poll must not answer with 4 as if 2 and 3 had not been
+        assert ds.process is not None
         os.kill(ds.process.pid, signal.SIGSTOP)
         try:
             posted = httpx.post(
