@@ -85,14 +85,17 @@ class Authenticator:
                     "unauthorized",
                     "this gateway needs an API key: send 'Authorization: Bearer <key>'",
                 )
-            if not _loopback(request):
+            if not _loopback(request) or not loopback_host(request):
                 # open only to its own host, whatever address the server listens on (its
-                # last key may have been revoked while it listened on all of them)
+                # last key may have been revoked while it listened on all of them), and by
+                # a loopback name: a page of another site whose DNS name was rebound to
+                # 127.0.0.1 sends its own name as Host
                 raise Denied(
                     401,
                     "unauthorized",
                     "this gateway has no API key, so it answers only requests from its own "
-                    "host; create a key with 'subengine gateway key create'",
+                    "host sent to a loopback name (localhost, 127.0.0.1, [::1]); create a key "
+                    "with 'subengine gateway key create'",
                 )
             return Principal(None)
         scheme, _, token = header.partition(" ")
@@ -165,3 +168,19 @@ def _loopback(request: Request) -> bool:
         return ipaddress.ip_address(request.client.host).is_loopback
     except ValueError:
         return request.client.host == "localhost"
+
+
+def loopback_host(request: Request) -> bool:
+    """Whether the request was sent to a loopback name (its Host header): `localhost` or
+    a loopback address, with any port."""
+    if request.client is None:  # not over a socket (an in-process test client)
+        return True
+    host = request.headers.get("host", "")
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    name = name.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

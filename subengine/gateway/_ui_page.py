@@ -15,7 +15,6 @@ import base64
 import hashlib
 import hmac
 import importlib
-import ipaddress
 import os
 import sys
 import weakref
@@ -70,15 +69,7 @@ class StatusPage:
                     raise Denied(
                         401, "unauthorized", "the API key is unknown or revoked: sign in again"
                     ) from None
-        principal = await auth.principal(request)
-        if principal.key is None and not _loopback_host(request):
-            raise Denied(
-                403,
-                "forbidden",
-                "this gateway has no API key: open its page by a loopback address, "
-                "such as http://127.0.0.1:PORT/ui",
-            )
-        return principal
+        return await auth.principal(request)
 
     async def still_allowed(self, principal: Principal) -> bool:
         """Whether the page of `principal` may still look (its key was not revoked; an
@@ -178,18 +169,6 @@ def _with_bearer(request: Request, token: str) -> Request:
     headers = [(name, value) for name, value in request.scope["headers"] if name != b"cookie"]
     headers.append((b"authorization", b"Bearer " + token.encode(errors="replace")))
     return Request({**request.scope, "headers": headers})
-
-
-def _loopback_host(request: Request) -> bool:
-    host = request.headers.get("host", "")
-    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    name = name.strip("[]")
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 class _PageCollector(Collector):

@@ -159,6 +159,20 @@ def test_with_its_last_key_revoked_the_gateway_answers_only_its_own_host(
         assert local.status_code == 200
 
 
+def test_an_open_gateway_answers_only_requests_sent_to_a_loopback_name(
+    gateway: GatewayProcess, orders: str
+) -> None:
+    # a page of another site whose DNS name now points at 127.0.0.1 (DNS rebinding) sends
+    # its own name as Host: an open gateway must not let it read, append or add webhooks
+    url = f"{gateway.url}/v1/streams/orders/events"
+    for host in ("evil.example", f"evil.example:{gateway.port}", "127.0.0.1.nip.example"):
+        refused = httpx.get(url, headers={"Host": host}, timeout=TIMEOUT)
+        assert refused.status_code == 401, host
+        assert "loopback name" in refused.json()["error"]["message"]
+    for host in ("localhost", f"localhost:{gateway.port}", f"127.0.0.1:{gateway.port}"):
+        assert httpx.get(url, headers={"Host": host}, timeout=TIMEOUT).status_code == 200, host
+
+
 def test_a_key_change_takes_effect_on_every_gateway_process_from_the_next_request(
     engine: subengine.Engine, orders: str, cli_env: dict[str, str], tmp_path: Path
 ) -> None:
