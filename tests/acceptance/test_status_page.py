@@ -378,7 +378,11 @@ def test_actions_need_an_admin_key_and_change_the_database(
         page.focus('[data-focus="pause:billing"]')
         page.keyboard.press("Enter")
         page.wait_for_selector("dialog#confirm[open]")
+        # each key goes to what has the focus once the browser has moved it: on a busy
+        # machine a key pressed at once could still reach the element before
+        page.wait_for_function("document.activeElement.value === 'cancel'")
         page.keyboard.press("Tab")
+        page.wait_for_function("document.activeElement.id === 'confirm-button'")
         page.keyboard.press("Enter")
         page.wait_for_selector("#notice p")
         assert page.inner_text("#notice p") == "paused subscription 'billing'"
