@@ -62,7 +62,10 @@ def key() -> None:
     multiple=True,
     callback=_listed,
     metavar="SCOPE[,SCOPE...]",
-    help="What the key may do: read (GET and watches), append (POST events), admin.",
+    help=(
+        "What the key may do: read (GET and watches), append (POST events), "
+        "consume (remote workers' leases), admin."
+    ),
 )
 @click.option(
     "--streams",

@@ -654,7 +654,7 @@ CREATE TABLE subengine.gateway_keys (
     CONSTRAINT gateway_keys_check CHECK ((revoked_at >= created_at)),
     CONSTRAINT gateway_keys_id_check CHECK ((id ~ '^[0-9a-f]{12}$'::text)),
     CONSTRAINT gateway_keys_name_check CHECK (((char_length(name) >= 1) AND (char_length(name) <= 200))),
-    CONSTRAINT gateway_keys_scopes_check CHECK (((cardinality(scopes) > 0) AND (array_position(scopes, NULL::text) IS NULL) AND (scopes <@ ARRAY['read'::text, 'append'::text, 'admin'::text]))),
+    CONSTRAINT gateway_keys_scopes_check CHECK (((cardinality(scopes) > 0) AND (array_position(scopes, NULL::text) IS NULL) AND (scopes <@ ARRAY['read'::text, 'append'::text, 'admin'::text, 'consume'::text]))),
     CONSTRAINT gateway_keys_secret_hash_check CHECK ((octet_length(secret_hash) = 32)),
     CONSTRAINT gateway_keys_streams_check CHECK (((cardinality(streams) > 0) AND subengine.valid_stream_patterns(streams)))
 );
@@ -742,6 +742,38 @@ CREATE VIEW subengine.partition_holders AS
   WHERE ((l.locktype = 'advisory'::text) AND l.granted AND (l.objsubid = 1) AND (l.database = ( SELECT pg_database.oid
            FROM pg_database
           WHERE (pg_database.datname = current_database()))));
+
+CREATE TABLE subengine.remote_leases (
+    id uuid NOT NULL,
+    subscription text NOT NULL,
+    partition integer NOT NULL,
+    worker text NOT NULL,
+    generation bigint NOT NULL,
+    "position" bigint NOT NULL,
+    through bigint NOT NULL,
+    gap jsonb,
+    parked uuid[] DEFAULT '{}'::uuid[] NOT NULL,
+    deadline timestamp with time zone NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    ended_at timestamp with time zone,
+    ended text,
+    CONSTRAINT remote_leases_check CHECK ((through > "position")),
+    CONSTRAINT remote_leases_check1 CHECK (((ended_at IS NULL) = (ended IS NULL))),
+    CONSTRAINT remote_leases_ended_check CHECK ((ended = ANY (ARRAY['acked'::text, 'released'::text, 'nacked'::text, 'lost'::text]))),
+    CONSTRAINT remote_leases_partition_check CHECK ((partition >= 0)),
+    CONSTRAINT remote_leases_worker_check CHECK (((char_length(worker) >= 1) AND (char_length(worker) <= 200)))
+);
+
+CREATE TABLE subengine.remote_policies (
+    subscription text NOT NULL,
+    on_error text DEFAULT 'stop'::text NOT NULL,
+    max_attempts integer DEFAULT 5 NOT NULL,
+    batch_size integer DEFAULT 100 NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT remote_policies_batch_size_check CHECK (((batch_size >= 1) AND (batch_size <= 10000))),
+    CONSTRAINT remote_policies_max_attempts_check CHECK (((max_attempts >= 1) AND (max_attempts <= 1000))),
+    CONSTRAINT remote_policies_on_error_check CHECK ((on_error = ANY (ARRAY['stop'::text, 'dead_letter'::text, 'park'::text])))
+);
 
 CREATE UNLOGGED TABLE subengine.spark_staged_events (
     write_id text NOT NULL,
@@ -1049,6 +1081,12 @@ ALTER TABLE ONLY subengine.parked_keys
 ALTER TABLE ONLY subengine.partitions
     ADD CONSTRAINT partitions_pkey PRIMARY KEY (stream, partition);
 
+ALTER TABLE ONLY subengine.remote_leases
+    ADD CONSTRAINT remote_leases_pkey PRIMARY KEY (id);
+
+ALTER TABLE ONLY subengine.remote_policies
+    ADD CONSTRAINT remote_policies_pkey PRIMARY KEY (subscription);
+
 ALTER TABLE ONLY subengine.spark_staged_events
     ADD CONSTRAINT spark_staged_events_pkey PRIMARY KEY (write_id, batch, attempt, row_number);
 
@@ -1090,6 +1128,10 @@ CREATE INDEX gaps_of_subscription ON subengine.gaps USING btree (subscription, p
 
 CREATE UNIQUE INDEX parked_keys_one_open ON subengine.parked_keys USING btree (subscription, partition, key) WHERE (resolution IS NULL);
 
+CREATE INDEX remote_leases_ended ON subengine.remote_leases USING btree (subscription, ended_at) WHERE (ended_at IS NOT NULL);
+
+CREATE UNIQUE INDEX remote_leases_live ON subengine.remote_leases USING btree (subscription, partition) WHERE (ended_at IS NULL);
+
 CREATE INDEX subscription_positions_work ON subengine.subscription_positions USING btree (subscription, next_time) WHERE ((next_time IS NOT NULL) AND (NOT stopped));
 
 CREATE INDEX webhooks_due ON subengine.webhooks USING btree (state, challenge_due);
@@ -1120,6 +1162,12 @@ ALTER TABLE ONLY subengine.parked_keys
 
 ALTER TABLE ONLY subengine.partitions
     ADD CONSTRAINT partitions_stream_fkey FOREIGN KEY (stream) REFERENCES subengine.streams(name) ON DELETE CASCADE;
+
+ALTER TABLE ONLY subengine.remote_leases
+    ADD CONSTRAINT remote_leases_subscription_fkey FOREIGN KEY (subscription) REFERENCES subengine.subscriptions(name) ON DELETE CASCADE;
+
+ALTER TABLE ONLY subengine.remote_policies
+    ADD CONSTRAINT remote_policies_subscription_fkey FOREIGN KEY (subscription) REFERENCES subengine.subscriptions(name) ON DELETE CASCADE;
 
 ALTER TABLE ONLY subengine.subscription_positions
     ADD CONSTRAINT subscription_positions_subscription_fkey FOREIGN KEY (subscription) REFERENCES subengine.subscriptions(name) ON DELETE CASCADE;

@@ -30,6 +30,7 @@ from subengine.db._sql import SQL, Db
 from subengine.engine._configure import configured
 from subengine.engine._gateway_storage import GatewayStorage
 from subengine.engine._parked import ParkedKeys
+from subengine.engine._remote_leases import RemoteLeases
 from subengine.model._cursor import Cursor
 from subengine.model._declarations import Retention, Start, Subscription
 from subengine.model._errors import DatabaseUnavailable
@@ -64,7 +65,7 @@ from subengine.subscriptions._subscriptions import Deleted, SubscriptionPosition
 logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
 
 
-class Engine(GatewayStorage, ParkedKeys):
+class Engine(GatewayStorage, ParkedKeys, RemoteLeases):
     """Streams in one PostgreSQL database and schema.
 
     `dsn` is a PostgreSQL URL or libpq conninfo; without one (and without SUBENGINE_DSN)

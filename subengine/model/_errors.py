@@ -157,6 +157,17 @@ class Fenced(SubengineError):
     """A position compare-and-set matched no row: another worker or a reset moved it."""
 
 
+class LeaseNotFound(SubengineError, LookupError):
+    """No lease of a remote worker has that id (in that subscription)."""
+
+
+class LeaseConflict(SubengineError):
+    """A remote worker's lease can no longer do what was asked: it ended (acked,
+    released, nacked, or lost when its deadline passed and another claim took its
+    partition), its deadline passed, or its subscription's position moved since the claim
+    (a reset, another worker). Nothing was changed."""
+
+
 class DatabaseUnavailable(SubengineError):
     """PostgreSQL could not be reached in time (connect timeout, or a worker's outage
     timeout)."""

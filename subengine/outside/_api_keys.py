@@ -21,7 +21,7 @@ from subengine.db._sql import Query, Result, Row, first_row
 from subengine.model._errors import ApiKeyNotFound, InvalidInput, SubengineError
 from subengine.model._names import shown_value, validate_stream_name
 
-SCOPES = frozenset({"read", "append", "admin"})
+SCOPES = frozenset({"read", "append", "admin", "consume"})
 EVERY_STREAM = "*"
 TOKEN_PREFIX = "sek_"
 KEY_ID = re.compile(r"[0-9a-f]{12}")
@@ -40,7 +40,7 @@ _KEY_COLUMNS = 6  # id, name, scopes, streams, created_at, revoked_at
 @dataclass(frozen=True)
 class ApiKey:
     """An API key of the gateway, as stored (never its secret): what it may do
-    (`scopes`: read, append, admin) to which streams (`streams`: patterns, each a stream
+    (`scopes`: read, append, admin, consume) to which streams (`streams`: patterns, each a stream
     name, a prefix ending in '*', or '*' for every stream). A key that is not revoked is
     the principal a request with its token acts as."""
 
@@ -112,7 +112,7 @@ def _collection(value: object, what: str) -> list[object]:
 
 def validate_scopes(scopes: object) -> list[str]:
     """The scopes, sorted and without repeats; InvalidInput unless they are a non-empty
-    collection of read, append and admin."""
+    collection of read, append, admin and consume."""
     given = _collection(scopes, "scopes")
     if not given:
         raise InvalidInput(f"no scope given: give one or more of {_scope_list()}")
