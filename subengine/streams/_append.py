@@ -42,6 +42,7 @@ from subengine.model._names import (
     validate_whole_number,
 )
 from subengine.model._settings import Settings
+from subengine.model._tracing import current_context, with_context
 
 ExpectedVersion = int | Mapping[str, int] | None
 
@@ -73,8 +74,11 @@ def _json(value: Any, what: str) -> tuple[str, int]:
     return text, size
 
 
-def _validated(event: object, settings: Settings) -> tuple[str, str]:
-    """The JSON texts of a valid event's data and metadata; raises InvalidInput."""
+def _validated(
+    event: object, settings: Settings, trace: dict[str, str] | None = None
+) -> tuple[str, str]:
+    """The JSON texts of a valid event's data and metadata, with the `trace` context
+    added to the metadata (docs/tracing.md); raises InvalidInput."""
     if not isinstance(event, NewEvent):
         raise InvalidInput(f"is a {type(event).__name__}, not a NewEvent")
     validate_key(event.key)
@@ -92,9 +96,8 @@ def _validated(event: object, settings: Settings) -> tuple[str, str]:
                 f"{LATEST:%Y-%m-%d} (UTC), not {event.occurred_at.isoformat()}"
             )
     data_text, data_size = _json(event.data, "data")
-    metadata_text, metadata_size = (
-        ("{}", 2) if not event.metadata else _json(event.metadata, "metadata")
-    )
+    metadata = event.metadata if trace is None else with_context(event.metadata, trace)
+    metadata_text, metadata_size = ("{}", 2) if not metadata else _json(metadata, "metadata")
     size = data_size + metadata_size
     if size > settings.max_event_bytes:
         raise InvalidInput(
@@ -148,9 +151,10 @@ def prepare(
     data: list[str] = []
     metadata: list[str] = []
     occurred: list[Any] = []
+    trace = current_context()  # the span current at append, when the application traces
     for index, event in enumerate(events):
         try:
-            data_text, metadata_text = _validated(event, settings)
+            data_text, metadata_text = _validated(event, settings, trace)
         except InvalidInput as error:
             raise InvalidEvent(index, str(error)) from None
         keys.append(event.key)

@@ -26,6 +26,7 @@ from subengine.model._errors import (
     SubscriptionNotFound,
 )
 from subengine.model._events import Event, Tombstone, gap_reason, stored_events
+from subengine.model._tracing import batch_span
 from subengine.subscriptions._failures import BatchFailed, database_trouble, stop_partition
 from subengine.subscriptions._parking import check_parked, park_events, parked_among
 
@@ -179,7 +180,8 @@ def _run_handlers(
         if parked:
             events = [event for event in events if event.id not in parked]
         try:
-            subscription.handle(events, conn)
+            with batch_span(subscription.name, subscription.stream, part.partition, events):
+                subscription.handle(events, conn)
         except Exception as error:
             if database_trouble(error):
                 raise  # a database error is never the events' failure (invariant 8)
