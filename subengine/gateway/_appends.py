@@ -29,6 +29,12 @@ from subengine.gateway._state import gateway_of
 from subengine.model._errors import InvalidInput
 from subengine.model._events import Appended, NewEvent
 from subengine.model._json import fast_loads
+from subengine.model._tracing import (
+    carried_context,
+    current_context,
+    tracing_installed,
+    with_context,
+)
 from subengine.streams._append_async import append_json_async
 from subengine.streams._append_json import prepare_json
 
@@ -36,7 +42,8 @@ from subengine.streams._append_json import prepare_json
 async def append_events(request: Request) -> Response:
     """Append a JSON array of events, or `{"events": [...], "expected_version": ...}`, in
     one transaction: 201 when any event was stored now, 200 when every one was stored
-    before (a retry), with where each event is."""
+    before (a retry), with where each event is. A `traceparent` header (W3C Trace Context)
+    goes into the metadata of events that carry none (docs/tracing.md)."""
     gateway = gateway_of(request)
     stream = path_stream(request)
     (await gateway.auth.principal(request)).require(stream, "append")
@@ -54,7 +61,7 @@ async def append_events(request: Request) -> Response:
     except ValueError:
         pass  # the general path decodes it, or names what is wrong
     else:
-        given, expected_version = _append_request(body)
+        given, expected_version = _append_request(body, request)
         params = prepare_json(stream, given, expected_version, engine.settings)
         if params is not None:
             async with engine.connection(autocommit=True) as conn:  # one statement
@@ -63,7 +70,7 @@ async def append_events(request: Request) -> Response:
         body = json.loads(text)
     except (ValueError, RecursionError):
         raise bad_request("the body is not JSON") from None
-    given, expected_version = _append_request(body)
+    given, expected_version = _append_request(body, request)
     events = []
     for index, fields in enumerate(given):
         try:
@@ -73,8 +80,9 @@ async def append_events(request: Request) -> Response:
     return _answer(await engine.append(stream, events, expected_version))
 
 
-def _append_request(body: Any) -> tuple[list[Any], Any]:
-    """The events and expected version of an append's body (checked by the engine)."""
+def _append_request(body: Any, request: Request) -> tuple[list[Any], Any]:
+    """The events and expected version of an append's body (checked by the engine), with
+    the request's trace context in their metadata."""
     if isinstance(body, list):
         events, expected_version = body, None
     elif isinstance(body, dict):
@@ -86,7 +94,26 @@ def _append_request(body: Any) -> tuple[list[Any], Any]:
         raise bad_request('expected an array of events or {"events": [...]}')
     if not events:
         raise bad_request("the append holds no event")
-    return events, expected_version
+    return _with_request_context(events, request), expected_version
+
+
+def _with_request_context(events: list[Any], request: Request) -> list[Any]:
+    """The events with the W3C trace context of the request's headers in the metadata of
+    each one that carries none (docs/tracing.md), where OpenTelemetry is installed. What
+    is no event object, or has metadata that is no object, is left for the append to
+    name."""
+    if not tracing_installed():
+        return events
+    # a gateway that traces itself (opentelemetry-instrument) has a span of the request
+    context = current_context() or carried_context(request.headers)
+    if context is None:
+        return events
+    carried = []
+    for event in events:
+        if isinstance(event, dict) and isinstance(event.get("metadata"), dict | None):
+            event = {**event, "metadata": with_context(event.get("metadata"), context)}
+        carried.append(event)
+    return carried
 
 
 def _answer(stored: Sequence[Appended]) -> Response:

@@ -42,6 +42,7 @@ from subengine.gateway._delivery_bodies import (
     event_body,
     message_id,
     signed_headers,
+    trace_headers,
 )
 from subengine.gateway._delivery_turns import DeliveryWorker, Route
 from subengine.gateway._hub import tombstone_body
@@ -350,6 +351,7 @@ class Deliveries:
         raise RetryLater."""
         message = message_id(hook.serial, stream, partition, target.generation, after, through)
         headers = signed_headers(message, body, target.secrets)
+        headers.update(trace_headers(body))
         try:
             _outcome(self.client.post(target.callback, body, headers))
         except _Cancelled:

@@ -1,6 +1,7 @@
 """What a webhook delivery sends (docs/webhooks.md, "Deliveries"): its body, made as bytes
 with the events' JSON spliced in as it comes (from PostgreSQL, see `claim_batch`), its
-webhook-id, and its Standard Webhooks signature over those bytes.
+webhook-id, its Standard Webhooks signature over those bytes, and the trace context it
+carries on (docs/tracing.md).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import orjson
 
 from subengine.model._events import Event
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
+from subengine.model._tracing import carried_context, tracing_installed
 
 USER_AGENT = "subengine-webhooks/1"
 
@@ -117,3 +119,20 @@ def event_body(event: Event, include_data: bool) -> dict[str, Any]:
     if include_data:
         body["data"] = event.data
     return body
+
+
+_TRACEPARENT_KEY = b'"traceparent"'
+
+
+def trace_headers(body: bytes) -> dict[str, str]:
+    """The W3C trace context headers of a delivery (docs/tracing.md): those of its first
+    event whose metadata carries one, where OpenTelemetry is installed; none otherwise.
+    The body is decoded only when it names a traceparent at all."""
+    if _TRACEPARENT_KEY not in body or not tracing_installed():
+        return {}
+    for event in orjson.loads(body)["events"]:
+        metadata = event.get("metadata")
+        context = carried_context(metadata) if isinstance(metadata, dict) else None
+        if context is not None:
+            return context
+    return {}
