@@ -24,7 +24,21 @@ from opentelemetry.trace import SpanKind, StatusCode
 import subengine
 from subengine import NewEvent
 
+
+class _WhileRecording(SimpleSpanProcessor):
+    """Exports the spans that end while a test of this module runs, and drops the spans
+    of other modules' tests run later in this process (their workers' batches)."""
+
+    recording = False
+    added = False
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.recording:
+            super().on_end(span)
+
+
 _EXPORTER = InMemorySpanExporter()
+_PROCESSOR = _WhileRecording(_EXPORTER)
 
 
 @pytest.fixture
@@ -35,9 +49,13 @@ def spans() -> Iterator[InMemorySpanExporter]:
     if not isinstance(provider, TracerProvider):
         provider = TracerProvider()
         trace.set_tracer_provider(provider)
-        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+    if not _PROCESSOR.added:
+        provider.add_span_processor(_PROCESSOR)
+        _PROCESSOR.added = True
     _EXPORTER.clear()
+    _PROCESSOR.recording = True
     yield _EXPORTER
+    _PROCESSOR.recording = False
     _EXPORTER.clear()
 
 
