@@ -34,10 +34,6 @@ SUMMARY_COLUMNS = _render.columns(
     "workers",
     "generation",
 )
-STATUS_PARTITION_COLUMNS = (
-    *PARTITION_COLUMNS,
-    *_render.columns(("parked_keys", "parked keys"), ("parked_events", "parked events")),
-)
 
 
 @click.command()
@@ -66,7 +62,7 @@ def status(
         raise click.UsageError("--watch cannot be combined with --json")
     engine = context.engine()
     per_partition = partitions or name is not None
-    columns = STATUS_PARTITION_COLUMNS if per_partition else SUMMARY_COLUMNS
+    columns = PARTITION_COLUMNS if per_partition else SUMMARY_COLUMNS
 
     def rows() -> Sequence[subengine.PartitionStatus | subengine.SubscriptionSummary]:
         if per_partition:

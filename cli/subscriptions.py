@@ -33,6 +33,8 @@ PARTITION_COLUMNS = _render.columns(
     ("last_error", "last error"),
     ("worker_pid", "worker pid"),
     ("worker_host", "worker host"),
+    ("parked_keys", "parked keys"),
+    ("parked_events", "parked events"),
 )
 POSITION_COLUMNS = _render.columns("partition", "position", "generation")
 
@@ -159,7 +161,8 @@ def subscription_list(context: Context, as_json: bool) -> None:
 @json_option
 @pass_context
 def subscription_show(context: Context, name: str, as_json: bool) -> None:
-    """Show every partition of subscription NAME: position, lag, state, errors, holder."""
+    """Show every partition of subscription NAME: position, lag, state, errors, holder,
+    parked keys and events."""
     rows = context.engine().subscription_status(name)
     _render.print_records(rows, PARTITION_COLUMNS, as_json=as_json, title=f"subscription {name}")
 

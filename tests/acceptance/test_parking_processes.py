@@ -196,6 +196,7 @@ def test_parked_list_show_retry_and_discard(
     assert (status["parked_keys"], status["parked_events"]) == (1, 3)
     partitions = run_subengine(worker_app_env, "status", "--partitions")
     assert "parked keys" in partitions.stdout
+    assert "parked keys" in run_subengine(worker_app_env, "subscription", "show", "parking").stdout
     # still broken: recorded, exit 1, nothing handled
     failed = parked(worker_app_env, "retry", "parking", "p", "--app", "parking_app:app")
     assert failed.returncode == 1
