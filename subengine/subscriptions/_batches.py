@@ -71,12 +71,14 @@ def handle_batch(
     partition: int,
     size: int | None = None,
     companions: int = 0,
+    carried: int | None = None,
 ) -> list[BatchOutcome] | None:
     """`process_batch` for the worker: at most `size` events (default: the subscription's
-    batch size), from the partition and, for a transactional subscription, from up to
-    `companions` more of its partitions with work (see the `lock_batch` query); the
-    outcome of each partition the batch moved, the chosen one first. A failure of the
-    batch's events arrives as `BatchFailed`.
+    batch size) from the partition and, for a transactional subscription, from up to
+    `companions` more of its partitions with work (see the `lock_batch` query), each of
+    them at most `size` events too, up to `carried` events in the transaction (default:
+    `size`); the outcome of each partition the batch moved, the chosen one first. A
+    failure of the batch's events arrives as `BatchFailed`.
 
     Only the handlers' own exceptions, and a commit that fails because of their writes,
     are the events' failures. Any other error (reading the batch, moving the position,
@@ -84,13 +86,15 @@ def handle_batch(
     """
     size = size or subscription.batch_size
     if subscription.ack == "transactional":
-        return _transactional_batch(db, subscription, partition, size, companions)
+        return _transactional_batch(
+            db, subscription, partition, size, companions, max(size, carried or size)
+        )
     batch: _Batch | None = None
     parked: frozenset[UUID] = frozenset()
     try:
         for _ in range(2):  # again once a gap's bounds are stored, for its handler to run
             with db.transaction():
-                batch = _next_batch(db, subscription, partition, size, 0)
+                batch = _next_batch(db, subscription, partition, size, 0, size)
                 if batch is not None and batch.parts and batch.parts[0].gap is not None:
                     return _commit_positions(db, subscription, batch)  # with the gap's record
                 if batch is not None and batch.parts and batch.parts[0].events:
@@ -139,13 +143,14 @@ def _transactional_batch(
     partition: int,
     size: int,
     companions: int,
+    carried: int,
 ) -> list[BatchOutcome] | None:
     batch: _Batch | None = None
     handled = False
     outcomes: list[BatchOutcome] | None = None
     try:
         with db.transaction():
-            batch = _next_batch(db, subscription, partition, size, companions)
+            batch = _next_batch(db, subscription, partition, size, companions, carried)
             if batch is not None and batch.missing is None:
                 parked = park_events(db, subscription, _parking_parts(batch))
                 _run_handlers(subscription, batch, db.conn, parked)
@@ -228,11 +233,13 @@ def _next_batch(
     partition: int,
     size: int,
     companions: int,
+    carried: int,
 ) -> _Batch | None:
     """Lock the chosen partition's position row and read the events after it
-    (`lock_batch`), then, when it leaves room in the batch and `companions` allows, the
-    rows and events of other partitions of the subscription (`lock_companions`); None if
-    the partition is stopped or the subscription paused.
+    (`lock_batch`), then, when it has no more events for now and `companions` allows,
+    the rows and events of other partitions of the subscription (`lock_companions`), up
+    to `carried` events in all and `size` per partition; None if the partition is
+    stopped or the subscription paused.
 
     Positions are dense and commit in order (invariant 1), so the events after the
     position are position + 1, + 2, ... up to the head, all committed: a hole shows
@@ -262,7 +269,7 @@ def _next_batch(
     if chosen is None:  # the next position is no longer stored
         return _missing(db, subscription, partition, old, generation, found, head)
     parts = [chosen]
-    room = size - len(chosen.events)
+    room = carried - len(chosen.events)
     if companions and room > 0 and attempts == 0 and chosen.next_time is None:
         rows = db.run(
             Query(
@@ -271,7 +278,9 @@ def _next_batch(
                 lambda result: result.rows,
             )
         )
-        parts.extend(part for part, _ in _parts(rows) if part is not None)
+        # the query shares the room out without a cap per partition: each handler call
+        # gets at most `size` events, and a partition cut short keeps its next event's time
+        parts.extend(part for part, _ in _parts(rows, size) if part is not None)
     return _Batch(parts)
 
 
@@ -352,18 +361,19 @@ def record_gap(name: str, generation: int, gap: Tombstone, action: str) -> Query
     )
 
 
-def _parts(rows: Sequence[Row]) -> list[tuple[_Part | None, int | None]]:
+def _parts(rows: Sequence[Row], cap: int | None = None) -> list[tuple[_Part | None, int | None]]:
     """The parts of a batch from the rows of lock_batch or lock_companions (a
     partition's rows after the other): each partition's events up to the first hole in
-    their positions and its next stored event's time; None for a partition whose next
-    position is missing (then with the first position found after it, if any)."""
+    their positions (and at most `cap`) and its next stored event's time; None for a
+    partition whose next position is missing (then with the first position found after
+    it, if any)."""
     parts: list[tuple[_Part | None, int | None]] = []
     # a partition's rows repeat its first seven columns: its number tells them apart
     for _, grouped in groupby(rows, key=itemgetter(0)):
         group = list(grouped)
         part_partition, old, generation, _, _, _, take = group[0][:7]
         events = stored_events(row[7:] for row in group if row[7] is not None)
-        dense = min(take, len(events))
+        dense = min(take, len(events), take if cap is None else cap)
         # positions only grow: when the last one is where no hole puts it, none is before
         if dense and events[dense - 1].position != old + dense:
             dense = 0

@@ -18,10 +18,13 @@ from subengine.subscriptions._failures import BatchFailed, postpone_batch, recor
 from subengine.worker._reporting import Reporter
 from subengine.worker._state import WorkerState
 
-# Partitions of the same subscription a transactional batch may carry besides the chosen
-# one (up to the batch size in events): with many partitions of few events each, a
-# transaction per partition would cost more than the events.
-COMPANIONS = 8
+# A transactional batch whose chosen partition has no more events for now also carries
+# other partitions of its subscription, oldest next event first, each with at most the
+# batch size of events, up to this many batch sizes in the transaction (and as many
+# partitions as that leaves room for): with many partitions of few events each (1,024
+# partitions, a sparse backlog), a transaction per batch size of events still cost more
+# than the events (bench/scale.py).
+CARRIED_BATCHES = 4
 
 # What a turn ends with: the time of the partition's next event (None: no more work for
 # now), whether it was drained, and the other partitions the batch moved.
@@ -92,10 +95,7 @@ class Turns:
             started = time.monotonic()
             alone = split is not None or not companions
             try:
-                outcomes = self._batch(
-                    db, subscription, partition, 1 if split else None,
-                    0 if alone else COMPANIONS,
-                )  # fmt: skip
+                outcomes = self._batch(db, subscription, partition, 1 if split else None, alone)
             except Exception as error:
                 if db.conn.broken or db.conn.closed:
                     raise ConnectionLost(f"the worker's connection broke: {error}") from error
@@ -138,14 +138,15 @@ class Turns:
         subscription: Subscription,
         partition: int,
         size: int | None,
-        companions: int,
+        alone: bool,
     ) -> list[BatchOutcome] | BatchFailed | None:
-        """One batch: the outcome of each partition it moved, the chosen one first; a
-        failed batch of several events or partitions (to handle again in parts); None
-        when the partition has nothing to do now (stopped, failed, fenced or missing
-        events)."""
+        """One batch (with companions unless `alone`): the outcome of each partition it
+        moved, the chosen one first; a failed batch of several events or partitions (to
+        handle again in parts); None when the partition has nothing to do now (stopped,
+        failed, fenced or missing events)."""
+        carried = CARRIED_BATCHES * subscription.batch_size
         try:
-            return handle_batch(db, subscription, partition, size, companions)
+            return handle_batch(db, subscription, partition, size, 0 if alone else carried, carried)
         except Fenced as fenced:
             self._report.fenced(subscription, fenced)
             return None
