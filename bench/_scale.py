@@ -11,15 +11,17 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing.context import SpawnContext
 from typing import TYPE_CHECKING, Any
 
 import _harness as bench
 import _workers as workers
 import psycopg
-from _harness import SCHEMA
+from _harness import SCHEMA, Database
+from _workers import Processes, WorkerJob
 
 if TYPE_CHECKING:
     import subengine
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from subengine.worker._worker import Worker
 
 FRESH_STREAM = "fresh"
+# The fan-out's polls of the positions read ~100,000 rows: seldom, and on one core.
+POLL_SECONDS = 1.0
 APPEND_BATCH = 100
 
 
@@ -62,6 +66,8 @@ class Config:
     looks: int
     look_seconds: float
     fanout_events: int
+    sparse_events: int
+    fanout_only: bool
     processes: int
     batch_size: int
     window: float
@@ -75,6 +81,154 @@ class Config:
     fresh_events: int
     fresh_singles: int
     seed: int
+
+
+# the fan-out's runs and what they cost
+
+
+def fanout_stream(partitions: int, events: int, config: Config) -> str:
+    return f"fan-{partitions}" + ("" if events == config.fanout_events else "-sparse")
+
+
+def fanout_names(stream: str, round_: int, count: int) -> list[str]:
+    return [f"{stream}-r{round_}-{n:03d}" for n in range(count)]
+
+
+def monitor(dsn: str) -> psycopg.Connection[Any]:
+    """This script's connection for polls, kept to one core: the workers need the others."""
+    conn = psycopg.connect(dsn, autocommit=True)
+    conn.execute("SET max_parallel_workers_per_gather = 0")
+    return conn
+
+
+def total_position(conn: psycopg.Connection[Any], names: Sequence[str]) -> int:
+    row = conn.execute(workers.positions_query(), (list(names),)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def run_fanout(
+    context: SpawnContext, database: Database, config: Config, partitions: int, events: int,
+    round_: int,
+) -> FanoutRun:  # fmt: skip
+    """Effects/s of the processes over the window, whether they consumed everything, and
+    the CPU they and the server used."""
+    stream = fanout_stream(partitions, events, config)
+    names = fanout_names(stream, round_, config.subscriptions)
+    workers.ensure_subscriptions(database.dsn, names, stream, "beginning")
+    job = WorkerJob(database.dsn, tuple(names), stream, "beginning", "no-op", config.batch_size)
+    target = events * len(names)
+    group = Processes.new(context)
+    cpu = cpu_meter(database.dsn)
+    cpu_before = cpu()
+    try:
+        for _ in range(config.processes):
+            group.start(workers.worker_entry, job)
+        with monitor(database.dsn) as polls:
+            began = group.begin()
+            time.sleep(config.warmup)
+            first, opened = total_position(polls, names), time.perf_counter()
+            deadline = began + config.warmup + config.window
+            done = first >= target
+            last, closed = first, opened
+            while not done and time.perf_counter() < deadline:
+                if any(p.exitcode for p in group.started):
+                    raise RuntimeError(
+                        f"a worker process failed during the fan-out at {partitions}"
+                    )
+                time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.perf_counter())))
+                last, closed = total_position(polls, names), time.perf_counter()
+                done = last >= target
+    finally:
+        group.finish()
+    workers_after, server_after = cpu()
+    server = None if server_after is None else server_after - (cpu_before[1] or 0.0)
+    used = (workers_after - cpu_before[0], server, os.getloadavg()[0])
+    if done and closed == opened:  # finished within the warm-up: rate over the whole run
+        return FanoutRun(last / max(closed - began, 1e-9), True, *used)
+    return FanoutRun((last - first) / (closed - opened), done, *used)
+
+
+@dataclass(frozen=True, slots=True)
+class FanoutRun:
+    """One fan-out run: effects/s, whether everything was consumed, the CPU seconds its
+    worker processes and the PostgreSQL server used (None: not a local server this user
+    may read), and the 1-minute load average at its end."""
+
+    rate: float
+    done: bool
+    worker_cpu: float
+    server_cpu: float | None
+    load: float
+
+
+def cpu_meter(dsn: str) -> Callable[[], tuple[float, float | None]]:
+    """A clock of CPU seconds: of this process's reaped children (the worker processes
+    once they are joined) and of the PostgreSQL server, when it runs on this machine and
+    its processes are readable (its postmaster, its live processes and those it reaped)."""
+    with psycopg.connect(dsn) as conn:  # read while its backend lives
+        row = conn.execute("SELECT pg_backend_pid()").fetchone()
+        backend = _stat(int(row[0])) if row else None
+    postmaster = backend[1] if backend else None
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def server() -> float | None:
+        if postmaster is None:
+            return None
+        own = _stat(postmaster)
+        if own is None:
+            return None
+        total = sum(own[2:6])  # its utime, stime and its reaped children's
+        for entry in os.scandir("/proc"):
+            child = _stat(int(entry.name)) if entry.name.isdigit() else None
+            if child is not None and child[1] == postmaster:
+                total += child[2] + child[3]
+        return total / ticks
+
+    def now() -> tuple[float, float | None]:
+        times = os.times()
+        return times.children_user + times.children_system, server()
+
+    return now
+
+
+def _stat(pid: int) -> tuple[int, int, int, int, int, int] | None:
+    """(pid, parent, utime, stime, cutime, cstime) of a process; None if it is gone or
+    unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return pid, int(fields[1]), *(int(f) for f in fields[11:15])  # type: ignore[return-value]
+
+
+def print_fanout(
+    fanout: dict[tuple[int, int], list[FanoutRun]], small: int, large: int
+) -> dict[int, float]:
+    """Each density's rates, CPU and load, and its ratio of `large` to `small` partitions
+    per round; the ratios' medians by events per subscription."""
+    ratios: dict[int, float] = {}
+    for events in sorted({events for _, events in fanout}, reverse=True):
+        print(f"  {events:,} events per subscription:")
+        for partitions in (small, large):
+            runs = fanout[partitions, events]
+            rate = bench.Spread.of([r.rate for r in runs])
+            done = sum(r.done for r in runs)
+            note = f"; consumed everything in {done} round(s)" if done else ""
+            print(f"    {partitions:>5} partitions: {rate.text(0, ' effects/s', count=True)}{note}")
+            cpu = bench.Spread.of([r.worker_cpu for r in runs])
+            served = [r.server_cpu for r in runs if r.server_cpu is not None]
+            server = f", server {bench.Spread.of(served).span(1, 1)}" if served else ""
+            loads = bench.Spread.of([r.load for r in runs]).span(1, 1)
+            print(f"    {'':>5}  CPU s per run: workers {cpu.span(1, 1)}{server}; load {loads}")
+        per_round = [
+            b.rate / a.rate
+            for a, b in zip(fanout[small, events], fanout[large, events], strict=True)
+        ]
+        ratio = bench.Spread.of(per_round)
+        ratios[events] = ratio.median
+        print(f"    {large} / {small}, per round: {ratio.text(4, count=True)}")
+    return ratios
 
 
 def partition_keys(partitions: int, prefix: str) -> list[str]:

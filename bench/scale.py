@@ -1,10 +1,12 @@
 """How subengine's worker scales to 1,024 partitions and 100 subscriptions (issue 12): the
-look for work and the idle worker's poll, a fan-out at 8 and 1,024 partitions, the
+look for work and the idle worker's poll, a fan-out at 8 and 1,024 partitions at two
+densities (a backlog of ~20 events per partition, and a sparse one of ~2: issue 28), the
 latency from an append's commit to its handler, an idle worker's statements, and a fresh
 database growing without statistics. The README's performance section explains each.
 
-    .venv/bin/python bench/scale.py            # about 10 minutes on 2 cores
+    .venv/bin/python bench/scale.py            # about 12 minutes on 2 cores
     .venv/bin/python bench/scale.py --quick    # about 2 minutes, for a smoke test
+    .venv/bin/python bench/scale.py --fanout-only   # the fan-outs alone
     .venv/bin/python bench/scale.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
 Every run creates databases of its own (`bench_scale_<pid>`, and `..._fresh<n>` for the
@@ -30,8 +32,19 @@ import _harness as bench
 import _workers as workers
 import psycopg
 from _harness import SCHEMA, Database, Spread, progress
-from _scale import Config, FreshStep, Looker, fresh_round, partition_keys, print_fresh
-from _workers import Processes, StartPoint, WorkerJob
+from _scale import (
+    Config,
+    FanoutRun,
+    FreshStep,
+    Looker,
+    fanout_stream,
+    fresh_round,
+    partition_keys,
+    print_fanout,
+    print_fresh,
+    run_fanout,
+)
+from _workers import StartPoint, WorkerJob
 
 if TYPE_CHECKING:
     import subengine
@@ -39,8 +52,6 @@ if TYPE_CHECKING:
 DATABASE_PREFIX = "bench_scale_"
 SMALL_PARTITIONS = 8
 APPEND_BATCH = 100
-# The fan-out's polls of the positions read ~100,000 rows: seldom, and on one core.
-POLL_SECONDS = 1.0
 # Goals of issue 12.
 LOOK_GOAL_MS = 5.0
 IDLE_LOOK_GOAL_MS = 1.0
@@ -53,14 +64,14 @@ FRESH_APPEND_GOAL = 0.5
 
 class Results:
     """Every round's figures, by variant (looks and latencies: seconds, a list per round;
-    fan-out: effects/s by partitions; idle: statements/s by concurrency)."""
+    fan-out: runs by partitions and events per subscription; idle: statements/s by
+    concurrency)."""
 
     def __init__(self) -> None:
         table = collections.defaultdict
         self.looks: dict[str, list[list[float]]] = table(list)
         self.found: dict[str, set[int]] = table(set)
-        self.fanout: dict[int, list[float]] = table(list)
-        self.fanout_done: dict[int, list[bool]] = table(list)
+        self.fanout: dict[tuple[int, int], list[FanoutRun]] = table(list)
         self.latency: dict[str, list[list[float]]] = table(list)
         self.idle: dict[int, list[float]] = table(list)
         self.idle_kinds: dict[int, collections.Counter[str]] = table(collections.Counter)
@@ -72,10 +83,6 @@ class Results:
 
 def look_names(variant: str, count: int) -> list[str]:
     return [f"look-{variant}-{n:03d}" for n in range(count)]
-
-
-def fanout_names(partitions: int, round_: int, count: int) -> list[str]:
-    return [f"fan-{partitions}-r{round_}-{n:03d}" for n in range(count)]
 
 
 def fill(engine: subengine.Engine, stream: str, partitions: int, events: int, seed: int) -> float:
@@ -91,29 +98,20 @@ def fill(engine: subengine.Engine, stream: str, partitions: int, events: int, se
     return events / max(seconds, 1e-9)
 
 
-def monitor(dsn: str) -> psycopg.Connection[Any]:
-    """This script's connection for polls, kept to one core: the workers need the others."""
-    conn = psycopg.connect(dsn, autocommit=True)
-    conn.execute("SET max_parallel_workers_per_gather = 0")
-    return conn
-
-
-def total_position(conn: psycopg.Connection[Any], names: Sequence[str]) -> int:
-    row = conn.execute(workers.positions_query(), (list(names),)).fetchone()
-    return int(row[0]) if row else 0
-
-
 def prepare(database: Database, config: Config) -> None:
     """The look streams and their subscriptions, and the fan-out and live streams."""
     import subengine
 
     with subengine.Engine(database.dsn, schema=SCHEMA) as engine:
         engine.migrate()
+        looked = () if config.fanout_only else ("small", "large", "idle")
         for variant, per_partition in (
             ("small", config.backlog_small),
             ("large", config.backlog_large),
             ("idle", config.backlog_small),
         ):
+            if variant not in looked:
+                continue
             stream = f"look-{variant}"
             engine.create_stream(stream, config.partitions)
             rate = fill(
@@ -127,51 +125,17 @@ def prepare(database: Database, config: Config) -> None:
                 f"({rate:,.0f} events/s), {config.subscriptions} subscriptions at the {start}"
             )
         for partitions in sorted({SMALL_PARTITIONS, config.partitions}):
-            engine.create_stream(f"fan-{partitions}", partitions)
-            fill(engine, f"fan-{partitions}", partitions, config.fanout_events, config.seed + 1)
+            for events in (config.fanout_events, config.sparse_events):
+                stream = fanout_stream(partitions, events, config)
+                engine.create_stream(stream, partitions)
+                fill(engine, stream, partitions, events, config.seed + 1)
             engine.create_stream(f"live-{partitions}", partitions)
-        progress(f"fan-out streams: {config.fanout_events:,} events each")
+        progress(
+            f"fan-out streams: {config.fanout_events:,} events each, sparse "
+            f"{config.sparse_events:,}"
+        )
     with psycopg.connect(database.dsn, autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE")
-
-
-# fan-out
-
-
-def run_fanout(
-    context: SpawnContext, database: Database, config: Config, partitions: int, round_: int
-) -> tuple[float, bool]:
-    """Effects/s of the processes over the window, and whether they consumed everything."""
-
-    names = fanout_names(partitions, round_, config.subscriptions)
-    stream = f"fan-{partitions}"
-    workers.ensure_subscriptions(database.dsn, names, stream, "beginning")
-    job = WorkerJob(database.dsn, tuple(names), stream, "beginning", "no-op", config.batch_size)
-    target = config.fanout_events * len(names)
-    group = Processes.new(context)
-    try:
-        for _ in range(config.processes):
-            group.start(workers.worker_entry, job)
-        with monitor(database.dsn) as polls:
-            began = group.begin()
-            time.sleep(config.warmup)
-            first, opened = total_position(polls, names), time.perf_counter()
-            deadline = began + config.warmup + config.window
-            done = first >= target
-            last, closed = first, opened
-            while not done and time.perf_counter() < deadline:
-                if any(p.exitcode for p in group.started):
-                    raise RuntimeError(
-                        f"a worker process failed during the fan-out at {partitions}"
-                    )
-                time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.perf_counter())))
-                last, closed = total_position(polls, names), time.perf_counter()
-                done = last >= target
-    finally:
-        group.finish()
-    if done and closed == opened:  # finished within the warm-up: rate over the whole run
-        return last / max(closed - began, 1e-9), True
-    return (last - first) / (closed - opened), done
 
 
 # latency and idle statements
@@ -221,6 +185,30 @@ def goal_line(label: str, value: str, goal: str, ok: bool | None) -> None:
 
 
 def print_report(results: Results, config: Config) -> None:
+    look_median = {} if config.fanout_only else print_looks(results, config)
+    print(
+        f"fan-out: effects/s of {config.subscriptions} subscriptions x N events, "
+        f"{config.processes} worker processes, {config.window:g} s windows after "
+        f"{config.warmup:g} s; CPU s per run and load: median (min-max)"
+    )
+    ratios = print_fanout(results.fanout, SMALL_PARTITIONS, config.partitions)
+    print()
+    if config.fanout_only:
+        print("goals (medians over the rounds)")
+        fanout_goals(ratios, config)
+        return
+    print_rest(results, config, look_median, ratios)
+
+
+def fanout_goals(ratios: dict[int, float], config: Config) -> None:
+    for events, ratio in sorted(ratios.items(), reverse=True):
+        goal_line(
+            f"fan-out, {config.partitions} / {SMALL_PARTITIONS}, {events:,} events (effects/s)",
+            f"{ratio:.4f}", f">= {FANOUT_GOAL:g}", ratio >= FANOUT_GOAL,
+        )  # fmt: skip
+
+
+def print_looks(results: Results, config: Config) -> dict[str, float]:
     print("partition choice: ms per look (median, min, max over every look of every round)")
     look_median: dict[str, float] = {}
     labels = {
@@ -240,25 +228,12 @@ def print_report(results: Results, config: Config) -> None:
         print(f"  {'':<40} round medians {round_medians}; candidates found {found}")
     print(f"  backlog L / backlog S: {look_median['large'] / look_median['small']:.2f}")
     print()
-    print(
-        f"fan-out: effects/s of {config.subscriptions} subscriptions x "
-        f"{config.fanout_events:,} events, {config.processes} worker processes, "
-        f"{config.window:g} s windows after {config.warmup:g} s"
-    )
-    fan = {p: Spread.of(rates) for p, rates in results.fanout.items()}
-    for partitions, spread in sorted(fan.items()):
-        done = sum(results.fanout_done[partitions])
-        note = f"; consumed everything in {done} round(s)" if done else ""
-        print(f"  {partitions:>5} partitions: {spread.text(0, ' effects/s', count=True)}{note}")
-    per_round = [
-        large / small
-        for small, large in zip(
-            results.fanout[SMALL_PARTITIONS], results.fanout[config.partitions], strict=True
-        )
-    ]
-    ratio = Spread.of(per_round)
-    print(f"  {config.partitions} / {SMALL_PARTITIONS}, per round: {ratio.text(4, count=True)}")
-    print()
+    return look_median
+
+
+def print_rest(
+    results: Results, config: Config, look_median: dict[str, float], ratios: dict[int, float]
+) -> None:
     print(
         f"latency: append commit -> handler start, ms, {config.latency_events:,} events per "
         f"round after {config.latency_warmup} warm-up, at {config.latency_rate:g} events/s"
@@ -305,10 +280,7 @@ def print_report(results: Results, config: Config) -> None:
         "nothing to do: the idle worker's poll (ms/poll)", f"{look_median['poll']:.2f}",
         f"<= {IDLE_LOOK_GOAL_MS:g}", look_median["poll"] <= IDLE_LOOK_GOAL_MS,
     )  # fmt: skip
-    goal_line(
-        f"fan-out, {config.partitions} / {SMALL_PARTITIONS} partitions (effects/s)",
-        f"{ratio.median:.4f}", f">= {FANOUT_GOAL:g}", ratio.median >= FANOUT_GOAL,
-    )  # fmt: skip
+    fanout_goals(ratios, config)
     for variant, (p50, p99) in latency_figures.items():
         goal_line(
             f"latency p50, {variant} (ms)", f"{p50:.2f}", f"<= {LATENCY_P50_GOAL_MS:g}",
@@ -354,6 +326,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Any, Config]:
     add("--looks", type=int, help="looks per variant and round, at most (50)")
     add("--look-seconds", type=float, help="seconds of looks per variant and round (6)")
     add("--fanout-events", type=int, default=20_000, help="events of the fan-out (20000)")
+    add("--sparse-events", type=int, help="events of the sparse fan-out (2000)")
+    add("--fanout-only", action="store_true", help="measure the fan-outs alone")
     add("--processes", type=int, default=2, help="worker processes of the fan-out (2)")
     add("--batch-size", type=int, default=100, help="events per batch (100)")
     add("--window", type=float, help="seconds of a fan-out rate window (20)")
@@ -365,6 +339,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Any, Config]:
     add("--seed", type=int, default=20261122, help="seed of the event data")
     args = bench.parse(parser, argv)
     quick = args.quick
+    if args.sparse_events is not None and args.sparse_events == args.fanout_events:
+        parser.error("--sparse-events must differ from --fanout-events")
 
     def chosen(name: str, quick: Any, default: Any) -> Any:
         return bench.sized(args, name, quick, default)
@@ -378,6 +354,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Any, Config]:
         looks=chosen("looks", 10, 50),
         look_seconds=chosen("look_seconds", 1.0, 6.0),
         fanout_events=args.fanout_events if not quick else min(args.fanout_events, 2_000),
+        sparse_events=chosen("sparse_events", 200, 2_000),
+        fanout_only=args.fanout_only,
         processes=args.processes,
         batch_size=args.batch_size,
         window=chosen("window", 3.0, 20.0),
@@ -408,10 +386,12 @@ def run_rounds(context: SpawnContext, database: Database, config: Config, result
                 Looker.open(engine, look_names(v, config.subscriptions), f"look-{v}")
             )
             for v in ("small", "large", "idle")
+            if not config.fanout_only
         }
-        by_variant["poll"] = stack.enter_context(
-            Looker.open(engine, look_names("idle", config.subscriptions), "look-idle", True)
-        )
+        if not config.fanout_only:
+            by_variant["poll"] = stack.enter_context(
+                Looker.open(engine, look_names("idle", config.subscriptions), "look-idle", True)
+            )
 
         def looks(variant: str) -> Callable[[int], None]:
             def run(round_: int) -> None:
@@ -425,13 +405,17 @@ def run_rounds(context: SpawnContext, database: Database, config: Config, result
 
             return run
 
-        def fanout(partitions: int, then_latency: bool) -> Callable[[int], None]:
+        def fanout(partitions: int, events: int, then_latency: bool) -> Callable[[int], None]:
             def run(round_: int) -> None:
-                rate, done = run_fanout(context, database, config, partitions, round_)
-                results.fanout[partitions].append(rate)
-                results.fanout_done[partitions].append(done)
-                progress(f"round {round_}: fan-out, {partitions} partitions: {rate:,.0f} effects/s")
-                if then_latency:
+                ran = run_fanout(context, database, config, partitions, events, round_)
+                results.fanout[partitions, events].append(ran)
+                progress(
+                    f"round {round_}: fan-out, {partitions} partitions x {events:,} events: "
+                    f"{ran.rate:,.0f} effects/s; CPU s: workers {ran.worker_cpu:.1f}, server "
+                    f"{'-' if ran.server_cpu is None else f'{ran.server_cpu:.1f}'}; load "
+                    f"{ran.load:.1f}"
+                )
+                if then_latency and not config.fanout_only:
                     latency(large, f"{large} after load")(round_)
 
             return run
@@ -457,17 +441,23 @@ def run_rounds(context: SpawnContext, database: Database, config: Config, result
                     f"round {round_}: idle, concurrency {concurrency}: {rate:.3f} statements/s"
                 )
 
-        variants: list[Callable[[int], None]] = [
+        dense, sparse = config.fanout_events, config.sparse_events
+        fanouts = [
+            fanout(SMALL_PARTITIONS, dense, False),
+            fanout(large, dense, True),  # then the latency at 1,024 right after it
+            fanout(SMALL_PARTITIONS, sparse, False),
+            fanout(large, sparse, False),
+        ]
+        variants: list[Callable[[int], None]] = fanouts if config.fanout_only else [
             looks("small"),
             looks("large"),
             looks("idle"),
             looks("poll"),
-            fanout(SMALL_PARTITIONS, False),
-            fanout(large, True),  # then the latency at 1,024 right after it
+            *fanouts,
             latency(SMALL_PARTITIONS, f"{SMALL_PARTITIONS}"),
             latency(large, f"{large}"),
             idle,
-        ]
+        ]  # fmt: skip
         # the after-load latency is reported after the plain ones
         results.latency[f"{SMALL_PARTITIONS}"] = []
         results.latency[f"{large}"] = []
@@ -486,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with bench.benchmark_database(bench.dsn_of(args), DATABASE_PREFIX) as database:
         prepare(database, config)
         run_rounds(context, database, config, results)
-        for round_ in range(config.rounds):
+        for round_ in range(0 if config.fanout_only else config.rounds):
             results.fresh.append(fresh_round(database.admin_dsn, config, round_, DATABASE_PREFIX))
             progress(f"round {round_}: fresh database measured")
         facts = bench.server_facts(database.dsn)
