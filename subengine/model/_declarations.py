@@ -9,7 +9,8 @@ policies and handlers) and the types of its parts.
 Handlers are dispatched by event type; a catch-all handler takes the other types, and
 events of a type with no handler are skipped (their position still advances). A batch
 handler instead receives, per partition of a batch, that partition's events in position
-order.
+order. A subscription's handlers are all plain functions, called with a psycopg
+`Connection`, or all `async def`, awaited with an `AsyncConnection` (docs/async-workers.md).
 Vocabulary: it knows nothing of connections' owners, the engine or the worker.
 """
 
@@ -19,10 +20,10 @@ import dataclasses
 import inspect
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import psycopg
 
@@ -173,14 +174,22 @@ class Retention:
 
 
 # The connection is the worker's, inside the batch's transaction; None for at-least-once
-# subscriptions, whose handlers run outside it.
-EventHandler = Callable[[Event, psycopg.Connection[Any] | None], object]
-BatchHandler = Callable[[Sequence[Event], psycopg.Connection[Any] | None], object]
+# subscriptions, whose handlers run outside it. An async handler gets the AsyncConnection
+# the batch runs on.
+_Conn = psycopg.Connection[Any] | None
+_AsyncConn = psycopg.AsyncConnection[Any] | None
+EventHandler = Callable[[Event, _Conn], object] | Callable[[Event, _AsyncConn], Awaitable[object]]
+BatchHandler = (
+    Callable[[Sequence[Event], _Conn], object]
+    | Callable[[Sequence[Event], _AsyncConn], Awaitable[object]]
+)
 Start = Literal["beginning", "end"] | datetime | Mapping[int, int]
 Ack = Literal["transactional", "at_least_once"]
 OnError = Literal["stop", "dead_letter", "park"]
 OnGap = Literal["stop", "skip", "handler"]
-GapHandler = Callable[[Tombstone, psycopg.Connection[Any] | None], object]
+GapHandler = (
+    Callable[[Tombstone, _Conn], object] | Callable[[Tombstone, _AsyncConn], Awaitable[object]]
+)
 
 ACK_MODES = ("transactional", "at_least_once")
 ERROR_POLICIES = ("stop", "dead_letter", "park")
@@ -247,6 +256,8 @@ class Subscription:
     batch: BatchHandler | None = None
     on_gap: OnGap = "stop"
     gap: GapHandler | None = None
+    # whether its handlers are async def (None until one is registered)
+    _async: bool | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_stream_name(self.name)
@@ -282,7 +293,7 @@ class Subscription:
         """
 
         def register(function: EventHandler) -> EventHandler:
-            _check_runnable(function, "(event, conn)", f"subscription {self.name!r}")
+            self._check_kind(_check_runnable(function, "(event, conn)", self._owner))
             registered = function if payload is None else _with_payload(function, payload)
             if self.batch is not None:
                 raise InvalidInput(
@@ -292,6 +303,7 @@ class Subscription:
                 if self.catch_all is not None:
                     raise InvalidInput(f"subscription {self.name!r} has a catch-all handler")
                 self.catch_all = registered
+                self._async = _is_async(function)
             else:
                 validate_type(event_type)
                 if event_type in self.handlers:
@@ -299,6 +311,7 @@ class Subscription:
                         f"subscription {self.name!r} has a handler for {event_type!r} already"
                     )
                 self.handlers[event_type] = registered
+            self._async = _is_async(function)
             return function
 
         return register
@@ -307,13 +320,14 @@ class Subscription:
         """Register `handler(events, conn)`, called once per batch with all its events."""
 
         def register(function: BatchHandler) -> BatchHandler:
-            _check_runnable(function, "(events, conn)", f"subscription {self.name!r}")
+            self._check_kind(_check_runnable(function, "(events, conn)", self._owner))
             if self.handlers or self.catch_all is not None or self.batch is not None:
                 raise InvalidInput(
                     f"subscription {self.name!r} has handlers already: a batch handler "
                     "must be its only one"
                 )
             self.batch = function
+            self._async = _is_async(function)
             return function
 
         return register
@@ -327,7 +341,7 @@ class Subscription:
         failed event."""
 
         def register(function: GapHandler) -> GapHandler:
-            _check_runnable(function, "(tombstone, conn)", f"subscription {self.name!r}")
+            self._check_kind(_check_runnable(function, "(tombstone, conn)", self._owner))
             if self.gap is not None:
                 raise InvalidInput(f"subscription {self.name!r} has a gap handler already")
             if self.on_gap == "skip":
@@ -337,43 +351,110 @@ class Subscription:
                 )
             self.gap = function
             self.on_gap = "handler"
+            self._async = _is_async(function)
             return function
 
         return register
 
+    @property
+    def is_async(self) -> bool:
+        """Whether its handlers are `async def`: the worker then awaits them on its event
+        loop, with the batch's transaction on an `AsyncConnection`."""
+        return bool(self._async)
+
+    @property
+    def _owner(self) -> str:
+        return f"subscription {self.name!r}"
+
+    def _check_kind(self, is_async: bool) -> None:
+        """Refuse a handler of the other kind: one batch's transaction runs on one
+        connection, a `Connection` for plain handlers or an `AsyncConnection` for async
+        ones, so a subscription cannot have both."""
+        if self._async is None or self._async == is_async:
+            return
+        have, new = ("async def", "plain def") if self._async else ("plain def", "async def")
+        raise InvalidInput(
+            f"{self._owner} has {have} handlers; a {new} handler cannot share their "
+            f"batches' transaction: make them all async def or all plain def"
+        )
+
+    def _refuse_async(self) -> None:
+        if self.is_async:
+            raise InvalidInput(
+                f"{self._owner} has async handlers, which only the worker can run "
+                "(subengine worker, App.run_worker, AsyncWorker): this call runs handlers "
+                "synchronously"
+            )
+
     def handle_gap(self, gap: Tombstone, conn: psycopg.Connection[Any] | None) -> None:
         """Run the gap handler, if there is one, for a gap the subscription passes."""
+        self._refuse_async()
         if self.gap is not None:
-            _returned(self.gap, self.gap(gap, conn))
+            _returned(self.gap, cast(Callable[..., object], self.gap)(gap, conn))
 
     def handle(self, events: Sequence[Event], conn: psycopg.Connection[Any] | None) -> None:
         """Run the handlers for a batch, in position order (nothing for an empty one)."""
         if not events:
             return
+        self._refuse_async()
         if self.batch is not None:
-            _returned(self.batch, self.batch(events, conn))
+            _returned(self.batch, cast(Callable[..., object], self.batch)(events, conn))
             return
         handlers, catch_all = self.handlers, self.catch_all
         for event in events:
-            function = handlers.get(event.type, catch_all)
+            function = cast(Callable[..., object] | None, handlers.get(event.type, catch_all))
             if function is not None:
                 value = function(event, conn)
                 if value is not None:  # the common case, checked without a call
                     _returned(function, value)
 
+    async def handle_gap_async(
+        self, gap: Tombstone, conn: psycopg.AsyncConnection[Any] | None
+    ) -> None:
+        """`handle_gap` for async handlers: awaited with the batch's AsyncConnection."""
+        if self.gap is not None:
+            await _awaited(self.gap, gap, conn)
 
-def _check_runnable(function: object, arguments: str, owner: str) -> None:
+    async def handle_async(
+        self, events: Sequence[Event], conn: psycopg.AsyncConnection[Any] | None
+    ) -> None:
+        """`handle` for async handlers: each awaited in turn, in position order."""
+        if not events:
+            return
+        if self.batch is not None:
+            await _awaited(self.batch, events, conn)
+            return
+        handlers, catch_all = self.handlers, self.catch_all
+        for event in events:
+            function = handlers.get(event.type, catch_all)
+            if function is not None:
+                await _awaited(function, event, conn)
+
+
+async def _awaited(function: object, *arguments: Any) -> None:
+    """Await an async handler; one that gave back no awaitable (a plain function behind
+    an object that only looked async) fails the batch rather than pass it unhandled."""
+    value = cast(Callable[..., object], function)(*arguments)
+    if not inspect.isawaitable(value):
+        name = getattr(function, "__qualname__", None) or repr(function)
+        raise InvalidInput(
+            f"async handler {name} returned {type(value).__name__}, not an awaitable"
+        )
+    _returned(function, await value)
+
+
+def _check_runnable(function: object, arguments: str, owner: str) -> bool:
     """Refuse, when it is registered, a handler the worker cannot run correctly
-    (DESIGN.md invariant 8): not callable, an `async def`, or one that cannot be called
-    with two positional arguments."""
+    (DESIGN.md invariant 8): not callable, a generator (sync or async, its body would
+    never run), or one that cannot be called with two positional arguments. Whether it is
+    async (awaited by the worker)."""
     name = getattr(function, "__qualname__", None) or repr(function)
     if not callable(function):
         raise InvalidInput(f"{owner}: a handler must be callable, not {type(function).__name__}")
-    if _is_async(function):
+    if inspect.isasyncgenfunction(function):
         raise InvalidInput(
-            f"{owner}: handler {name} is an async function; the worker calls handlers "
-            "synchronously in the batch's transaction, so it would never run: make it a "
-            "plain def"
+            f"{owner}: handler {name} is an async generator function (it yields), so "
+            "awaiting it would never run its body: make it an async def that returns"
         )
     if inspect.isgeneratorfunction(function):
         raise InvalidInput(
@@ -383,13 +464,14 @@ def _check_runnable(function: object, arguments: str, owner: str) -> None:
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # some builtins have none to read: trust them
-        return
+        return _is_async(function)
     try:
         signature.bind(None, None)
     except TypeError:
         raise InvalidInput(
             f"{owner}: handler {name}{signature} cannot be called as handler{arguments}"
         ) from None
+    return _is_async(function)
 
 
 def _is_async(function: object) -> bool:
@@ -411,14 +493,15 @@ def _returned(function: object, value: object) -> None:
         name = getattr(function, "__qualname__", None) or repr(function)
         raise InvalidInput(
             f"handler {name} returned {type(value).__name__} instead of doing its work; "
-            "the worker runs handlers synchronously"
+            "the worker calls a plain def handler without awaiting it: make it an async def"
         )
 
 
 def _with_payload(function: EventHandler, payload: Callable[..., Any]) -> EventHandler:
     validate = getattr(payload, "model_validate", None)
+    call = cast(Callable[..., Any], function)
 
-    def typed(event: Event, conn: psycopg.Connection[Any] | None) -> object:
+    def typed_event(event: Event) -> Event:
         if validate is not None:
             value = validate(event.data)
         elif isinstance(event.data, dict):
@@ -428,6 +511,16 @@ def _with_payload(function: EventHandler, payload: Callable[..., Any]) -> EventH
                 f"event {event.id} has {type(event.data).__name__} data; "
                 f"{getattr(payload, '__name__', payload)} needs a JSON object"
             )
-        return function(dataclasses.replace(event, payload=value), conn)
+        return dataclasses.replace(event, payload=value)
+
+    if _is_async(function):
+
+        async def typed_async(event: Event, conn: psycopg.AsyncConnection[Any] | None) -> object:
+            return await call(typed_event(event), conn)
+
+        return typed_async
+
+    def typed(event: Event, conn: psycopg.Connection[Any] | None) -> object:
+        return call(typed_event(event), conn)
 
     return typed

@@ -92,7 +92,7 @@ def test_subscription_list_pause_and_resume(
     fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(8)])
     app = subengine.App()
     app.subscription("billing", stream="orders").handler()(
-        lambda event, conn: conn.execute(  # type: ignore[union-attr]
+        lambda event, conn: conn.execute(
             "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
         )
     )

@@ -392,7 +392,7 @@ def test_progress_lines_report_a_backlog_until_it_is_caught_up(
         engine.append("orders", [NewEvent(f"k{n % 8}", "T", {}) for n in range(300)])
         app = subengine.App()
         app.subscription("billing", stream="orders", batch_size=10).handler()(
-            lambda event, conn: conn.execute("SELECT pg_sleep(0.002)")  # type: ignore[union-attr]
+            lambda event, conn: conn.execute("SELECT pg_sleep(0.002)")
         )
 
         def progress() -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -70,24 +71,78 @@ class AsyncCallable:
         pass
 
 
-@pytest.mark.parametrize(
-    "function",
-    [async_handler, async_generator_handler, AsyncCallable(), functools.partial(async_handler)],
-    ids=["async def", "async generator", "async __call__", "partial of async def"],
-)
-@pytest.mark.parametrize("register", ["handler", "catch-all", "batch handler"])
-def test_an_async_handler_is_refused_when_registered(function: Any, register: str) -> None:
-    sub = subengine.App().subscription("billing", stream="orders")
-    decorator: Callable[[Any], object] = {  # type: ignore[no-untyped-call]
+def registrations(sub: subengine.Subscription) -> dict[str, Callable[[], Any]]:
+    return {
         "handler": lambda: sub.handler("OrderPlaced"),
         "catch-all": lambda: sub.handler(),
         "batch handler": lambda: sub.batch_handler(),
-    }[register]()
+    }
+
+
+@pytest.mark.parametrize(
+    "function",
+    [async_handler, AsyncCallable(), functools.partial(async_handler)],
+    ids=["async def", "async __call__", "partial of async def"],
+)
+@pytest.mark.parametrize("register", ["handler", "catch-all", "batch handler"])
+def test_an_async_handler_makes_an_async_subscription(function: Any, register: str) -> None:
+    sub = subengine.App().subscription("billing", stream="orders")
+    assert not sub.is_async
+    registrations(sub)[register]()(function)
+    assert sub.is_async
+
+
+@pytest.mark.parametrize("register", ["handler", "catch-all", "batch handler"])
+def test_an_async_generator_handler_is_refused_when_registered(register: str) -> None:
+    sub = subengine.App().subscription("billing", stream="orders")
     with pytest.raises(
-        subengine.InvalidInput, match=r"is an async function; .* make it a plain def"
+        subengine.InvalidInput, match=r"is an async generator function .* async def that returns"
     ):
-        decorator(function)
-    assert (sub.handlers, sub.catch_all, sub.batch) == ({}, None, None)
+        registrations(sub)[register]()(async_generator_handler)
+    assert (sub.handlers, sub.catch_all, sub.batch, sub.is_async) == ({}, None, None, False)
+
+
+@pytest.mark.parametrize("first", ["plain", "async"])
+def test_plain_and_async_handlers_are_refused_in_one_subscription(first: str) -> None:
+    # one batch's transaction runs on one connection: a Connection or an AsyncConnection
+    sub = subengine.App().subscription("billing", stream="orders")
+
+    def plain(event: subengine.Event, conn: Any) -> None:
+        pass
+
+    functions: list[Any] = [plain, async_handler] if first == "plain" else [async_handler, plain]
+    sub.handler("A")(functions[0])
+    with pytest.raises(subengine.InvalidInput, match=r"cannot share their batches' transaction"):
+        sub.handler("B")(functions[1])
+    with pytest.raises(subengine.InvalidInput, match=r"cannot share their batches' transaction"):
+        sub.gap_handler()(functions[1])
+    assert list(sub.handlers) == ["A"] and sub.gap is None
+    assert sub.is_async == (first == "async")
+
+
+def test_a_plain_call_of_async_handlers_is_refused() -> None:
+    sub = subengine.App().subscription("billing", stream="orders")
+    sub.handler()(async_handler)
+    with pytest.raises(subengine.InvalidInput, match=r"only the worker can run"):
+        sub.handle([_event("T", 1)], None)
+
+
+def test_async_handlers_are_awaited_by_type_in_position_order() -> None:
+    sub = subengine.App().subscription("billing", stream="orders")
+    seen: list[tuple[str, int]] = []
+
+    @sub.handler("A")
+    async def on_a(event: subengine.Event, conn: Any) -> None:
+        await asyncio.sleep(0)
+        seen.append(("A", event.position))
+
+    @sub.handler()
+    async def on_other(event: subengine.Event, conn: Any) -> None:
+        seen.append(("other", event.position))
+
+    events = [_event("A", 1), _event("B", 2), _event("A", 3)]
+    asyncio.run(sub.handle_async(events, None))
+    assert seen == [("A", 1), ("other", 2), ("A", 3)]
 
 
 @pytest.mark.parametrize(
