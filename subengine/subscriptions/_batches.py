@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from itertools import groupby
 from operator import itemgetter
-from typing import Any
 from uuid import UUID
 
 import psycopg
@@ -28,6 +27,7 @@ from subengine.model._errors import (
 from subengine.model._events import Event, Tombstone, gap_reason, stored_events
 from subengine.model._tracing import batch_span
 from subengine.subscriptions._failures import BatchFailed, database_trouble, stop_partition
+from subengine.subscriptions._handlers import run_gap_handler, run_handlers
 from subengine.subscriptions._parking import check_parked, park_events, parked_among
 
 
@@ -113,7 +113,7 @@ def handle_batch(
         return None
     if batch.missing is not None:
         raise batch.missing
-    _run_handlers(subscription, batch, None, parked)
+    _run_handlers(db, subscription, batch, False, parked)
     with db.transaction():
         parked = check_parked(db, subscription, _parking_parts(batch), partition, parked)
         return _commit_positions(db, subscription, batch, parked)
@@ -153,7 +153,7 @@ def _transactional_batch(
             batch = _next_batch(db, subscription, partition, size, companions, carried)
             if batch is not None and batch.missing is None:
                 parked = park_events(db, subscription, _parking_parts(batch))
-                _run_handlers(subscription, batch, db.conn, parked)
+                _run_handlers(db, subscription, batch, True, parked)
                 handled = True
                 outcomes = _commit_positions(db, subscription, batch, parked)
     except psycopg.Error as error:
@@ -173,9 +173,10 @@ def _parking_parts(batch: _Batch) -> list[tuple[list[Event], int]]:
 
 
 def _run_handlers(
+    db: Db,
     subscription: Subscription,
     batch: _Batch,
-    conn: psycopg.Connection[Any] | None,
+    in_transaction: bool,
     parked: frozenset[UUID] = frozenset(),
 ) -> None:
     """Each partition's events in one call, in position order, but those set aside for
@@ -186,7 +187,7 @@ def _run_handlers(
             events = [event for event in events if event.id not in parked]
         try:
             with batch_span(subscription.name, subscription.stream, part.partition, events):
-                subscription.handle(events, conn)
+                run_handlers(db, subscription, events, in_transaction)
         except Exception as error:
             if database_trouble(error):
                 raise  # a database error is never the events' failure (invariant 8)
@@ -325,7 +326,7 @@ def _missing(
         return _Batch([], bounds_stored=True)
     if subscription.gap is not None:
         try:
-            subscription.handle_gap(gap, db.conn)
+            run_gap_handler(db, subscription, gap)
         except Exception as error:
             if database_trouble(error):
                 raise

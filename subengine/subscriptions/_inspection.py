@@ -29,6 +29,7 @@ from subengine.model._records import (
 )
 from subengine.streams._read import read_after
 from subengine.subscriptions._failures import error_text
+from subengine.subscriptions._handlers import run_handlers
 
 
 def _check_name(name: str | None) -> None:
@@ -164,7 +165,6 @@ def retry_dead_letter(
     handlers fail, their error, which is recorded (retries + 1, error). Bad arguments raise
     InvalidInput and record nothing.
     """
-    connection = db.conn if subscription.ack == "transactional" else None
     try:
         with db.transaction():
             stream = _lock_dead_letter(db, subscription.name, partition, position)
@@ -183,7 +183,7 @@ def retry_dead_letter(
                     f"the event at position {position} of partition {partition} is no longer stored"
                 )
             try:
-                subscription.handle(events, connection)
+                run_handlers(db, subscription, events, subscription.ack == "transactional")
             except Exception as error:
                 raise _HandlerFailed(error_text(error)) from error
             _resolve(db, subscription.name, partition, position, "retried")

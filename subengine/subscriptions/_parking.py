@@ -25,6 +25,7 @@ from subengine.model._events import Event, stored_events
 from subengine.model._names import validate_key, validate_stream_name
 from subengine.model._records import ParkedEvent, ParkedKey
 from subengine.subscriptions._failures import database_trouble, error_text
+from subengine.subscriptions._handlers import run_handlers
 
 # A part of a batch as parking sees it: its events and the generation it was read in.
 BatchPart = tuple[Sequence[Event], int]
@@ -248,9 +249,8 @@ def _retry_step(db: Db, subscription: Subscription, where: dict[str, Any]) -> tu
             f"discard the key with `subengine parked discard {where['name']} KEY`"
         )
     events = stored_events(row[1:] for row in events_rows)
-    connection = db.conn if subscription.ack == "transactional" else None
     try:
-        subscription.handle(events, connection)
+        run_handlers(db, subscription, events, subscription.ack == "transactional")
     except Exception as error:
         if database_trouble(error):
             raise  # the database's trouble, not the events' (invariant 8)
