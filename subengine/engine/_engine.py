@@ -26,6 +26,7 @@ from subengine.db._connection import (
     connection_lost_error,
     one_line,
 )
+from subengine.db._loop import loop_db
 from subengine.db._sql import SQL, Db
 from subengine.engine._configure import configured
 from subengine.engine._gateway_storage import GatewayStorage
@@ -398,8 +399,25 @@ class Engine(GatewayStorage, ParkedKeys, RemoteLeases):
 
     def process_batch(self, subscription: Subscription, partition: int) -> BatchOutcome | None:
         """Handle the next batch of one partition exactly once (see process_batch)."""
-        with self.db() as db:
+        with self._handlers_db(subscription) as db:
             return _batches.process_batch(db, subscription, partition)
+
+    @contextmanager
+    def _handlers_db(self, subscription: Subscription, autocommit: bool = False) -> Iterator[Db]:
+        """Where a call runs `subscription`'s handlers: a pooled connection in a
+        transaction (an autocommit connection of its own, a transaction per step, with
+        `autocommit`), or for async handlers an autocommit AsyncConnection in an event
+        loop thread of its own, where they are awaited (each step of those calls opens
+        its transaction)."""
+        if subscription.is_async:
+            with loop_db(self.dsn, self.settings.connect_timeout, self.sql) as db:
+                yield db
+        elif autocommit:
+            with self.connect(autocommit=True) as conn:
+                yield Db(conn, self.sql)
+        else:
+            with self.db() as db:
+                yield db
 
     # operating
 
@@ -448,7 +466,7 @@ class Engine(GatewayStorage, ParkedKeys, RemoteLeases):
         self, subscription: Subscription, partition: int, position: int
     ) -> str | None:
         """Run a dead letter through the handlers again; None on success, else the error."""
-        with self.db() as db:
+        with self._handlers_db(subscription) as db:
             return _inspection.retry_dead_letter(db, subscription, partition, position)
 
     def discard_dead_letter(self, name: str, partition: int, position: int) -> None:

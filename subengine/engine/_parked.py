@@ -34,6 +34,11 @@ class ParkedKeys:
     def db(self) -> AbstractContextManager[Db]:
         raise NotImplementedError
 
+    def _handlers_db(
+        self, subscription: Subscription, autocommit: bool = False
+    ) -> AbstractContextManager[Db]:
+        raise NotImplementedError
+
     def parked_keys(
         self, name: str | None = None, key: str | None = None, everything: bool = False
     ) -> list[ParkedKey]:
@@ -56,8 +61,8 @@ class ParkedKeys:
         events. What it did: how many events it replayed, the handlers' error if they
         failed again (recorded; the key stays parked), or that a reset released the key
         meanwhile."""
-        with self.connect(autocommit=True) as conn:  # a transaction per step
-            return _parking.retry_parked_key(Db(conn, self.sql), subscription, key)
+        with self._handlers_db(subscription, autocommit=True) as db:  # a transaction per step
+            return _parking.retry_parked_key(db, subscription, key)
 
     def discard_parked_key(self, name: str, key: str) -> int:
         """Release subscription `name`'s parked key `key` without handling its events
