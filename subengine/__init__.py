@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from subengine.engine._async_engine import AsyncEngine
     from subengine.engine._engine import Engine
-    from subengine.engine._orm import sqlalchemy_session
+    from subengine.engine._orm import async_sqlalchemy_session, sqlalchemy_session
     from subengine.model._cursor import Cursor
     from subengine.model._declarations import Retention, Subscription
     from subengine.model._errors import (
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from subengine.subscriptions._stream_deletion import DeletedStream
     from subengine.subscriptions._subscriptions import SubscriptionPosition
     from subengine.worker._app import App
+    from subengine.worker._async_worker import AsyncWorker
 
 # Every public name, and the module that defines it. They are imported on first use (PEP
 # 562), so `import subengine.client`, which speaks only HTTP, loads neither psycopg nor the
@@ -83,6 +84,7 @@ _PUBLIC: dict[str, str] = {
     "AsyncEngine": "subengine.engine._async_engine",
     "Engine": "subengine.engine._engine",
     "sqlalchemy_session": "subengine.engine._orm",
+    "async_sqlalchemy_session": "subengine.engine._orm",
     "Cursor": "subengine.model._cursor",
     "Retention": "subengine.model._declarations",
     "Subscription": "subengine.model._declarations",
@@ -136,6 +138,7 @@ _PUBLIC: dict[str, str] = {
     "ParkedKeyRetry": "subengine.subscriptions._parking",
     "SubscriptionPosition": "subengine.subscriptions._subscriptions",
     "App": "subengine.worker._app",
+    "AsyncWorker": "subengine.worker._async_worker",
 }
 
 __all__ = [
@@ -145,6 +148,7 @@ __all__ = [
     "Appended",
     "AsyncEngine",
     "AsyncTail",
+    "AsyncWorker",
     "BatchOutcome",
     "ConfigurationError",
     "Cursor",
@@ -190,6 +194,7 @@ __all__ = [
     "WrongExpectedVersion",
     "append",
     "append_async",
+    "async_sqlalchemy_session",
     "configure_logging",
     "gateway_cursor",
     "migration_sql",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 import psycopg
@@ -38,8 +39,15 @@ class ConnectionLost(psycopg.OperationalError):
 class Turns:
     """The turns of one worker's slots (see `take`)."""
 
-    def __init__(self, state: WorkerState, report: Reporter) -> None:
+    def __init__(
+        self,
+        state: WorkerState,
+        report: Reporter,
+        async_db: Callable[[], Db] | None = None,
+    ) -> None:
         self._state = state
+        # the slot's Db on the event loop, for subscriptions with async handlers
+        self._async_db = async_db
         self._board = state.board
         self._backoff = state.backoff
         self._report = report
@@ -53,7 +61,10 @@ class Turns:
         companions: bool = True,
     ) -> TurnEnd:
         """`_turn`, after which the partitions it moved whose heads grew meanwhile are
-        suspects again (see `Board.grew_since`), for the look that comes next."""
+        suspects again (see `Board.grew_since`), for the look that comes next. A
+        subscription with async handlers has its batches on the slot's AsyncConnection."""
+        if subscription.is_async and self._async_db is not None:
+            db = self._async_db()
         news = self._board.news()
         moved: set[tuple[str, int]] = set()
         try:

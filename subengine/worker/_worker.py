@@ -24,6 +24,7 @@ poller (`_poller`), what it reports (`_reporting`) and its metrics (`_metrics`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from typing import Any
 
 import psycopg
 
+from subengine.db._loop import EventLoopThread
 from subengine.db._sql import Db
 from subengine.engine._engine import Engine
 from subengine.model._declarations import Subscription
@@ -39,6 +41,7 @@ from subengine.streams._retention import PartitionCut
 from subengine.subscriptions._failures import error_text
 from subengine.subscriptions._inspection import register_worker, unregister_worker
 from subengine.subscriptions._subscriptions import ensure_subscription
+from subengine.worker._async import LoopConnections
 from subengine.worker._metrics import follow_progress
 from subengine.worker._poller import Poller
 from subengine.worker._reporting import Reporter
@@ -60,7 +63,10 @@ class Worker:
         listen: bool = True,
         metrics_port: int | None = None,
         metrics_address: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        """`loop`: where the handlers of async subscriptions are awaited (it must keep
+        running until `run` returns); by default the worker runs one in a thread."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         state = WorkerState(
@@ -83,7 +89,10 @@ class Worker:
         self._board = state.board
         self._look_limit = state.look_limit
         self._poller = Poller(state)
-        self._slots = Slots(state, Turns(state, Reporter(state)))
+        self._loop = loop
+        self._loop_connections: LoopConnections | None = None
+        turns = Turns(state, Reporter(state), self._async_db)
+        self._slots = Slots(state, turns)
 
     # the run
 
@@ -137,6 +146,7 @@ class Worker:
             threading.Thread(target=self._slots.run, args=(stop,), name=f"slot-{n}")
             for n in range(self.concurrency)
         ]
+        own_loop = self._start_loop()
         for thread in threads + slots:
             thread.start()
         try:
@@ -149,10 +159,37 @@ class Worker:
                 slot.join()
             for thread in threads:  # each notices `stop` soon, unless a connect hangs
                 thread.join(timeout=RECONNECT_DELAY_SECONDS)
+            self._stop_loop(own_loop)
             self._unregister()
             self.metrics.close()
         if self._state.fatal is not None:
             raise self._state.fatal
+
+    # async handlers
+
+    def _start_loop(self) -> EventLoopThread | None:
+        """The event loop for the async subscriptions' batches, when the worker has some:
+        the one it was given, else one of its own (returned, to stop at the end)."""
+        if not any(s.is_async for s in self.subscriptions.values()):
+            return None
+        own: EventLoopThread | None = None
+        loop = self._loop
+        if loop is None:
+            own = EventLoopThread()
+            loop = own.loop
+        self._loop_connections = LoopConnections(self._state, loop)
+        return own
+
+    def _async_db(self) -> Db:
+        if self._loop_connections is None:
+            raise RuntimeError("the worker's event loop is not running")
+        return self._loop_connections.db()
+
+    def _stop_loop(self, own: EventLoopThread | None) -> None:
+        if self._loop_connections is not None:
+            self._loop_connections.close()
+        if own is not None:
+            own.close(RECONNECT_DELAY_SECONDS)
 
     def _registration(self) -> dict[str, Any]:
         return self._state.registration()
