@@ -1,0 +1,61 @@
+"""An ASGI application (Starlette; FastAPI's `lifespan=` takes the same function) that runs
+subengine's async worker inside its own event loop for as long as it serves.
+
+    SUBENGINE_DSN=postgresql://... uvicorn examples.async_worker_app:app
+
+Its async handler writes through a SQLAlchemy AsyncSession bound to the batch's
+connection, so the row and the subscription's position commit together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from sqlalchemy import text
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import subengine
+
+consumers = subengine.App()
+totals = consumers.subscription("totals", stream="orders", start="beginning")
+
+
+@totals.handler("OrderPlaced")
+async def order_placed(event: subengine.Event, conn: Any) -> None:
+    async with subengine.async_sqlalchemy_session(conn) as session:
+        await session.execute(
+            text(
+                "INSERT INTO order_totals (key, total) VALUES (:key, :total)"
+                " ON CONFLICT (key) DO UPDATE SET total = order_totals.total + :total"
+            ),
+            {"key": event.key, "total": event.data["total"]},
+        )
+
+
+@asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    engine = subengine.Engine()  # SUBENGINE_DSN
+    worker = subengine.AsyncWorker(engine, list(consumers.subscriptions.values()))
+    stop = asyncio.Event()
+    running = asyncio.create_task(worker.run(stop))
+    app.state.worker = worker
+    try:
+        yield
+    finally:
+        stop.set()
+        await running  # the current batches finish; an error that stopped it is raised
+        engine.close()
+
+
+async def health(request: Request) -> JSONResponse:
+    worker = request.app.state.worker.worker
+    return JSONResponse({"worker": str(worker.id) if worker else None})
+
+
+app = Starlette(routes=[Route("/health", health)], lifespan=lifespan)
