@@ -295,3 +295,24 @@ def test_a_process_that_does_not_trace_never_imports_opentelemetry(dsn: str, blo
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_an_async_handler_runs_inside_the_batchs_span(
+    engine: subengine.Engine, spans: InMemorySpanExporter
+) -> None:
+    # awaited on an event loop of another thread, it still sees the batch's span current
+    engine.create_stream("orders", partitions=1)
+    sub = subengine.Subscription("projector", "orders")
+    tracer = trace.get_tracer("test")
+
+    @sub.batch_handler()
+    async def handle(events: Sequence[subengine.Event], conn: Any) -> None:
+        with tracer.start_as_current_span("apply"):
+            await asyncio.sleep(0)
+
+    engine.ensure_subscription(sub)
+    engine.append("orders", [NewEvent("o-1", "Placed", {})])
+    engine.process_batch(sub, 0)
+    (batch,) = batch_spans(spans)
+    (applied,) = [s for s in spans.get_finished_spans() if s.name == "apply"]
+    assert applied.parent is not None and applied.parent.span_id == batch.context.span_id
