@@ -122,10 +122,16 @@ def batch_span(
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     propagator = TraceContextTextMapPropagator()
-    links: dict[tuple[int, int], trace.SpanContext] = {}
+    # each distinct pair once, in order: the events of one append share theirs
+    carried: dict[tuple[str, str | None], None] = {}
     for event in events:
         metadata = event.metadata
-        context = carried_context(metadata) if isinstance(metadata, dict) else None
+        if isinstance(metadata, dict) and isinstance(metadata.get(TRACEPARENT), str):
+            state = metadata.get(TRACESTATE)
+            carried[metadata[TRACEPARENT], state if isinstance(state, str) else None] = None
+    links: dict[tuple[int, int], trace.SpanContext] = {}
+    for traceparent, tracestate in carried:
+        context = carried_context({TRACEPARENT: traceparent, TRACESTATE: tracestate})
         if context is None or len(links) >= MAX_LINKS:
             continue
         span_context = trace.get_current_span(propagator.extract(context)).get_span_context()

@@ -224,6 +224,7 @@ def test_events_without_context_make_a_span_without_links(
             NewEvent("o-1", "Placed", {}),
             NewEvent("o-1", "Paid", {}, metadata={"traceparent": "not a traceparent"}),
             NewEvent("o-1", "Sent", {}, metadata={"traceparent": 7}),
+            NewEvent("o-1", "Noted", {}, metadata={"traceparent": ["a"], "tracestate": {}}),
         ],
     )
     engine.process_batch(subscription, 0)
