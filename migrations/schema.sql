@@ -510,6 +510,30 @@ $$;
 
 COMMENT ON FUNCTION subengine.retention_hold(stream_name text, partition_number integer, wait boolean) IS 'The lowest position of a partition a Durable Streams fork still reads (NULL: none).';
 
+CREATE FUNCTION subengine.retention_unhandled(stream_name text, partition_number integer) RETURNS bigint
+    LANGUAGE sql STABLE
+    SET search_path TO 'subengine'
+    AS $$
+    SELECT least(
+        (SELECT min(sp.position) + 1
+           FROM subscription_positions sp
+           JOIN subscriptions sub ON sub.name = sp.subscription
+          WHERE sub.stream = stream_name AND sp.partition = partition_number),
+        (SELECT min(d.position)
+           FROM dead_letters d
+           JOIN subscriptions sub ON sub.name = d.subscription
+          WHERE sub.stream = stream_name AND d.partition = partition_number
+            AND d.resolution IS NULL),
+        (SELECT min(pe.position)
+           FROM parked_keys pk
+           JOIN subscriptions sub ON sub.name = pk.subscription
+           JOIN parked_events pe ON pe.parked_key = pk.id
+          WHERE sub.stream = stream_name AND pk.partition = partition_number
+            AND pk.resolution IS NULL AND pe.resolution IS NULL))
+$$;
+
+COMMENT ON FUNCTION subengine.retention_unhandled(stream_name text, partition_number integer) IS 'The lowest position of a partition some subscription has not handled: past its position, an open dead letter, or a waiting event of a parked key (NULL: none).';
+
 CREATE FUNCTION subengine.spark_event_id(content uuid, occurrence bigint) RETURNS uuid
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN (encode(set_byte(set_byte(substr(sha256((uuid_send(content) || int8send(occurrence))), 1, 16), 6, ((get_byte(sha256((uuid_send(content) || int8send(occurrence))), 6) & 15) | 128)), 8, ((get_byte(sha256((uuid_send(content) || int8send(occurrence))), 8) & 63) | 128)), 'hex'::text))::uuid;

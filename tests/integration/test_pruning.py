@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import PYTHON, key_in, wait_for
+from helpers import PYTHON, Running, key_in, poisoned_app, wait_for
 
 import subengine
 from subengine import NewEvent, Retention, Subscription
@@ -288,6 +288,29 @@ def test_keep_unprocessed_keeps_what_a_subscription_needs_until_the_hard_limit(
     assert floors_and_heads(sql, "kept") == {0: (9, 14)}
     states = {row.partition: row.state for row in engine.subscription_status("reader")}
     assert states == {0: "gap"}
+
+
+@pytest.mark.parametrize("on_error", ["dead_letter", "park"])
+def test_keep_unprocessed_keeps_dead_lettered_and_parked_events_until_the_hard_limit(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], on_error: str
+) -> None:
+    policy = Retention(max_events=1, keep_unprocessed=True, hard_max_events=8)
+    fast_engine.create_stream("kept", 1, retention=policy)
+    stored = fast_engine.append("kept", [NewEvent(f"k{n % 2}", "T", {"n": n}) for n in range(6)])
+    app = poisoned_app("kept", stored[1], on_error=on_error, max_attempts=1)
+    with Running(app, fast_engine):
+        wait_for(
+            lambda: [p.position for p in fast_engine.subscription_positions("billing")] == [6],
+            "the worker to pass every event",
+        )
+    # the failed event (with park, also its key's later events) waits for a retry:
+    # retention keeps it, as it keeps what a subscription has not reached
+    fast_engine.run_retention()
+    assert floors_and_heads(sql, "kept") == {0: (2, 6)}
+    # the hard limit still bounds what is kept
+    fast_engine.append("kept", events(4))
+    fast_engine.run_retention()
+    assert floors_and_heads(sql, "kept") == {0: (3, 10)}
 
 
 def test_a_stream_without_a_policy_keeps_everything(

@@ -104,11 +104,8 @@ WITH policies AS (
            p.head - pol.hard_max_events + 1 AS count_hard,
            {schema}.retention_age_cut(p.stream, p.partition, p.head, p.head_time,
                                       pol.hard_cutoff) AS age_hard,
-           (SELECT min(sp.position) + 1
-              FROM {schema}.subscription_positions sp
-              JOIN {schema}.subscriptions sub ON sub.name = sp.subscription
-             WHERE pol.keep AND sub.stream = p.stream AND sp.partition = p.partition)
-               AS unprocessed
+           CASE WHEN pol.keep
+                THEN {schema}.retention_unhandled(p.stream, p.partition) END AS unprocessed
       FROM policies pol
       JOIN {schema}.partitions p ON p.stream = pol.stream
 ), limits AS (
@@ -147,12 +144,8 @@ SELECT stream, partition, floor, head,
 WITH bound AS (
     SELECT least(CASE WHEN %(keep)s
                       THEN least(%(to)s::bigint,
-                                 greatest((SELECT min(sp.position) + 1
-                                             FROM {schema}.subscription_positions sp
-                                             JOIN {schema}.subscriptions sub
-                                               ON sub.name = sp.subscription
-                                            WHERE sub.stream = %(stream)s
-                                              AND sp.partition = %(partition)s),
+                                 greatest({schema}.retention_unhandled(%(stream)s,
+                                                                       %(partition)s),
                                           %(hard)s::bigint))
                       ELSE %(to)s::bigint END,
                  {schema}.retention_hold(%(stream)s, %(partition)s, true)) AS upto
