@@ -35,6 +35,7 @@ from subengine.gateway._http import (
     api_error,
     error_response,
 )
+from subengine.gateway._remote_workers import ack, claim, extend, nack, release
 from subengine.gateway._state import Gateway, GatewayConfig
 from subengine.gateway._stream_reads import list_streams, read_events, show_stream
 from subengine.gateway._ui import ui_routes
@@ -123,6 +124,16 @@ def create_app(
         Route("/v1/webhooks/{webhook_id}", _endpoint(put_webhook), methods=["PUT"]),
         Route("/v1/webhooks/{webhook_id}", _endpoint(show_webhook)),
         Route("/v1/webhooks/{webhook_id}", _endpoint(delete_webhook), methods=["DELETE"]),
+        # remote workers (docs/remote-workers.md)
+        Route("/v1/subscriptions/{name}/claim", _endpoint(claim), methods=["POST"]),
+        *(
+            Route(
+                f"/v1/subscriptions/{{name}}/leases/{{lease}}/{verb}",
+                _endpoint(e),
+                methods=["POST"],
+            )
+            for verb, e in (("ack", ack), ("extend", extend), ("release", release), ("nack", nack))
+        ),
     ]
     if config.ui:
         routes += ui_routes()  # the status page (docs/status-page.md)

@@ -24,10 +24,13 @@ from subengine.model._errors import (
     EventIdConflict,
     InvalidEvent,
     InvalidInput,
+    LeaseConflict,
+    LeaseNotFound,
     PartitionNotFound,
     SchemaNotReady,
     StreamNotFound,
     SubengineError,
+    SubscriptionNotFound,
     WrongExpectedVersion,
 )
 from subengine.model._gateway_cursor import InvalidCursor
@@ -83,6 +86,9 @@ _ANSWERS: tuple[tuple[type[Exception], int, str, Mapping[str, str]], ...] = (
     (WebhookConflict, 409, "webhook_conflict", {}),
     (CallbackRefused, 400, "callback_refused", {}),
     (StreamNotFound, 404, "stream_not_found", {}),
+    (SubscriptionNotFound, 404, "subscription_not_found", {}),
+    (LeaseNotFound, 404, "lease_not_found", {}),
+    (LeaseConflict, 409, "lease_conflict", {}),
     (PartitionNotFound, 404, "partition_not_found", {}),
     (WrongExpectedVersion, 409, "wrong_expected_version", {}),
     (EventIdConflict, 409, "event_id_conflict", {}),

@@ -1,0 +1,238 @@
+"""Remote workers against real `subengine serve` processes (docs/remote-workers.md): the
+protocol over HTTP and its refusals, a waiting claim woken by an append, a reset that
+fences a lease, two remote worker processes and a local one sharing a subscription's
+partitions under load, and a remote worker killed mid-lease."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from helpers import APPS, GatewayProcess, subengine_command, wait_for
+
+import subengine
+from subengine import NewEvent, Subscription
+
+pytestmark = pytest.mark.xdist_group("remote-workers")
+
+
+@pytest.fixture
+def consumer(engine: subengine.Engine, orders: str) -> str:
+    engine.ensure_subscription(Subscription("effects", orders))
+    return "effects"
+
+
+def _url(gateway: GatewayProcess, tail: str) -> str:
+    return f"{gateway.url}/v1/subscriptions/{tail}"
+
+
+def _error(response: httpx.Response) -> tuple[int, str, str]:
+    error = response.json()["error"]
+    return response.status_code, error["code"], error["message"]
+
+
+def _positions(engine: subengine.Engine, name: str = "effects") -> dict[int, int]:
+    return {p.partition: p.position for p in engine.subscription_positions(name)}
+
+
+def test_claim_ack_and_a_second_ack_over_http(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str
+) -> None:
+    appended = engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
+    claimed = httpx.post(_url(gateway, "effects/claim"), json={"worker": "w1"})
+    assert claimed.status_code == 200, claimed.text
+    lease = claimed.json()
+    assert [e["id"] for e in lease["events"]] == [str(a.id) for a in appended]
+    assert lease["events"][0]["data"] == {"n": 0} and lease["tombstone"] is None
+    assert (lease["position"], lease["through"]) == (0, 3)
+    ack = httpx.post(_url(gateway, f"effects/leases/{lease['lease']}/ack"), json={})
+    assert ack.status_code == 200 and ack.json()["position"] == 3
+    again = httpx.post(_url(gateway, f"effects/leases/{lease['lease']}/ack"))
+    assert _error(again)[:2] == (409, "lease_conflict")
+    assert _positions(engine)[appended[0].partition] == 3
+    assert httpx.post(_url(gateway, "effects/claim")).status_code == 204
+
+
+def test_bad_requests_get_one_line_errors_and_change_nothing(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str
+) -> None:
+    engine.ensure_subscription(Subscription("other", "orders"))
+    engine.append("orders", [NewEvent("k", "T", {})])
+    lease = httpx.post(_url(gateway, "effects/claim")).json()["lease"]
+    cases = [
+        (_url(gateway, f"effects/leases/{uuid.uuid4()}/ack"), b"{}", 404, "lease_not_found"),
+        (_url(gateway, f"other/leases/{lease}/ack"), b"{}", 404, "lease_not_found"),
+        (_url(gateway, "nobody/claim"), b"{}", 404, "subscription_not_found"),
+        (_url(gateway, f"effects/leases/{lease}/ack"), b"{not json", 400, "bad_request"),
+        (_url(gateway, f"effects/leases/{lease}/ack"), b'{"position": 9}', 400, "bad_request"),
+        (_url(gateway, f"effects/leases/{lease}/ack"), b'{"pos": 1}', 400, "bad_request"),
+        (_url(gateway, "effects/leases/not-a-uuid/ack"), b"{}", 400, "bad_lease_id"),
+        (_url(gateway, f"effects/leases/{lease}/extend"), b'{"lease_seconds": 0}', 400,
+         "bad_request"),
+        (_url(gateway, "effects/claim"), b'{"wait": "long"}', 400, "bad_request"),
+    ]  # fmt: skip
+    for url, body, status, code in cases:
+        response = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
+        got_status, got_code, message = _error(response)
+        assert (got_status, got_code) == (status, code), (url, body, response.text)
+        assert message and "\n" not in message
+    assert all(position == 0 for position in _positions(engine).values())
+    assert httpx.post(_url(gateway, f"effects/leases/{lease}/ack")).status_code == 200
+
+
+def test_a_key_needs_consume_on_the_stream(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str
+) -> None:
+    _, reader = engine.create_api_key(["read"], ["orders"])
+    _, worker = engine.create_api_key(["consume"], ["ord*"])
+    engine.append("orders", [NewEvent("k", "T", {})])
+    refused = httpx.post(
+        _url(gateway, "effects/claim"), headers={"Authorization": f"Bearer {reader}"}
+    )
+    assert _error(refused)[:2] == (403, "forbidden")
+    allowed = httpx.post(
+        _url(gateway, "effects/claim"), headers={"Authorization": f"Bearer {worker}"}
+    )
+    assert allowed.status_code == 200
+
+
+def test_a_waiting_claim_is_answered_when_an_event_is_appended(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str
+) -> None:
+    answers: list[httpx.Response] = []
+    waiting = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(_url(gateway, "effects/claim"), json={"wait": 20}, timeout=30)
+        )
+    )
+    waiting.start()
+    time.sleep(0.5)  # the claim is waiting (it would be answered anyway: it claims first)
+    [appended] = engine.append("orders", [NewEvent("k", "T", {})])
+    waiting.join(30)
+    assert answers and answers[0].status_code == 200
+    assert answers[0].json()["events"][0]["id"] == str(appended.id)
+
+
+def test_a_reset_during_a_lease_makes_its_ack_a_conflict(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str
+) -> None:
+    engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(2)])
+    lease = httpx.post(_url(gateway, "effects/claim")).json()
+    engine.reset_subscription("effects", "beginning")
+    stale = httpx.post(_url(gateway, f"effects/leases/{lease['lease']}/ack"))
+    status, code, message = _error(stale)
+    assert (status, code) == (409, "lease_conflict") and "moved" in message
+    assert _positions(engine)[lease["partition"]] == 0
+    fresh = httpx.post(_url(gateway, "effects/claim")).json()
+    assert fresh["generation"] == lease["generation"] + 1
+    assert httpx.post(_url(gateway, f"effects/leases/{fresh['lease']}/ack")).status_code == 200
+
+
+class Processes:
+    """Worker processes, local and remote, killed at the end if still running."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env, self.log_dir = env, log_dir
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *command: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with open(self.log_dir / f"process-{len(self.started)}.log", "wb") as log:
+            process = subprocess.Popen(
+                list(command), cwd=APPS, env=env or self.env, stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        self.started.append(process)
+        return process
+
+    def remote(self, url: str, name: str, **env: str) -> subprocess.Popen[bytes]:
+        script = str(APPS / "remote_worker_app.py")
+        return self.start(sys.executable, script, url, "effects", name, env={**self.env, **env})
+
+    def kill_all(self) -> None:
+        for process in self.started:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def processes(worker_app_env: dict[str, str], tmp_path: Path) -> Iterator[Processes]:
+    started = Processes(worker_app_env, tmp_path)
+    yield started
+    started.kill_all()
+
+
+@pytest.fixture
+def effects_table(worker_app_env: dict[str, str], sql: psycopg.Connection[Any]) -> None:
+    sql.execute("ALTER TABLE effects ADD COLUMN worker text NOT NULL DEFAULT 'local'")
+
+
+def _effects(sql: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    return sql.execute(
+        "SELECT event_id, partition, position, worker FROM effects ORDER BY seq"
+    ).fetchall()
+
+
+def test_two_remote_workers_and_a_local_one_share_the_partitions_in_order(
+    gateway: GatewayProcess,
+    engine: subengine.Engine,
+    consumer: str,
+    effects_table: None,
+    processes: Processes,
+    sql: psycopg.Connection[Any],
+) -> None:
+    engine.set_remote_policy("effects", batch_size=10)
+    keys = [f"key-{n}" for n in range(40)]
+    appended = engine.append("orders", [NewEvent(keys[n % 40], "T", {"n": n}) for n in range(400)])
+    env = {"REMOTE_APP_SLEEP": "0.002"}
+    processes.remote(gateway.url, "remote-a", **env)
+    processes.remote(gateway.url, "remote-b", **env)
+    local_env = {**processes.env, "WORKER_APP_BATCH": "10", "WORKER_APP_SLEEP": "0.002"}
+    processes.start(subengine_command(), "worker", "--app", "worker_app:app", env=local_env)
+    more = engine.append("orders", [NewEvent(keys[n % 40], "T", {"n": n}) for n in range(400)])
+    heads = engine.heads("orders")
+    wait_for(lambda: _positions(engine) == heads, "every event acknowledged", timeout=120)
+    rows = _effects(sql)
+    by_partition: dict[int, list[int]] = defaultdict(list)
+    for _, partition, position, _ in rows:
+        by_partition[partition].append(position)
+    for partition, head in heads.items():
+        # each event once, in position order: no batch of a partition was in flight twice
+        assert by_partition[partition] == list(range(1, head + 1)), partition
+    assert {str(row[0]) for row in rows} == {str(a.id) for a in [*appended, *more]}
+    assert {row[3] for row in rows} == {"remote-a", "remote-b", "local"}
+
+
+def test_a_remote_worker_killed_mid_lease_loses_it_and_another_finishes(
+    gateway: GatewayProcess,
+    engine: subengine.Engine,
+    consumer: str,
+    effects_table: None,
+    processes: Processes,
+    sql: psycopg.Connection[Any],
+) -> None:
+    engine.append("orders", [NewEvent("one-key", "T", {"n": n}) for n in range(5)])
+    victim = processes.remote(gateway.url, "victim", REMOTE_APP_SLEEP="30", REMOTE_APP_LEASE="2")
+    leased = "SELECT count(*) FROM subengine.remote_leases WHERE worker = 'victim'"
+    wait_for(lambda: sql.execute(leased).fetchone() == (1,), "the victim's lease")
+    time.sleep(2.5)  # a heartbeat or two extended it
+    victim.kill()
+    victim.wait()
+    processes.remote(gateway.url, "rescuer", REMOTE_APP_LEASE="2")
+    heads = engine.heads("orders")
+    wait_for(lambda: _positions(engine) == heads, "the rescuer's acks", timeout=60)
+    assert [row[2:] for row in _effects(sql)] == [(n, "rescuer") for n in range(1, 6)]
+    ended = sql.execute(
+        "SELECT ended FROM subengine.remote_leases WHERE worker = 'victim'"
+    ).fetchall()
+    assert ended == [("lost",)]
