@@ -971,3 +971,23 @@ class LossyProxy:
         self._server.shutdown()
         self._server.server_close()
         self._relay.close()
+
+
+def reset_waiting_for_the_batch(dsn: str, name: str = "billing") -> threading.Thread:
+    """Start resetting subscription `name` to the beginning, from a thread, and return
+    once the reset waits for the running batch's position row: it moves the position as
+    soon as that batch ends (the caller joins the returned thread)."""
+
+    def reset() -> None:
+        with subengine.Engine(dsn) as other:
+            other.reset_subscription(name, "beginning")
+
+    thread = threading.Thread(target=reset)
+    thread.start()
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND datname = current_database() AND application_name = 'subengine'"
+    )
+    with psycopg.connect(dsn, autocommit=True) as watcher:
+        wait_for(lambda: watcher.execute(waiting).fetchone()[0] == 1)  # type: ignore[index]
+    return thread

@@ -12,7 +12,16 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Running, count, key_in, poisoned_app, record, stored_events, wait_for
+from helpers import (
+    Running,
+    count,
+    key_in,
+    poisoned_app,
+    record,
+    reset_waiting_for_the_batch,
+    stored_events,
+    wait_for,
+)
 from psycopg.sql import SQL, Identifier
 
 import subengine
@@ -450,26 +459,6 @@ def test_a_failing_event_that_is_gone_is_not_skipped_by_its_dead_letter(
     assert f"no longer stores position {poison.position}," in row.last_error  # type: ignore[operator]
     assert count(sql, "subengine.dead_letters") == 0
     assert count(sql) == 1  # the event after the gone one waits behind it
-
-
-def reset_waiting_for_the_batch(dsn: str, name: str = "billing") -> threading.Thread:
-    """Start resetting subscription `name` to the beginning, from a thread, and return
-    once the reset waits for the running batch's position row: it moves the position as
-    soon as that batch ends (the caller joins the returned thread)."""
-
-    def reset() -> None:
-        with subengine.Engine(dsn) as other:
-            other.reset_subscription(name, "beginning")
-
-    thread = threading.Thread(target=reset)
-    thread.start()
-    waiting = (
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        " AND datname = current_database() AND application_name = 'subengine'"
-    )
-    with psycopg.connect(dsn, autocommit=True) as watcher:
-        wait_for(lambda: watcher.execute(waiting).fetchone()[0] == 1)  # type: ignore[index]
-    return thread
 
 
 @pytest.mark.parametrize("policy", ["dead_letter", "stop"])
