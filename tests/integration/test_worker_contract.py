@@ -5,12 +5,14 @@ contract test module). Each test runs once per kind (`workers`)."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import count, wait_for
+from helpers import count, free_port, reset_waiting_for_the_batch, scrape, value, wait_for
 from worker_twins import Effects, WorkerTwin, record
 from worker_twins import workers_fixture as workers_fixture
 
@@ -216,3 +218,103 @@ def test_a_database_error_moving_the_position_is_never_counted_against_the_event
     assert [(p.stopped, p.attempts, p.last_error) for p in rows] == [(False, 0, None)] * 2
     assert count(sql, "subengine.dead_letters") == 0
     assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 6  # type: ignore[index]
+
+
+def test_the_partition_with_the_oldest_next_event_goes_first(
+    fast_engine: subengine.Engine, workers: WorkerTwin
+) -> None:
+    # invariant 7: the later-appended partition holds the older events
+    new_key = next(f"n{i}" for i in range(100) if subengine.partition_for(f"n{i}", 4) == 0)
+    old_key = next(f"o{i}" for i in range(100) if subengine.partition_for(f"o{i}", 4) == 3)
+    now = datetime.now(UTC)
+    fast_engine.append("orders", [NewEvent(new_key, "T", {}, occurred_at=now) for _ in range(3)])
+    fast_engine.append(
+        "orders",
+        [NewEvent(old_key, "T", {}, occurred_at=now - timedelta(hours=1)) for _ in range(3)],
+    )
+    order: list[int] = []
+    app = subengine.App()
+
+    def body(event: subengine.Event) -> Effects:
+        order.append(event.partition)
+        return []
+
+    workers.handler(app.subscription("billing", stream="orders"), body)
+    with workers.running(app, fast_engine, concurrency=1):
+        wait_for(lambda: len(order) == 6)
+    assert order == [3, 3, 3, 0, 0, 0]
+
+
+# the listening connections of this test's database
+LISTENING = "pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()"
+
+
+def test_a_notification_delivers_without_waiting_for_a_poll(
+    dsn: str, sql: psycopg.Connection[Any], workers: WorkerTwin
+) -> None:
+    # polls an hour apart: only the listener can bring the events in time
+    sql.execute("CREATE TABLE effects (event_id uuid, partition int, position bigint)")
+    settings = subengine.Settings(dsn=dsn, poll_interval=3600, heartbeat_interval=3600)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=2)
+        app = subengine.App()
+        workers.handler(app.subscription("billing", stream="orders"), record)
+        with workers.running(app, engine):
+            wait_for(lambda: count(sql, LISTENING) > 0)
+            engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
+            wait_for(lambda: count(sql) == 10, timeout=30)
+
+
+def test_a_reset_during_a_failing_batch_charges_nothing_to_the_new_generation(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], dsn: str, workers: WorkerTwin
+) -> None:
+    # fencing by generation: the failure the old generation met is recorded against it
+    # or not at all, and the new generation handles every event again
+    fast_engine.create_stream("single", partitions=1)
+    stored = fast_engine.append("single", [NewEvent("k", "T", {}) for _ in range(8)])
+    poison = stored[4]
+    resets: list[threading.Thread] = []
+    app = subengine.App()
+
+    def body(event: subengine.Event) -> Effects:
+        if event.id != poison.id:
+            return record(event)
+        if not resets:
+            resets.append(reset_waiting_for_the_batch(dsn))
+        raise ValueError("poison")
+
+    sub = app.subscription(
+        "billing", stream="single", batch_size=1, max_attempts=1, on_error="dead_letter"
+    )
+    workers.handler(sub, body)
+    with workers.running(app, fast_engine):
+        wait_for(lambda: count(sql, "subengine.dead_letters") >= 1 and count(sql) == 4 + 7)
+        resets[0].join()
+    [row] = fast_engine.subscription_positions("billing")
+    assert (row.generation, row.position) == (2, 8)
+    dead = sql.execute("SELECT position, generation FROM subengine.dead_letters").fetchall()
+    assert {position for position, _ in dead} == {poison.position}
+    assert (poison.position, 2) in dead
+
+
+def test_metrics_and_the_status_view_show_the_work(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], workers: WorkerTwin
+) -> None:
+    stored = fast_engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(12)])
+    app = subengine.App()
+    sub = app.subscription("billing", stream="orders", max_attempts=1, on_error="dead_letter")
+    workers.handler(sub, poisoned(stored[3]))
+    port = free_port()
+    with workers.running(app, fast_engine, metrics_port=port, metrics_address="127.0.0.1"):
+        wait_for(lambda: count(sql) == 11 and count(sql, "subengine.dead_letters") == 1)
+        wait_for(
+            lambda: (
+                value(scrape(port), "subengine_events_processed_total", subscription="billing")
+                == 11
+            )
+        )
+        samples = scrape(port)
+        status = fast_engine.subscription_status("billing")
+    assert value(samples, "subengine_dead_letters_total", subscription="billing") == 1
+    assert [p.lag for p in status] == [0] * 4
+    assert {p.state for p in status} <= {"ok", "idle"}
