@@ -40,7 +40,7 @@ async def order_placed(event: subengine.Event, conn: Any) -> None:
 
 @asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
-    engine = subengine.Engine()  # SUBENGINE_DSN
+    engine = subengine.AsyncEngine()  # SUBENGINE_DSN; the app appends with it too
     worker = subengine.AsyncWorker(engine, list(consumers.subscriptions.values()))
     stop = asyncio.Event()
     running = asyncio.create_task(worker.run(stop))
@@ -50,7 +50,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     finally:
         stop.set()
         await running  # the current batches finish; an error that stopped it is raised
-        engine.close()
+        await engine.close()
 
 
 async def health(request: Request) -> JSONResponse:

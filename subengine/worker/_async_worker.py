@@ -8,6 +8,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from subengine.engine._async_engine import AsyncEngine
 from subengine.engine._engine import Engine
 from subengine.model._declarations import Subscription
 from subengine.worker._worker import Worker
@@ -27,17 +28,22 @@ class AsyncWorker:
     application made there (clients, an SQLAlchemy `AsyncEngine`); the worker's scheduling
     (looks, locks, the poller) runs in threads of its own and never blocks the loop.
     Subscriptions with plain handlers run there too, in the slots' threads.
+
+    `engine` may be the application's `AsyncEngine`: the worker then makes an `Engine` of
+    the same DSN and settings for its own threads, for the length of each run.
     """
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | AsyncEngine,
         subscriptions: Sequence[Subscription],
         concurrency: int = 1,
         listen: bool = True,
         metrics_port: int | None = None,
         metrics_address: str | None = None,
     ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
         self._options: dict[str, Any] = {
             "concurrency": concurrency,
             "listen": listen,
@@ -53,8 +59,6 @@ class AsyncWorker:
         and every lock is released before it returns (a cancellation is raised again
         after that). An error that stops the worker is raised here."""
         loop = asyncio.get_running_loop()
-        worker = Worker(self._engine, self._subscriptions, loop=loop, **self._options)
-        self.worker = worker
         halt = threading.Event()
         done: asyncio.Future[None] = loop.create_future()
 
@@ -69,7 +73,12 @@ class AsyncWorker:
         def work() -> None:
             error: BaseException | None = None
             try:
-                worker.run(halt)
+                if isinstance(self._engine, Engine):
+                    self._work(self._engine, loop, halt)
+                else:
+                    settings = self._engine.settings
+                    with Engine(self._engine.dsn, settings=settings) as engine:
+                        self._work(engine, loop, halt)
             except BaseException as failure:  # raised in `run`'s task
                 error = failure
             loop.call_soon_threadsafe(settle, error)
@@ -91,3 +100,8 @@ class AsyncWorker:
                 except asyncio.CancelledError:
                     continue
         done.result()
+
+    def _work(self, engine: Engine, loop: asyncio.AbstractEventLoop, halt: threading.Event) -> None:
+        worker = Worker(engine, self._subscriptions, loop=loop, **self._options)
+        self.worker = worker
+        worker.run(halt)
