@@ -82,7 +82,11 @@ def worker(
     metrics_port: int | None,
     metrics_address: str | None,
 ) -> None:
-    """Consume subscriptions of an app until SIGTERM/SIGINT (a second one exits at once)."""
+    """Consume subscriptions of an app until SIGTERM/SIGINT (a second one exits at once).
+
+    Subscriptions with plain and with async def handlers run side by side; the async
+    ones are awaited on an event loop of the worker's own (docs/async-workers.md).
+    """
     stop_signals = context.stop_signals or _running.StopSignals()
     level = log_level or context.log_level or "info"
     json_logs = (log_format or context.log_format) == "json"
