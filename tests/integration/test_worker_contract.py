@@ -318,3 +318,49 @@ def test_metrics_and_the_status_view_show_the_work(
     assert value(samples, "subengine_dead_letters_total", subscription="billing") == 1
     assert [p.lag for p in status] == [0] * 4
     assert {p.state for p in status} <= {"ok", "idle"}
+
+
+def test_a_database_error_raised_by_a_handler_is_not_counted_against_the_events(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], workers: WorkerTwin
+) -> None:
+    # the handler's own statement times out twice (a lock held elsewhere, say), then works
+    fast_engine.create_stream("single", partitions=1)
+    stored = fast_engine.append("single", [NewEvent("k", "T", {}) for _ in range(6)])
+    timeouts: list[Any] = []
+    app = subengine.App()
+
+    def body(event: subengine.Event) -> Effects:
+        if event.id == stored[3].id and len(timeouts) < 2:
+            timeouts.append(event.id)
+            return [("SET LOCAL statement_timeout = 10", ()), ("SELECT pg_sleep(1)", ())]
+        return record(event)
+
+    sub = app.subscription("billing", stream="single", max_attempts=1, on_error="stop")
+    workers.handler(sub, body)
+    with workers.running(app, fast_engine):
+        wait_for(lambda: count(sql) == len(stored))
+    [row] = fast_engine.subscription_positions("billing")
+    assert (row.position, row.stopped, row.attempts, row.last_error) == (6, False, 0, None)
+    assert len(timeouts) == 2
+
+
+def test_a_worker_whose_connections_are_all_ended_goes_on_exactly_once(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any], workers: WorkerTwin
+) -> None:
+    # every connection of the worker, its batches' (sync or async) included, ended mid-run
+    fast_engine.create_stream("single", partitions=1)
+    fast_engine.append("single", [NewEvent("k", "T", {}) for _ in range(400)])
+    app = subengine.App()
+
+    def body(event: subengine.Event) -> Effects:
+        return [("SELECT pg_sleep(0.005)", ()), *record(event)]
+
+    workers.handler(app.subscription("billing", stream="single", batch_size=5), body)
+    with workers.running(app, fast_engine):
+        wait_for(lambda: 20 < count(sql) < 200)
+        sql.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name LIKE 'subengine worker %' AND datname = current_database()"
+        )
+        wait_for(lambda: count(sql) == 400)
+    assert sql.execute("SELECT count(DISTINCT event_id) FROM effects").fetchone()[0] == 400  # type: ignore[index]
