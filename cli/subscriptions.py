@@ -184,3 +184,26 @@ def subscription_resume(context: Context, name: str) -> None:
     restarted = context.engine().resume_subscription(name)
     note = f"; restarted stopped partitions {', '.join(map(str, restarted))}" if restarted else ""
     click.echo(f"resumed subscription {name!r}{note}")
+
+
+@subscription.command("remote-policy")
+@click.argument("name")
+@click.option(
+    "--on-error",
+    type=click.Choice(["stop", "dead_letter", "park"]),
+    default="stop",
+    show_default=True,
+    help="What remote workers' nacks lead to at the last attempt.",
+)
+@click.option("--max-attempts", type=int, default=5, show_default=True, help="Attempts per event.")
+@click.option("--batch-size", type=int, default=100, show_default=True, help="Events per lease.")
+@pass_context
+def subscription_remote_policy(
+    context: Context, name: str, on_error: str, max_attempts: int, batch_size: int
+) -> None:
+    """Set the error policy and batch size of NAME's remote workers (docs/remote-workers.md)."""
+    context.engine().set_remote_policy(name, on_error, max_attempts, batch_size)
+    click.echo(
+        f"remote workers of {name!r}: on_error={on_error}, max_attempts={max_attempts}, "
+        f"batch_size={batch_size}"
+    )

@@ -5,6 +5,9 @@ partitions under load, and a remote worker killed mid-lease."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,10 +21,13 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from helpers import APPS, GatewayProcess, subengine_command, wait_for
+from helpers import APPS, ROOT, GatewayProcess, subengine_command, wait_for
 
 import subengine
 from subengine import NewEvent, Subscription
+from subengine.client import AsyncRemoteWorker, Event, RemoteWorker
+
+EXAMPLES = ROOT / "examples"
 
 pytestmark = pytest.mark.xdist_group("remote-workers")
 
@@ -236,3 +242,70 @@ def test_a_remote_worker_killed_mid_lease_loses_it_and_another_finishes(
         "SELECT ended FROM subengine.remote_leases WHERE worker = 'victim'"
     ).fetchall()
     assert ended == [("lost",)]
+
+
+def test_the_node_example_is_a_remote_worker(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str, cli_env: dict[str, str]
+) -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed (.ci/run installs it)")
+    appended = engine.append("orders", [NewEvent(f"k{n % 5}", "T", {"n": n}) for n in range(30)])
+    env = {**cli_env, "SUBENGINE_GATEWAY": gateway.url, "EXIT_WHEN_IDLE": "1"}
+    done = subprocess.run(
+        [node, str(EXAMPLES / "remote_worker.mjs"), "effects"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    handled = [json.loads(line) for line in done.stdout.splitlines()]
+    assert sorted(h["id"] for h in handled) == sorted(str(a.id) for a in appended)
+    by_partition: dict[int, list[int]] = defaultdict(list)
+    for h in handled:
+        by_partition[h["partition"]].append(h["position"])
+    heads = engine.heads("orders")
+    assert {p: positions for p, positions in by_partition.items()} == {
+        p: list(range(1, head + 1)) for p, head in heads.items() if head
+    }
+    assert _positions(engine) == heads
+
+
+def test_a_failing_handler_nacks_and_the_policy_dead_letters_the_event(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str
+) -> None:
+    engine.set_remote_policy("effects", on_error="dead_letter", max_attempts=2)
+    appended = engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
+    handled: list[int] = []
+
+    def handler(event: Event) -> None:
+        if event.data["n"] == 1:
+            raise ValueError("no good")
+        handled.append(event.data["n"])
+
+    with RemoteWorker(gateway.url, "effects", handler, wait=0) as worker:
+        for _ in range(20):  # each nack waits for its retry (the settings' delay, 1 s)
+            worker.run_once()
+            if _positions(engine)[appended[0].partition] == 3:
+                break
+            time.sleep(0.2)
+    assert handled == [0, 2]
+    [letter] = engine.dead_letters("effects")
+    assert letter.position == 2 and "ValueError: no good" in letter.error
+
+
+def test_the_async_remote_worker_handles_with_coroutines(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str
+) -> None:
+    appended = engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(4)])
+    handled: list[str] = []
+
+    async def handler(event: Event) -> None:
+        await asyncio.sleep(0)
+        handled.append(str(event.id))
+
+    async def work() -> int:
+        async with AsyncRemoteWorker(gateway.url, "effects", handler, wait=1) as worker:
+            return await worker.run_once()
+
+    assert asyncio.run(work()) == 4
+    assert handled == [str(a.id) for a in appended]
+    assert _positions(engine)[appended[0].partition] == 4

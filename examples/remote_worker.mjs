@@ -1,0 +1,73 @@
+// A remote worker of subengine in Node (20 or later; no packages): it claims leases on a
+// subscription's partitions through the gateway, handles each event in order, extends
+// the lease while it works, acks the batch, and nacks the event whose handling failed.
+// Effects are at least once: `handle` skips an event whose id it has seen (a real worker
+// keeps the ids in the store its effects go to, in the same transaction).
+//
+//   SUBENGINE_GATEWAY=http://127.0.0.1:8800 node remote_worker.mjs orders-mailer
+//
+// SUBENGINE_API_KEY: a token with the `consume` scope on the subscription's stream.
+// EXIT_WHEN_IDLE=1: stop once a claim waited in vain (for scripts and tests).
+
+const gateway = process.env.SUBENGINE_GATEWAY ?? "http://127.0.0.1:8800";
+const subscription = process.argv[2] ?? "orders-mailer";
+const leaseSeconds = 30;
+const exitWhenIdle = process.env.EXIT_WHEN_IDLE === "1";
+const headers = { "Content-Type": "application/json" };
+if (process.env.SUBENGINE_API_KEY) {
+  headers.Authorization = `Bearer ${process.env.SUBENGINE_API_KEY}`;
+}
+
+async function call(path, body = {}) {
+  const url = `${gateway}/v1/subscriptions/${encodeURIComponent(subscription)}${path}`;
+  const response = await fetch(url, { method: "POST", headers, body: JSON.stringify(body) });
+  if (response.status === 204) return null; // no partition free before `wait` ended
+  const answer = await response.json();
+  if (!response.ok) {
+    const error = new Error(`${response.status} ${answer.error.code}: ${answer.error.message}`);
+    error.status = response.status;
+    throw error;
+  }
+  return answer;
+}
+
+const seen = new Set();
+
+async function handle(event) {
+  if (seen.has(event.id)) return; // handled before a lost lease: do not do it twice
+  // ... the effect goes here ...
+  console.log(JSON.stringify({ id: event.id, partition: event.partition, position: event.position }));
+  seen.add(event.id);
+}
+
+for (;;) {
+  const lease = await call("/claim", { worker: `node-${process.pid}`, lease_seconds: leaseSeconds, wait: exitWhenIdle ? 2 : 20 });
+  if (lease === null) {
+    if (exitWhenIdle) break;
+    continue;
+  }
+  const leasePath = `/leases/${lease.lease}`;
+  const heartbeat = setInterval(() => {
+    call(`${leasePath}/extend`, { lease_seconds: leaseSeconds }).catch((error) => console.error(`heartbeat: ${error.message}`));
+  }, (leaseSeconds * 1000) / 3);
+  try {
+    let failed = false;
+    // a lease carries events, or the tombstone of a gap retention left, to ack past
+    for (const event of lease.events) {
+      try {
+        await handle(event);
+      } catch (error) {
+        // the events before this one are acknowledged with the nack
+        await call(`${leasePath}/nack`, { position: event.position, error: String(error) });
+        failed = true;
+        break;
+      }
+    }
+    if (!failed) await call(`${leasePath}/ack`);
+  } catch (error) {
+    if (error.status !== 409) throw error; // 409: the lease was lost; another worker has it
+    console.error(error.message);
+  } finally {
+    clearInterval(heartbeat);
+  }
+}
