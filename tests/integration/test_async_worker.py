@@ -160,3 +160,34 @@ def test_engine_calls_outside_a_worker_await_async_handlers_on_a_loop_of_their_o
     assert outcome is not None and (outcome.handled, outcome.position) == (1, 4)
     handled = sql.execute("SELECT position FROM effects ORDER BY 1").fetchall()
     assert [p for (p,) in handled] == [1, 2, 3, 4]
+
+
+def test_a_parked_key_of_async_handlers_is_retried_once_each_in_order(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    sql.execute("ALTER TABLE effects ADD COLUMN seq bigserial")
+    fast_engine.create_stream("single", partitions=1)
+    keys = ["a", "b", "a", "b", "a"]
+    stored = fast_engine.append("single", [NewEvent(k, "T", {}) for k in keys])
+    broken = {stored[0].id}
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single", max_attempts=1, on_error="park")
+
+    @sub.handler()
+    async def handle(event: subengine.Event, conn: Any) -> None:
+        if event.id in broken:
+            raise ValueError("not yet")
+        await conn.execute("INSERT INTO effects VALUES (%s, %s, %s)",
+                           (event.id, event.partition, event.position))  # fmt: skip
+
+    fast_engine.ensure_subscription(sub)
+    with Running(app, fast_engine):
+        wait_for(lambda: fast_engine.subscription_positions("billing")[0].position == 5)
+    assert [p for (p,) in sql.execute("SELECT position FROM effects ORDER BY seq")] == [2, 4]
+    broken.clear()
+    retried = fast_engine.retry_parked_key(sub, "a")
+    assert (retried.replayed, retried.error) == (3, None)
+    assert [p for (p,) in sql.execute("SELECT position FROM effects ORDER BY seq")] == [
+        2, 4, 1, 3, 5
+    ]  # fmt: skip
+    assert fast_engine.parked_keys("billing") == []
