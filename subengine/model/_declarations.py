@@ -372,9 +372,9 @@ class Subscription:
         ones, so a subscription cannot have both."""
         if self._async is None or self._async == is_async:
             return
-        have, new = ("async def", "plain def") if self._async else ("plain def", "async def")
+        have, new = ("async def", "a plain def") if self._async else ("plain def", "an async def")
         raise InvalidInput(
-            f"{self._owner} has {have} handlers; a {new} handler cannot share their "
+            f"{self._owner} has {have} handlers; {new} handler cannot share their "
             f"batches' transaction: make them all async def or all plain def"
         )
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import APPS, subengine_command
+from helpers import APPS, run_subengine, subengine_command
 
 import subengine
 from subengine import NewEvent
@@ -115,3 +115,23 @@ def test_exactly_once_in_key_order_while_async_workers_are_killed_mid_batch(
     for key, version in sql.execute("SELECT key, key_version FROM effects ORDER BY seq"):
         versions[key].append(version)
     assert all(v == list(range(1, len(v) + 1)) for v in versions.values())
+
+
+def test_a_subscription_mixing_plain_and_async_handlers_exits_with_one_clear_line(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "mixed_app.py").write_text(
+        "import subengine\n"
+        "app = subengine.App()\n"
+        "sub = app.subscription('billing', stream='orders')\n"
+        "sub.handler('A')(lambda event, conn: None)\n"
+        "async def paid(event, conn): pass\n"
+        "sub.handler('B')(paid)\n"
+    )
+    result = run_subengine(cli_env, "worker", "--app", "mixed_app:app", cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert (
+        "subscription 'billing' has plain def handlers; an async def handler cannot share "
+        "their batches' transaction" in line
+    )
