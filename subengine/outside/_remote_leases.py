@@ -263,7 +263,8 @@ def _take(
         Query(
             "remote_take_lease",
             {
-                "id": lease_id, "name": name, "partition": partition, "worker": worker,
+                "id": lease_id, "name": name, "stream": stream, "partition": partition,
+                "worker": worker,
                 "generation": generation, "position": old, "through": through,
                 "gap": None if gap is None else json.dumps(_gap_json(gap)),
                 "parked": list(parked), "seconds": seconds,

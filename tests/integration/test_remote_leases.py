@@ -176,3 +176,24 @@ def test_a_claim_skips_a_partition_whose_lock_a_local_slot_holds(
     sql.execute("SELECT pg_advisory_unlock_all()")
     lease = engine.claim_lease("remote", "w1")
     assert lease is not None and lease.partition == partition
+
+
+def test_an_expired_lease_leaves_its_partition_where_local_looks_find_it(
+    engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
+    _subscribe(engine)
+    engine.append(orders, [NewEvent("a", "T", {})])
+    # no local worker looked: the row has no next event's time yet
+    assert sql.execute(
+        "SELECT count(*) FROM subengine.subscription_positions"
+        " WHERE subscription = 'remote' AND next_time IS NOT NULL"
+    ).fetchone() == (0,)
+    lease = engine.claim_lease("remote", "w1")
+    assert lease is not None
+    # when it expires, a local worker's look (next_time, retry_at due) takes the partition
+    marked = sql.execute(
+        "SELECT next_time IS NOT NULL FROM subengine.subscription_positions"
+        " WHERE subscription = 'remote' AND partition = %s",
+        [lease.partition],
+    ).fetchone()
+    assert marked == (True,)

@@ -71,12 +71,16 @@ UPDATE {schema}.remote_leases SET ended_at = now(), ended = 'lost'
 -- name: remote_take_lease
 -- Hold the partition until the deadline (its position row's retry_at), fix the batch's
 -- bounds (a retry after the lease is lost, by any worker, is the same batch: DESIGN.md,
--- "A retry is the same batch"), and store the lease. Fenced like a position.
+-- "A retry is the same batch"), and store the lease. Fenced like a position. A row no
+-- local look has marked gets its next event's time, so that local workers' looks and
+-- polls find the partition once the lease expires, without waiting for an append.
 WITH held AS (
     UPDATE {schema}.subscription_positions
        SET retry_at = clock_timestamp() + make_interval(secs => %(seconds)s),
            batch_through = CASE WHEN %(gap)s::jsonb IS NULL THEN %(through)s::bigint
-                                ELSE batch_through END
+                                ELSE batch_through END,
+           next_time = coalesce(next_time,
+                                {schema}.next_event_time(%(stream)s, partition, position))
      WHERE subscription = %(name)s AND partition = %(partition)s
        AND position = %(position)s AND generation = %(generation)s
     RETURNING retry_at
