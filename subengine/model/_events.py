@@ -205,8 +205,16 @@ def _decoded_on_first_read(name: str) -> None:
     setattr(Event, name, property(read, stored.__set__))
 
 
+_METADATA_SLOT = Event.__dict__["metadata"]
 _decoded_on_first_read("data")
 _decoded_on_first_read("metadata")
+
+
+def metadata_lacks(event: Event, text: str) -> bool:
+    """Whether the event's metadata is still undecoded JSON text without `text` in it: a
+    caller looking for a key need not decode it then. False once it is decoded."""
+    value = _METADATA_SLOT.__get__(event, Event)
+    return type(value) is _JSONText and text not in value
 
 
 def stored_events(rows: Iterable[Sequence[Any]]) -> list[Event]:

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from subengine.model import _events
+
 if TYPE_CHECKING:
     from subengine.model._events import Event
 
@@ -125,6 +127,8 @@ def batch_span(
     # each distinct pair once, in order: the events of one append share theirs
     carried: dict[tuple[str, str | None], None] = {}
     for event in events:
+        if _events.metadata_lacks(event, TRACEPARENT):
+            continue  # no trace context: its metadata stays undecoded
         metadata = event.metadata
         if isinstance(metadata, dict) and isinstance(metadata.get(TRACEPARENT), str):
             state = metadata.get(TRACESTATE)

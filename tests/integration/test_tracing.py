@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from helpers import ROOT, stored_events
+from helpers import ROOT, count_json_decodes, stored_events
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -230,6 +230,21 @@ def test_events_without_context_make_a_span_without_links(
     engine.process_batch(subscription, 0)
     (batch,) = batch_spans(spans)
     assert batch.parent is None and list(batch.links) == []
+
+
+def test_a_batch_decodes_no_metadata_without_a_trace_context_while_tracing(
+    engine: subengine.Engine, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.create_stream("orders", partitions=1)
+    engine.append("orders", [NewEvent(f"o-{n}", "Placed", {}, metadata={"m": n}) for n in range(3)])
+    app = subengine.App()
+    sub = app.subscription("quiet", stream="orders")
+    sub.handler()(lambda event, conn: None)
+    engine.ensure_subscription(app.subscriptions["quiet"])
+    decoded = count_json_decodes(monkeypatch)
+    engine.process_batch(app.subscriptions["quiet"], 0)
+    assert [s.name for s in spans.get_finished_spans()] == ["process quiet"]
+    assert decoded == []  # the handler read neither data nor metadata; nor did the span
 
 
 # A process that appends, handles batches with a worker and reads, and then names every
