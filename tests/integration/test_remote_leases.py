@@ -13,6 +13,7 @@ import pytest
 
 import subengine
 from subengine import NewEvent, Retention, Subscription
+from subengine.db._sql import Db
 from subengine.model._errors import LeaseConflict, LeaseNotFound
 from subengine.subscriptions._batches import process_batch
 
@@ -47,14 +48,10 @@ def test_a_leased_partition_is_skipped_by_claims_and_local_batches(
     assert lease is not None
     others = engine.claim_lease("remote", "w2")
     assert others is None or others.partition != lease.partition
-    assert process_batch(_db(engine), Subscription("remote", orders), lease.partition) is None
+    with psycopg.connect(engine.dsn) as conn:
+        local = Db(conn, engine.sql)
+        assert process_batch(local, Subscription("remote", orders), lease.partition) is None
     assert _positions(engine)[lease.partition] == 0
-
-
-def _db(engine: subengine.Engine) -> Any:
-    from subengine.db._sql import Db
-
-    return Db(psycopg.connect(engine.dsn), engine.sql)
 
 
 def test_an_ack_moves_the_position_and_a_second_ack_is_a_conflict(
@@ -197,3 +194,22 @@ def test_an_expired_lease_leaves_its_partition_where_local_looks_find_it(
         [lease.partition],
     ).fetchone()
     assert marked == (True,)
+
+
+def test_a_parked_key_s_later_events_are_left_out_of_leases_and_set_aside_on_ack(
+    engine: subengine.Engine,
+) -> None:
+    engine.create_stream("single", partitions=1)
+    _subscribe(engine, stream="single")
+    engine.set_remote_policy("remote", on_error="park", max_attempts=1)
+    engine.append("single", [NewEvent(key, "T", {"n": n}) for n, key in enumerate("abab")])
+    lease = engine.claim_lease("remote", "w1")
+    assert lease is not None and [e.key for e in lease.events] == ["a", "b", "a", "b"]
+    failure = engine.nack_lease("remote", lease.id, "poison", position=2)  # the first b
+    assert (failure.action, failure.key) == ("parked", "b")
+    after = engine.claim_lease("remote", "w1")
+    assert after is not None
+    assert [(e.key, e.position) for e in after.events] == [("a", 3)]  # b's 4 is set aside
+    assert engine.ack_lease("remote", after.id) == 4
+    [parked] = engine.parked_keys("remote")
+    assert (parked.key, parked.position, parked.events) == ("b", 2, 2)
