@@ -309,3 +309,31 @@ def test_the_async_remote_worker_handles_with_coroutines(
     assert asyncio.run(work()) == 4
     assert handled == [str(a.id) for a in appended]
     assert _positions(engine)[appended[0].partition] == 4
+
+
+def test_a_waiting_claim_gets_a_released_partition_without_an_append(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str
+) -> None:
+    engine.append("orders", [NewEvent("k", "T", {})])
+    first = httpx.post(_url(gateway, "effects/claim"), json={"lease_seconds": 60}).json()
+    extended = httpx.post(
+        _url(gateway, f"effects/leases/{first['lease']}/extend"), json={"lease_seconds": 120}
+    ).json()
+    assert extended["deadline"] > first["deadline"]
+    answers: list[httpx.Response] = []
+    waiting = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(_url(gateway, "effects/claim"), json={"wait": 20}, timeout=30)
+        )
+    )
+    waiting.start()
+    time.sleep(0.5)  # the claim waits: the only partition with events is leased
+    assert not answers
+    released = httpx.post(_url(gateway, f"effects/leases/{first['lease']}/release"))
+    assert released.status_code == 200
+    # no notification comes (nothing was appended): the waiting claim's poll finds it
+    waiting.join(30)
+    assert answers and answers[0].status_code == 200
+    second = answers[0].json()
+    assert second["partition"] == first["partition"]
+    assert [e["id"] for e in second["events"]] == [e["id"] for e in first["events"]]
