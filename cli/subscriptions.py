@@ -207,3 +207,18 @@ def subscription_remote_policy(
         f"remote workers of {name!r}: on_error={on_error}, max_attempts={max_attempts}, "
         f"batch_size={batch_size}"
     )
+
+
+LEASE_COLUMNS = _render.columns(
+    "partition", "worker", "position", "through", "generation", "deadline", "id"
+)
+
+
+@subscription.command("leases")
+@click.argument("name")
+@json_option
+@pass_context
+def subscription_leases(context: Context, name: str, as_json: bool) -> None:
+    """List NAME's live leases of remote workers (docs/remote-workers.md)."""
+    leases = context.engine().remote_leases(name)
+    _render.print_records(leases, LEASE_COLUMNS, as_json=as_json, title=f"leases of {name}")

@@ -12,7 +12,12 @@ from datetime import datetime
 from subengine.db._sql import Db
 from subengine.model._settings import Settings
 from subengine.outside import _remote_leases
-from subengine.outside._remote_leases import DEFAULT_LEASE_SECONDS, Lease, RemoteSubscription
+from subengine.outside._remote_leases import (
+    DEFAULT_LEASE_SECONDS,
+    Lease,
+    LiveLease,
+    RemoteSubscription,
+)
 from subengine.subscriptions._failures import Failure
 
 
@@ -90,3 +95,8 @@ class RemoteLeases:
         """`subscription`'s stream and remote policy; SubscriptionNotFound without one."""
         with self.db() as db:
             return _remote_leases.remote_subscription(db, subscription)
+
+    def remote_leases(self, subscription: str) -> list[LiveLease]:
+        """The live leases of `subscription` (who holds which partition until when)."""
+        with self.db() as db:
+            return _remote_leases.live_leases(db, subscription)

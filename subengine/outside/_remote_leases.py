@@ -174,6 +174,33 @@ def set_remote_policy(
     db.run(Query("set_remote_policy", params, nothing))
 
 
+@dataclass(frozen=True, slots=True)
+class LiveLease:
+    """A live lease as an operator sees it: who holds which batch of a partition until
+    when."""
+
+    id: uuid.UUID
+    partition: int
+    worker: str
+    generation: int
+    position: int
+    through: int
+    deadline: datetime
+    created_at: datetime
+
+
+def live_leases(db: Db, name: str) -> list[LiveLease]:
+    """The live leases of subscription `name`, by partition."""
+    remote_subscription(db, name)
+    return db.run(
+        Query(
+            "list_remote_leases",
+            {"name": name},
+            lambda result: [LiveLease(*row) for row in result.rows],
+        )
+    )
+
+
 def claim(
     db: Db,
     schema: str,

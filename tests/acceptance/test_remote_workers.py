@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from helpers import APPS, ROOT, GatewayProcess, subengine_command, wait_for
+from helpers import APPS, ROOT, GatewayProcess, run_subengine, subengine_command, wait_for
 
 import subengine
 from subengine import NewEvent, Subscription
@@ -337,3 +337,21 @@ def test_a_waiting_claim_gets_a_released_partition_without_an_append(
     second = answers[0].json()
     assert second["partition"] == first["partition"]
     assert [e["id"] for e in second["events"]] == [e["id"] for e in first["events"]]
+
+
+def test_subscription_leases_lists_who_holds_what(
+    engine: subengine.Engine, consumer: str, cli_env: dict[str, str]
+) -> None:
+    engine.append("orders", [NewEvent("k", "T", {})])
+    lease = engine.claim_lease("effects", "mailer-7")
+    assert lease is not None
+    shown = run_subengine(cli_env, "subscription", "leases", "effects", "--json")
+    assert shown.returncode == 0, shown.stderr
+    [row] = [json.loads(line) for line in shown.stdout.splitlines()]
+    assert (row["worker"], row["partition"], row["id"]) == (
+        "mailer-7",
+        lease.partition,
+        str(lease.id),
+    )
+    missing = run_subengine(cli_env, "subscription", "leases", "nobody")
+    assert missing.returncode != 0 and len(missing.stderr.strip().splitlines()) == 1

@@ -213,3 +213,15 @@ def test_a_parked_key_s_later_events_are_left_out_of_leases_and_set_aside_on_ack
     assert engine.ack_lease("remote", after.id) == 4
     [parked] = engine.parked_keys("remote")
     assert (parked.key, parked.position, parked.events) == ("b", 2, 2)
+
+
+def test_the_live_leases_of_a_subscription_are_listed(
+    engine: subengine.Engine, orders: str
+) -> None:
+    _subscribe(engine)
+    engine.append(orders, [NewEvent(k, "T", {}) for k in ("a", "b", "c", "d", "e", "f")])
+    held = [engine.claim_lease("remote", f"w{n}") for n in range(2)]
+    assert all(lease is not None for lease in held)
+    engine.ack_lease("remote", held[0].id)  # type: ignore[union-attr]
+    [live] = engine.remote_leases("remote")
+    assert (live.id, live.worker) == (held[1].id, "w1")  # type: ignore[union-attr]

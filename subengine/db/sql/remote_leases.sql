@@ -156,3 +156,10 @@ SELECT e.id, e.stream, e.partition, e.position, e.key, e.key_version, e.type, e.
  WHERE e.stream = %(stream)s AND e.partition = %(partition)s
    AND e.position > %(after)s AND e.position <= %(through)s
  ORDER BY e.position
+
+-- name: list_remote_leases
+-- The live leases of a subscription (not ended, deadline not passed), by partition.
+SELECT id, partition, worker, generation, position, through, deadline, created_at
+  FROM {schema}.remote_leases
+ WHERE subscription = %(name)s AND ended_at IS NULL AND deadline > clock_timestamp()
+ ORDER BY partition
