@@ -18,7 +18,8 @@ TIMEOUT = httpx.Timeout(30.0)
 def raw_get(gateway: GatewayProcess, target: str) -> tuple[int, str]:
     """GET `target` exactly as written (no client encodes it first): status and body."""
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=30) as s:
-        s.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        host = f"127.0.0.1:{gateway.port}"  # an open gateway answers loopback names only
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
         received = b""
         while chunk := s.recv(65536):
             received += chunk

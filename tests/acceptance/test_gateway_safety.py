@@ -39,7 +39,9 @@ def test_a_client_whose_socket_takes_nothing_is_closed(
         client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         client.connect(("127.0.0.1", gateway.port))
-        client.sendall(b"GET /v1/streams/orders/events?live=sse HTTP/1.1\r\nHost: x\r\n\r\n")
+        client.sendall(
+            b"GET /v1/streams/orders/events?live=sse HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        )
         wait_for(lambda: sse_connections(gateway) == 1, "the stream to open", 30)
         # the client reads nothing; the server gives up on it and frees its place
         wait_for(lambda: sse_connections(gateway) == 0, "the slow client to be closed", 60)
