@@ -122,6 +122,13 @@ def test_a_forced_delete_leaves_nothing_of_the_stream(
         " VALUES ('billing', %s, %s, 1, %s, %s, 'ValueError: test', 5)",
         (stored[0].partition, "k0", stored[0].position, stored[0].id),
     )
+    # a remote worker's lease and the stored policy of remote workers (docs/remote-workers.md)
+    sql.execute(
+        "INSERT INTO subengine.remote_leases (id, subscription, partition, worker, generation,"
+        " position, through, deadline) VALUES (gen_random_uuid(), 'billing', 0, 'remote', 1,"
+        " 0, 1, now() + interval '1 minute')"
+    )
+    sql.execute("INSERT INTO subengine.remote_policies (subscription) VALUES ('billing')")
     # another stream with a subscription: untouched
     engine.create_stream("payments", partitions=2)
     fill(engine, "payments", 5)
