@@ -212,7 +212,7 @@ def test_the_documented_completion_scripts_load(tmp_path: Path) -> None:
         ["bash", "-c", probe], env=env, capture_output=True, text=True, timeout=60
     )
     assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.split() == ["reset", "resume"]
+    assert completed.stdout.split() == ["remote-policy", "reset", "resume"]
 
 
 def test_a_read_since_a_time_leaves_out_the_events_recorded_at_it(
