@@ -35,6 +35,7 @@ from subengine.model._errors import DatabaseUnavailable
 from subengine.model._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
 from subengine.model._records import (
     DeadLetter,
+    ParkedKey,
     StoredSubscription,
     WorkerRegistration,
     WorkerStatus,
@@ -47,7 +48,7 @@ from subengine.streams._append import ExpectedVersion, append_events, prepare, s
 from subengine.streams._listener import AsyncListener
 from subengine.streams._read import EncodedPage, Page, RawEvent
 from subengine.streams._tail import LISTENER_APPLICATION_NAME, AsyncTail
-from subengine.subscriptions import _inspection, _stream_deletion, _subscriptions
+from subengine.subscriptions import _inspection, _parking, _stream_deletion, _subscriptions
 from subengine.subscriptions._stream_deletion import DeletedStream
 from subengine.subscriptions._subscriptions import SubscriptionPosition
 
@@ -369,6 +370,15 @@ class AsyncEngine:
     ) -> list[DeadLetter]:
         """Unresolved dead letters (all of them with `everything`), oldest first."""
         query = _inspection.dead_letters(name, everything)
+        async with self.connection() as conn:
+            return await self.sql.run_async(conn, query)
+
+    async def parked_keys(
+        self, name: str | None = None, key: str | None = None, everything: bool = False
+    ) -> list[ParkedKey]:
+        """Keys parked now (of subscription `name`, of `key`), oldest first; with
+        `everything`, those retried, discarded or superseded by a reset too."""
+        query = _parking.parked_keys(name, key, everything)
         async with self.connection() as conn:
             return await self.sql.run_async(conn, query)
 

@@ -279,6 +279,24 @@ def test_stored_subscriptions_and_their_positions_are_reported(
     assert either.dead_letters(everything=True) == []
 
 
+def test_parked_keys_are_reported(
+    either: Any, engine: subengine.Engine, orders: str, sql: psycopg.Connection[Any]
+) -> None:
+    assert either.parked_keys() == []
+    engine.ensure_subscription(subengine.App().subscription("billing", stream=orders))
+    [stored] = engine.append(orders, [NewEvent("k4", "T", {})])
+    sql.execute(
+        "INSERT INTO subengine.parked_keys"
+        " (subscription, partition, key, generation, position, event_id, error, attempts)"
+        " VALUES ('billing', %s, 'k4', 1, %s, %s, 'ValueError: test', 5)",
+        (stored.partition, stored.position, stored.id),
+    )
+    [parked] = either.parked_keys("billing")
+    assert (parked.key, parked.partition, parked.position) == ("k4", stored.partition, 1)
+    assert either.parked_keys("billing", "k4") == engine.parked_keys("billing", "k4")
+    assert either.parked_keys("billing", "other") == []
+
+
 def test_without_workers_there_are_none_to_report_or_prune(either: Any) -> None:
     assert either.workers() == []
     assert either.prune_workers() == []
