@@ -1,5 +1,5 @@
-"""An ASGI application (Starlette; FastAPI's `lifespan=` takes the same function) that runs
-subengine's async worker inside its own event loop for as long as it serves.
+"""A FastAPI application that runs subengine's async worker inside its own event loop for
+as long as it serves (a Starlette application takes the same `lifespan=` function).
 
     SUBENGINE_DSN=postgresql://... uvicorn examples.async_worker_app:app
 
@@ -14,11 +14,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from fastapi import FastAPI, Request
 from sqlalchemy import text
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 import subengine
 
@@ -39,7 +36,7 @@ async def order_placed(event: subengine.Event, conn: Any) -> None:
 
 
 @asynccontextmanager
-async def lifespan(app: Starlette) -> AsyncIterator[None]:
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine = subengine.AsyncEngine()  # SUBENGINE_DSN; the app appends with it too
     worker = subengine.AsyncWorker(engine, list(consumers.subscriptions.values()))
     stop = asyncio.Event()
@@ -53,9 +50,10 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.close()
 
 
-async def health(request: Request) -> JSONResponse:
+app = FastAPI(lifespan=lifespan)
+
+
+@app.get("/health")
+async def health(request: Request) -> dict[str, str | None]:
     worker = request.app.state.worker.worker
-    return JSONResponse({"worker": str(worker.id) if worker else None})
-
-
-app = Starlette(routes=[Route("/health", health)], lifespan=lifespan)
+    return {"worker": str(worker.id) if worker else None}

@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 from helpers import Running, count, record, wait_for
@@ -102,7 +103,7 @@ def test_handlers_are_awaited_in_the_loop_that_runs_the_async_worker(
     assert count(sql, "subengine.workers") == 0
 
 
-def test_the_starlette_lifespan_example_runs_the_worker_while_the_app_serves(
+def test_the_fastapi_lifespan_example_runs_the_worker_while_the_app_serves(
     dsn: str, sql: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sql.execute("CREATE TABLE order_totals (key text PRIMARY KEY, total int)")
@@ -123,8 +124,12 @@ def test_the_starlette_lifespan_example_runs_the_worker_while_the_app_serves(
             for _ in range(600):
                 rows = sql.execute("SELECT sum(total) FROM order_totals").fetchone()
                 if rows and rows[0] == sum(range(12)):
-                    return
+                    break
                 await asyncio.sleep(0.05)
+            transport = httpx.ASGITransport(app=example.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+                health = (await client.get("/health")).json()
+            assert health["worker"] is not None  # the app serves while its worker runs
 
     asyncio.run(serve())
     totals = dict(sql.execute("SELECT key, total FROM order_totals").fetchall())
