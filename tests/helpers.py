@@ -647,8 +647,16 @@ class GatewayProcess:
     `url` is its base URL. Stopped with SIGTERM (then SIGKILL) on exit; `kill()` stops it
     as a crash would; `output()` is what it printed."""
 
-    def __init__(self, env: dict[str, str], *args: str, tmp: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        *args: str,
+        tmp: Path,
+        port: int | None = None,
+        ready_timeout: float = 30,
+    ) -> None:
         self.port = port or free_port()
+        self.ready_timeout = ready_timeout
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"gateway-{self.port}.log"
         self._env = env
@@ -663,7 +671,14 @@ class GatewayProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        wait_for(self._ready, f"the gateway on port {self.port}", timeout=30)
+        try:
+            wait_for(self._ready, f"the gateway on port {self.port}", timeout=self.ready_timeout)
+        except BaseException:
+            # a `with` block whose start fails never exits: stop the process here, or it
+            # outlives the test (and its database's drop waits for its connections)
+            self.process.kill()
+            self.process.wait(10)
+            raise
         return self
 
     def _ready(self) -> bool:

@@ -96,3 +96,14 @@ def test_a_schema_gone_under_a_running_gateway_is_503_not_a_bad_request(
         assert error["code"] == "schema_not_ready"
         assert "subengine migrate" in error["message"]
         assert answer.headers["Retry-After"]
+
+
+def test_a_gateway_process_that_is_not_ready_in_time_is_stopped_not_left_running(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    # the tests' own harness: a gateway slow to start on a loaded machine failed its test
+    # and kept running after the suite (nothing stopped it: its `with` never began)
+    process = GatewayProcess(cli_env, tmp=tmp_path, ready_timeout=0)
+    with pytest.raises(AssertionError, match="timed out waiting for the gateway"):
+        process.start()
+    assert process.process is not None and process.process.poll() is not None
