@@ -257,6 +257,27 @@ def client_count(conn: Connection, database: Database) -> int:
     return int(row[0]) if row else 0
 
 
+def wait_drained(
+    dsn: str, subscription: str, total: int, failed: Sequence[BaseException], timeout: float
+) -> None:
+    """Wait until the positions of `subscription` add up to `total` (every event of its
+    partitions handled); SystemExit when a worker failed (`failed` filled) or after
+    `timeout` seconds."""
+    started = time.perf_counter()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                "SELECT coalesce(sum(position), 0) FROM subengine.subscription_positions"
+                " WHERE subscription = %s",
+                (subscription,),
+            ).fetchone()
+            if row is not None and row[0] == total:
+                return
+            if failed or time.perf_counter() - started > timeout:
+                raise SystemExit(f"{subscription}: the workers did not finish: {list(failed)}")
+            time.sleep(0.02)
+
+
 def settled_xacts(
     database: Database, timeout: float = 30.0, column: str = "", pause: float = 0.0
 ) -> int:

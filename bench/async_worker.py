@@ -83,19 +83,11 @@ def consume(engine: subengine.Engine, variant: str, name: str, total: int, slots
     worker = threading.Thread(target=run)
     started = time.perf_counter()
     worker.start()
-    with psycopg.connect(engine.dsn, autocommit=True) as conn:
-        while True:
-            row = conn.execute(
-                "SELECT coalesce(sum(position), 0) FROM subengine.subscription_positions"
-                " WHERE subscription = %s",
-                (name,),
-            ).fetchone()
-            if row is not None and row[0] == total:
-                break
-            if failed or time.perf_counter() - started > TIMEOUT_SECONDS:
-                stop.set()
-                raise SystemExit(f"{variant}: the worker did not finish: {failed}")
-            time.sleep(0.02)
+    try:
+        bench.wait_drained(engine.dsn, name, total, failed, TIMEOUT_SECONDS)
+    except SystemExit:
+        stop.set()
+        raise
     seconds = time.perf_counter() - started
     stop.set()
     worker.join()

@@ -33,7 +33,6 @@ from typing import Any
 
 import _harness as bench
 import httpx
-import psycopg
 from _harness import SCHEMA, Spread, progress
 
 import subengine
@@ -46,22 +45,6 @@ LATENCY = ("long-poll read", "waiting claim")
 TIMEOUT_SECONDS = 600.0
 WAIT_SECONDS = 10.0
 SETTLE_SECONDS = 0.3  # for the waiting request to be waiting before the append
-
-
-def drained(engine: subengine.Engine, name: str, total: int, failed: list[BaseException]) -> None:
-    started = time.perf_counter()
-    with psycopg.connect(engine.dsn, autocommit=True) as conn:
-        while True:
-            row = conn.execute(
-                "SELECT coalesce(sum(position), 0) FROM subengine.subscription_positions"
-                " WHERE subscription = %s",
-                (name,),
-            ).fetchone()
-            if row is not None and row[0] == total:
-                return
-            if failed or time.perf_counter() - started > TIMEOUT_SECONDS:
-                raise SystemExit(f"{name}: the workers did not finish: {failed}")
-            time.sleep(0.02)
 
 
 def local(engine: subengine.Engine, gateway: str, name: str, total: int, slots: int) -> float:
@@ -126,7 +109,7 @@ def _timed(
     for thread in threads:
         thread.start()
     try:
-        drained(engine, name, total, failed)
+        bench.wait_drained(engine.dsn, name, total, failed, TIMEOUT_SECONDS)
         return total / (time.perf_counter() - started)
     finally:
         stop()
