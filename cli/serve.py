@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
 import click
@@ -15,15 +14,6 @@ from ._running import load_app
 
 # the gateway's own paths: a Durable Streams prefix over one of them would hide its streams
 _GATEWAY_PATHS = ("/v1", "/ui", "/healthz", "/readyz", "/metrics")
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _require_schema(engine: Engine) -> None:
@@ -221,6 +211,7 @@ def serve(
 ) -> None:
     """Serve streams over HTTP: pull, long-poll, server-sent events and watches."""
     from subengine.gateway import GatewayConfig
+    from subengine.gateway._auth import loopback_name
     from subengine.gateway._callbacks import CallbackPolicy
     from subengine.gateway._delivery import DeliveryConfig
     from subengine.gateway._serve import serve as run
@@ -244,7 +235,7 @@ def serve(
         load_app(app_spec)  # fail now, not at the first retry
     engine = context.engine()
     _require_schema(engine)
-    if not _loopback(host) and not engine.any_active_api_key():
+    if not loopback_name(host) and not engine.any_active_api_key():
         raise CommandError(
             f"refusing to listen on {host}: no API key exists, so anyone could read every "
             "stream; create one with 'subengine gateway key create' or listen on 127.0.0.1"

@@ -177,7 +177,11 @@ def loopback_host(request: Request) -> bool:
         return True
     host = request.headers.get("host", "")
     name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    name = name.strip("[]")
+    return loopback_name(name.strip("[]"))
+
+
+def loopback_name(name: str) -> bool:
+    """Whether a host name or address is this host's: `localhost` or a loopback address."""
     if name == "localhost":
         return True
     try:
