@@ -664,6 +664,10 @@ class GatewayProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> GatewayProcess:
+        if self.process is not None and self.process.poll() is None:
+            # a second process on the port would find the first one answering, look
+            # ready, then die on the taken port, and the first would never be stopped
+            raise AssertionError(f"the gateway on port {self.port} is running already")
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
                 [subengine_command(), "serve", "--port", str(self.port), *self._args],

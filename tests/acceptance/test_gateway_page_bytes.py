@@ -45,7 +45,7 @@ def test_pages_stay_within_a_mebibyte_and_read_every_event_once(
     gateway: GatewayProcess, engine: subengine.Engine
 ) -> None:
     numbers = fill(engine)
-    url = f"{gateway.start().url}/v1/streams/big/events"
+    url = f"{gateway.url}/v1/streams/big/events"
     cursor = "beginning"
     events: list[dict[str, Any]] = []
     pages: list[tuple[int, list[int]]] = []  # the bytes and the numbers of each page
@@ -73,7 +73,7 @@ def test_a_long_poll_gathers_no_more_than_a_page(
     gateway: GatewayProcess, engine: subengine.Engine
 ) -> None:
     fill(engine)
-    url = f"{gateway.start().url}/v1/streams/big/events"
+    url = f"{gateway.url}/v1/streams/big/events"
     params = {"live": "long-poll", "wait": "5", "linger": "5", "limit": "1000"}
     answer = httpx.get(url, params=params, timeout=TIMEOUT)
     assert answer.status_code == 200, answer.text
@@ -84,7 +84,7 @@ def test_catch_up_frames_stay_within_a_page(
     gateway: GatewayProcess, engine: subengine.Engine
 ) -> None:
     numbers = fill(engine)
-    url = f"{gateway.start().url}/v1/streams/big/events"
+    url = f"{gateway.url}/v1/streams/big/events"
     events: list[dict[str, Any]] = []
     with httpx.stream("GET", url, params={"live": "sse"}, timeout=TIMEOUT) as response:
         assert response.status_code == 200

@@ -107,3 +107,10 @@ def test_a_gateway_process_that_is_not_ready_in_time_is_stopped_not_left_running
     with pytest.raises(AssertionError, match="timed out waiting for the gateway"):
         process.start()
     assert process.process is not None and process.process.poll() is not None
+
+
+def test_a_running_gateway_process_is_not_started_twice(gateway: GatewayProcess) -> None:
+    # a second start found the first process answering on the port, looked ready, and
+    # left the first running for ever (its fixture then stopped only the second)
+    with pytest.raises(AssertionError, match="is running already"):
+        gateway.start()
