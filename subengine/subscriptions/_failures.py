@@ -5,6 +5,8 @@ the position (invariant 3); and which errors are the events' failures at all (in
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,8 +32,11 @@ def error_text(error: BaseException) -> str:
 def database_trouble(error: BaseException) -> bool:
     """Whether an error is the database's trouble (a lost connection, a timeout, a
     cancelled query, a serialization failure or deadlock, a shutdown, a lack of
-    resources), which a retry may cure and which says nothing about the events. Also
-    for SQLAlchemy's wrappers of such errors, which handlers may raise."""
+    resources, an async handler's task cancelled), which a retry may cure and which
+    says nothing about the events. Also for SQLAlchemy's wrappers of such errors, which
+    handlers may raise."""
+    if isinstance(error, concurrent.futures.CancelledError | asyncio.CancelledError):
+        return True  # an async handler's task was cancelled: its loop is shutting down
     original = getattr(error, "orig", None)
     if isinstance(original, psycopg.Error):
         error = original

@@ -52,6 +52,37 @@ def test_async_session_writes_commit_with_the_position_exactly_once(
     ]
 
 
+def test_a_cancelled_async_handler_is_not_counted_against_its_event(
+    fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    # an application's shutdown may cancel every task of its loop, a handler's too: that
+    # says nothing about the event, which must not be dead-lettered for it
+    fast_engine.create_stream("single", partitions=1)
+    fast_engine.append("single", [NewEvent("k", "T", {"n": n}) for n in range(3)])
+    app = subengine.App()
+    sub = app.subscription("billing", stream="single", max_attempts=1, on_error="dead_letter")
+    cancelled: list[int] = []
+
+    @sub.handler()
+    async def handle(event: subengine.Event, conn: Any) -> None:
+        if event.data["n"] == 1 and len(cancelled) < 2:  # in its batch, then alone
+            cancelled.append(event.position)
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)  # cancelled here
+        await conn.execute(
+            "INSERT INTO effects VALUES (%s, %s, %s)", (event.id, event.partition, event.position)
+        )
+
+    with Running(app, fast_engine):
+        wait_for(lambda: count(sql) == 3, "every event's effect")
+    assert cancelled == [2, 2]
+    assert count(sql, "subengine.dead_letters") == 0
+    handled = sql.execute("SELECT position FROM effects ORDER BY 1").fetchall()
+    assert [p for (p,) in handled] == [1, 2, 3]
+
+
 def test_one_worker_runs_sync_and_async_subscriptions_side_by_side(
     fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
 ) -> None:
