@@ -73,7 +73,8 @@ class Shots:
 
 
 def version(page: Page) -> int:
-    return int(page.evaluate("Number(document.body.dataset.version || 0)"))
+    # while the page loads (after signing in, say) there may be no body yet
+    return int(page.evaluate("Number((document.body && document.body.dataset.version) || 0)"))
 
 
 def cell(page: Page, table: str, key: str, label: str) -> str:
