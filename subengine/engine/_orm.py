@@ -45,11 +45,10 @@ _async_engines: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], AsyncEng
 )
 
 
-class _Borrowed:
-    """The worker's connection as SQLAlchemy sees it: everything but ending the
-    transaction, or the connection, which stay the worker's to do."""
+class _Weak:
+    """A worker's connection, held weakly, its attributes passed through."""
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
         self._conn = weakref.ref(conn)
 
     def __getattr__(self, name: str) -> Any:
@@ -57,6 +56,11 @@ class _Borrowed:
         if conn is None:
             raise psycopg.InterfaceError("the handler's connection is gone")
         return getattr(conn, name)
+
+
+class _Borrowed(_Weak):
+    """The worker's connection as SQLAlchemy sees it: everything but ending the
+    transaction, or the connection, which stay the worker's to do."""
 
     def commit(self) -> None:
         pass
@@ -105,17 +109,8 @@ def sqlalchemy_session(conn: psycopg.Connection[Any], **options: Any) -> Iterato
         session.flush()
 
 
-class _AsyncBorrowed:
+class _AsyncBorrowed(_Weak):
     """`_Borrowed` for an AsyncConnection: SQLAlchemy awaits these, and they do nothing."""
-
-    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        self._conn = weakref.ref(conn)
-
-    def __getattr__(self, name: str) -> Any:
-        conn = self._conn()
-        if conn is None:
-            raise psycopg.InterfaceError("the handler's connection is gone")
-        return getattr(conn, name)
 
     async def commit(self) -> None:
         pass
