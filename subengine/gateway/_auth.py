@@ -5,7 +5,8 @@ While no active key exists in the database the gateway is open to its own host o
 once one exists, every request needs one. Keys are checked
 in the database, which stores only their hashes. Answers are cached until a key changes:
 a change notifies every gateway process (DESIGN.md, known pitfalls: a timer cache is a
-window of wrong answers), so a revoked key is refused from the next request on. While
+window of wrong answers), so a revoked key is refused as soon as that notification
+arrives (the only window is its delivery, milliseconds). While
 the process's LISTEN connection is down, nothing cached is trusted: every request reads
 the database. A token never appears in a log line or an error.
 """
