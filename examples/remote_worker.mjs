@@ -47,25 +47,42 @@ for (;;) {
     continue;
   }
   const leasePath = `/leases/${lease.lease}`;
+  // Until when the lease is surely held: nine tenths of its length after the claim's
+  // answer, or after an answered heartbeat was sent. Past it, or once a heartbeat hears
+  // 409/404, no further event is started: another worker may have the partition now.
+  let sureUntil = Date.now() + leaseSeconds * 900;
+  let lost = false;
   const heartbeat = setInterval(() => {
-    call(`${leasePath}/extend`, { lease_seconds: leaseSeconds }).catch((error) => console.error(`heartbeat: ${error.message}`));
+    const sent = Date.now();
+    call(`${leasePath}/extend`, { lease_seconds: leaseSeconds })
+      .then(() => { sureUntil = Math.max(sureUntil, sent + leaseSeconds * 900); })
+      .catch((error) => {
+        if (error.status === 409 || error.status === 404) lost = true;
+        console.error(`heartbeat: ${error.message}`);
+      });
   }, (leaseSeconds * 1000) / 3);
+  const held = () => !lost && Date.now() < sureUntil;
   try {
-    let failed = false;
+    let stopped = false;
     // a lease carries events, or the tombstone of a gap retention left, to ack past
     for (const event of lease.events) {
+      if (!held()) {
+        console.error(`lease ${lease.lease} lost; stopping before position ${event.position}`);
+        stopped = true;
+        break;
+      }
       try {
         await handle(event);
       } catch (error) {
         // the events before this one are acknowledged with the nack
         await call(`${leasePath}/nack`, { position: event.position, error: String(error) });
-        failed = true;
+        stopped = true;
         break;
       }
     }
-    if (!failed) await call(`${leasePath}/ack`);
+    if (!stopped) await call(`${leasePath}/ack`);
   } catch (error) {
-    if (error.status !== 409) throw error; // 409: the lease was lost; another worker has it
+    if (error.status !== 409 && error.status !== 404) throw error; // the lease was lost
     console.error(error.message);
   } finally {
     clearInterval(heartbeat);

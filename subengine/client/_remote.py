@@ -6,7 +6,10 @@ heartbeat extends the lease, then acks; a handler's exception nacks the failing 
 (the ones before it are acknowledged), which counts an attempt toward the subscription's
 remote error policy. Effects are at least once: a lease lost before its ack (a crash, a
 missed heartbeat, a reset) hands the same events to another worker, so handlers should
-be idempotent, keyed by the event's stable `id`.
+be idempotent, keyed by the event's stable `id`. A worker that learns its lease is lost,
+or cannot be sure it still holds it, handles no further event of it: the partition's
+next holder may already be handling them, and order per key is kept only if the two do
+not overlap (so keep one event's handling well inside the lease's length).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,6 +38,10 @@ log = logging.getLogger("subengine.client.remote")
 
 # After a failed call to the gateway (unreachable, 5xx), a loop waits this long.
 _PAUSE_SECONDS = 1.0
+# A lease is taken as held until this share of its length after the claim's answer or
+# the last extend sent (the gateway's own deadline is a little later: a margin for the
+# way of the answer and for clocks).
+_SURE_SHARE = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,13 +136,41 @@ class _Protocol:
         return body
 
 
-def _lost(error: GatewayError, lease: Lease) -> bool:
+def _lost(error: GatewayError) -> bool:
     """Whether the gateway said the lease is gone (it expired, ended, or a reset moved
     the position): the batch is someone else's now."""
-    if error.status in (404, 409):
-        log.warning("lease %s of partition %d was lost: %s", lease.id, lease.partition, error)
-        return True
-    return False
+    return error.status in (404, 409)
+
+
+class _Hold:
+    """What a worker knows of the lease in hand: `held()` until the gateway said it is
+    lost, or until the latest time it can be sure of (a share of the lease's length after
+    the claim's answer or after an extend that succeeded was sent) passed unrenewed."""
+
+    def __init__(self, lease: Lease, seconds: float) -> None:
+        self.lease = lease
+        self._seconds = seconds * _SURE_SHARE
+        self._until = time.monotonic() + self._seconds
+        self._lost = False
+
+    def renewed(self, sent: float) -> None:
+        self._until = max(self._until, sent + self._seconds)
+
+    def lose(self, error: GatewayError) -> None:
+        self._lost = True
+        log.warning("lease %s of partition %d was lost: %s", self.lease.id,
+                    self.lease.partition, error)  # fmt: skip
+
+    def held(self, event: Event | None = None) -> bool:
+        if self._lost:
+            return False
+        if time.monotonic() < self._until:
+            return True
+        where = "" if event is None else f" before position {event.position}"
+        log.warning("lease %s of partition %d was not extended in time; stopping%s",
+                    self.lease.id, self.lease.partition, where)  # fmt: skip
+        self._lost = True
+        return False
 
 
 class RemoteWorker:
@@ -202,64 +238,72 @@ class RemoteWorker:
         answer = protocol.answer(response)
         if answer is None:
             return 0
-        lease = lease_from_json(answer)
+        hold = _Hold(lease_from_json(answer), protocol.lease_seconds)
         done = threading.Event()
-        beat = threading.Thread(target=self._beat, args=(lease, done), daemon=True)
+        beat = threading.Thread(target=self._beat, args=(hold, done), daemon=True)
         beat.start()
         try:
-            return self._handle(lease)
+            return self._handle(hold)
         finally:
             done.set()
             beat.join()
 
-    def _handle(self, lease: Lease) -> int:
-        protocol = self._protocol
+    def _handle(self, hold: _Hold) -> int:
+        protocol, lease = self._protocol, hold.lease
         handled = 0
         if lease.tombstone is not None and self._gap_handler is not None:
             try:
                 self._gap_handler(lease.tombstone)
             except Exception as error:
-                self._post(lease, "nack", protocol.failure(None, error))
+                self._post(hold, "nack", protocol.failure(None, error))
                 return 0
         for event in lease.events:
+            if not hold.held(event):
+                return handled
             try:
                 self._handler(event)
             except Exception as error:
                 log.warning("handler failed on %s/%d/%d: %s", event.stream, event.partition,
                             event.position, error)  # fmt: skip
-                self._post(lease, "nack", protocol.failure(event, error))
+                self._post(hold, "nack", protocol.failure(event, error))
                 return handled
             handled += 1
-        self._post(lease, "ack", {})
+        self._post(hold, "ack", {})
         return handled
 
-    def _post(self, lease: Lease, verb: str, body: dict[str, Any]) -> None:
+    def _post(self, hold: _Hold, verb: str, body: dict[str, Any]) -> None:
         protocol = self._protocol
         try:
             response = self._client.post(
-                protocol.lease_url(lease, verb), json=body, headers=protocol.headers
+                protocol.lease_url(hold.lease, verb), json=body, headers=protocol.headers
             )
             protocol.answer(response)
         except GatewayError as error:
-            if not _lost(error, lease):
+            if not _lost(error):
                 raise
+            hold.lose(error)
 
-    def _beat(self, lease: Lease, done: threading.Event) -> None:
+    def _beat(self, hold: _Hold, done: threading.Event) -> None:
         """Extend the lease every third of its length until `done`."""
         protocol = self._protocol
         while not done.wait(protocol.heartbeat):
+            sent = time.monotonic()
             try:
                 response = self._client.post(
-                    protocol.lease_url(lease, "extend"),
+                    protocol.lease_url(hold.lease, "extend"),
                     json={"lease_seconds": protocol.lease_seconds},
                     headers=protocol.headers,
                 )
                 protocol.answer(response)
             except GatewayError as error:
-                if _lost(error, lease):
+                if _lost(error):
+                    hold.lose(error)
                     return
+                log.warning("a heartbeat of lease %s failed: %s", hold.lease.id, error)
             except httpx.TransportError as error:
-                log.warning("a heartbeat of lease %s failed: %s", lease.id, error)
+                log.warning("a heartbeat of lease %s failed: %s", hold.lease.id, error)
+            else:
+                hold.renewed(sent)
 
 
 class AsyncRemoteWorker:
@@ -323,62 +367,70 @@ class AsyncRemoteWorker:
         answer = protocol.answer(response)
         if answer is None:
             return 0
-        lease = lease_from_json(answer)
-        beat = asyncio.ensure_future(self._beat(lease))
+        hold = _Hold(lease_from_json(answer), protocol.lease_seconds)
+        beat = asyncio.ensure_future(self._beat(hold))
         try:
-            return await self._handle(lease)
+            return await self._handle(hold)
         finally:
             beat.cancel()
             await asyncio.gather(beat, return_exceptions=True)
 
-    async def _handle(self, lease: Lease) -> int:
-        protocol = self._protocol
+    async def _handle(self, hold: _Hold) -> int:
+        protocol, lease = self._protocol, hold.lease
         handled = 0
         if lease.tombstone is not None and self._gap_handler is not None:
             try:
                 await _call(self._gap_handler, lease.tombstone)
             except Exception as error:
-                await self._post(lease, "nack", protocol.failure(None, error))
+                await self._post(hold, "nack", protocol.failure(None, error))
                 return 0
         for event in lease.events:
+            if not hold.held(event):
+                return handled
             try:
                 await _call(self._handler, event)
             except Exception as error:
                 log.warning("handler failed on %s/%d/%d: %s", event.stream, event.partition,
                             event.position, error)  # fmt: skip
-                await self._post(lease, "nack", protocol.failure(event, error))
+                await self._post(hold, "nack", protocol.failure(event, error))
                 return handled
             handled += 1
-        await self._post(lease, "ack", {})
+        await self._post(hold, "ack", {})
         return handled
 
-    async def _post(self, lease: Lease, verb: str, body: dict[str, Any]) -> None:
+    async def _post(self, hold: _Hold, verb: str, body: dict[str, Any]) -> None:
         protocol = self._protocol
         try:
             response = await self._client.post(
-                protocol.lease_url(lease, verb), json=body, headers=protocol.headers
+                protocol.lease_url(hold.lease, verb), json=body, headers=protocol.headers
             )
             protocol.answer(response)
         except GatewayError as error:
-            if not _lost(error, lease):
+            if not _lost(error):
                 raise
+            hold.lose(error)
 
-    async def _beat(self, lease: Lease) -> None:
+    async def _beat(self, hold: _Hold) -> None:
         protocol = self._protocol
         while True:
             await asyncio.sleep(protocol.heartbeat)
+            sent = time.monotonic()
             try:
                 response = await self._client.post(
-                    protocol.lease_url(lease, "extend"),
+                    protocol.lease_url(hold.lease, "extend"),
                     json={"lease_seconds": protocol.lease_seconds},
                     headers=protocol.headers,
                 )
                 protocol.answer(response)
             except GatewayError as error:
-                if _lost(error, lease):
+                if _lost(error):
+                    hold.lose(error)
                     return
+                log.warning("a heartbeat of lease %s failed: %s", hold.lease.id, error)
             except httpx.TransportError as error:
-                log.warning("a heartbeat of lease %s failed: %s", lease.id, error)
+                log.warning("a heartbeat of lease %s failed: %s", hold.lease.id, error)
+            else:
+                hold.renewed(sent)
 
 
 async def _call(function: Callable[[Any], Any], argument: Any) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -142,6 +144,113 @@ def test_a_reset_during_a_lease_makes_its_ack_a_conflict(
     fresh = httpx.post(_url(gateway, "effects/claim")).json()
     assert fresh["generation"] == lease["generation"] + 1
     assert httpx.post(_url(gateway, f"effects/leases/{fresh['lease']}/ack")).status_code == 200
+
+
+class _HeardLost(logging.Handler):
+    """Sets `lost` when a remote worker logs that it learnt its lease is lost (it logs
+    once it has marked the lease lost, so the next check of the worker sees it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "was lost" in record.getMessage():
+            self.lost.set()
+
+
+@pytest.fixture
+def heard_lost() -> Iterator[threading.Event]:
+    handler = _HeardLost()
+    logger = logging.getLogger("subengine.client.remote")
+    logger.addHandler(handler)
+    try:
+        yield handler.lost
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_worker_told_its_lease_is_lost_handles_no_further_event_of_it(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str, heard_lost: threading.Event
+) -> None:
+    """A reset while the handler works: the next heartbeat gets 409, and the worker stops
+    before the lease's next event (the new generation's holder may be handling it)."""
+    appended = engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
+    handled: list[int] = []
+
+    def handler(event: Event) -> None:
+        handled.append(event.data["n"])
+        if len(handled) == 1:
+            engine.reset_subscription("effects", "beginning")
+            assert heard_lost.wait(30), "the heartbeat heard of the reset"
+
+    with RemoteWorker(gateway.url, "effects", handler, lease_seconds=1, wait=0) as worker:
+        assert worker.run_once() == 1
+        assert handled == [0]
+        assert _positions(engine)[appended[0].partition] == 0
+        assert worker.run_once() == 3  # the new generation's lease: every event, in order
+    assert handled == [0, 0, 1, 2]
+
+
+def test_the_async_worker_told_its_lease_is_lost_handles_no_further_event_of_it(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str, heard_lost: threading.Event
+) -> None:
+    appended = engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
+    handled: list[int] = []
+
+    async def handler(event: Event) -> None:
+        handled.append(event.data["n"])
+        if len(handled) == 1:
+            await asyncio.to_thread(engine.reset_subscription, "effects", "beginning")
+            assert await asyncio.to_thread(heard_lost.wait, 30), "the heartbeat heard of it"
+
+    async def work() -> tuple[int, int]:
+        async with AsyncRemoteWorker(
+            gateway.url, "effects", handler, lease_seconds=1, wait=0
+        ) as worker:
+            return await worker.run_once(), await worker.run_once()
+
+    assert asyncio.run(work()) == (1, 3)
+    assert handled == [0, 0, 1, 2]
+    assert _positions(engine)[appended[0].partition] == 3
+
+
+def test_a_worker_cut_off_from_its_gateway_stops_when_its_lease_may_have_expired(
+    gateway: GatewayProcess,
+    engine: subengine.Engine,
+    consumer: str,
+    cli_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Its gateway stopped (SIGSTOP), a worker's heartbeats go unanswered; its lease
+    expires and a worker on another gateway takes the partition and handles every event.
+    The first worker, back from its handler, must not handle the rest after it."""
+    appended = engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
+    handled: list[tuple[str, int]] = []
+
+    def record(who: str) -> Any:
+        return lambda event: handled.append((who, event.data["n"]))
+
+    with GatewayProcess(cli_env, tmp=tmp_path) as cut_off:
+        process = cut_off.process
+        assert process is not None
+        rescuer = RemoteWorker(gateway.url, "effects", record("rescuer"), wait=10)
+
+        def handler(event: Event) -> None:
+            handled.append(("cut-off", event.data["n"]))
+            if event.data["n"] == 0:
+                process.send_signal(signal.SIGSTOP)
+                with rescuer:  # claims once the lease expired, as the gateway saw it
+                    assert rescuer.run_once() == 3
+
+        worker = RemoteWorker(cut_off.url, "effects", handler, lease_seconds=1, wait=0)
+        try:
+            with worker:
+                assert worker.run_once() == 1
+        finally:
+            process.send_signal(signal.SIGCONT)
+    assert handled == [("cut-off", 0), ("rescuer", 0), ("rescuer", 1), ("rescuer", 2)]
+    assert _positions(engine)[appended[0].partition] == 3
 
 
 class Processes:
