@@ -397,6 +397,29 @@ def _target(lease: _Stored, position: int | None, what: str) -> int:
     return target
 
 
+def _failing(db: Db, stream: str, lease: _Stored, position: int | None) -> int:
+    """The position a nack charges: `position`, or the lease's first event delivered
+    (the events of parked keys were left out of it, and are not the worker's to fail)."""
+    if position is not None:
+        failing = _target(lease, position, "position")
+    if not lease.parked:
+        return lease.position + 1 if position is None else failing
+    params = {"stream": stream, "partition": lease.partition, "after": lease.position,
+              "through": lease.through}  # fmt: skip
+    events = db.run(Query("remote_read_events", params, lambda r: stored_events(r.rows)))
+    parked = set(lease.parked)
+    delivered = [event.position for event in events if event.id not in parked]
+    if position is None:
+        if not delivered:
+            raise InvalidInput("this lease delivered no event to fail (all were parked): ack it")
+        return delivered[0]
+    if failing not in delivered:
+        raise InvalidInput(
+            f"position {failing} is an event of a parked key, which this lease did not deliver"
+        )
+    return failing
+
+
 def _move(db: Db, name: str, stream: str, lease: _Stored, position: int) -> None:
     """Compare-and-set the position from the lease's to `position` (the events between
     handled), setting aside the events of parked keys among them as the claim did."""
@@ -489,7 +512,7 @@ def nack(
         settings = dataclasses.replace(settings, retry_delay=delay, retry_delay_max=delay)
     with db.transaction():
         lease, stream = _live(db, name, lease_id)
-        failing = lease.position + 1 if position is None else _target(lease, position, "position")
+        failing = _failing(db, stream, lease, position)
         old = lease.position
         if lease.gap is None and failing > old + 1:
             _move(db, name, stream, lease, failing - 1)

@@ -215,6 +215,29 @@ def test_a_parked_key_s_later_events_are_left_out_of_leases_and_set_aside_on_ack
     assert (parked.key, parked.position, parked.events) == ("b", 2, 2)
 
 
+def test_a_nack_charges_the_lease_s_first_delivered_event_not_a_parked_one(
+    engine: subengine.Engine,
+) -> None:
+    engine.create_stream("single", partitions=1)
+    _subscribe(engine, stream="single")
+    engine.set_remote_policy("remote", on_error="park", max_attempts=1)
+    engine.append("single", [NewEvent(key, "T", {"n": n}) for n, key in enumerate("abba")])
+    first = engine.claim_lease("remote", "w1")
+    assert first is not None
+    assert engine.nack_lease("remote", first.id, "poison", position=2).key == "b"
+    lease = engine.claim_lease("remote", "w1")
+    assert lease is not None
+    assert [(e.key, e.position) for e in lease.events] == [("a", 4)]  # b's 3 is set aside
+    with pytest.raises(subengine.InvalidInput, match="position 3 is an event of a parked key"):
+        engine.nack_lease("remote", lease.id, "no", position=3)
+    failure = engine.nack_lease("remote", lease.id, "poison too")  # no position: a's 4
+    assert (failure.action, failure.key) == ("parked", "a")
+    assert sorted((p.key, p.position) for p in engine.parked_keys("remote")) == [
+        ("a", 4),
+        ("b", 2),
+    ]
+
+
 def test_the_live_leases_of_a_subscription_are_listed(
     engine: subengine.Engine, orders: str
 ) -> None:
