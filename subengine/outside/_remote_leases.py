@@ -215,7 +215,9 @@ def claim(
     validate_worker_name(worker)
     seconds = validate_lease_seconds(seconds)
     if max_events is not None and not (
-        isinstance(max_events, int) and 1 <= max_events <= MAX_BATCH_SIZE
+        isinstance(max_events, int)
+        and not isinstance(max_events, bool)
+        and 1 <= max_events <= MAX_BATCH_SIZE
     ):
         raise InvalidInput(
             f"max_events must be a whole number from 1 to {MAX_BATCH_SIZE}, "

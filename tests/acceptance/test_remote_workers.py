@@ -88,6 +88,8 @@ def test_bad_requests_get_one_line_errors_and_change_nothing(
         (_url(gateway, f"effects/leases/{lease}/extend"), b'{"lease_seconds": 0}', 400,
          "bad_request"),
         (_url(gateway, "effects/claim"), b'{"wait": "long"}', 400, "bad_request"),
+        (_url(gateway, "effects/claim"), b'{"max_events": true}', 400, "bad_request"),
+        (_url(gateway, "effects/claim"), b'{"lease_seconds": true}', 400, "bad_request"),
     ]  # fmt: skip
     for url, body, status, code in cases:
         response = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
