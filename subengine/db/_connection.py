@@ -15,6 +15,15 @@ PostgreSQL gives are sorted here too, once for all callers: `connection_lost` (t
 connection is gone; the statement did not fail on its own) and `may_succeed_later` (a
 connection attempt that a starting server, a restart or a full server explains).
 
+Behind a connection pooler in transaction mode (PgBouncer, a hosted database's pooler)
+one client connection is served by many server sessions in turn, and a session's state
+(prepared statements, LISTEN, advisory locks, settings) goes to whoever gets the session
+next. Every connection opened here finds out whether it reaches PostgreSQL that way: the
+process id PostgreSQL gave the connection at start-up (kept by libpq) is then the
+pooler's, not that of the session serving the statement. On such a connection psycopg's
+automatic prepared statements are off, and `pooled(conn)` says so; what needs a session
+of its own refuses such a connection (`needs_own_session`). docs/pooler.md has the rest.
+
 `append` runs in the caller's transaction, whether the caller holds a psycopg connection,
 a SQLAlchemy `Connection` or a SQLAlchemy `Session` (on the psycopg driver).
 """
@@ -26,16 +35,21 @@ import logging
 import math
 import re
 import socket
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Self, TypeVar
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from subengine.db._sql import SQL, Query, first_row
 from subengine.model._errors import ConfigurationError, DatabaseUnavailable, InvalidInput
 
 PgConnection = psycopg.Connection[Any]
+
+log = logging.getLogger("subengine")
 
 APPLICATION_NAME = "subengine"
 
@@ -56,6 +70,60 @@ def connect_options(connect_timeout: float, application_name: str) -> dict[str, 
     }
 
 
+# The connections found to go through a pooler; and whether this process said so yet.
+_POOLED: weakref.WeakSet[Any] = weakref.WeakSet()
+_said = threading.Event()
+# The session serving a statement, to compare with the one libpq was told at start-up
+# (the query names no table: any schema renders it).
+_SERVING_PID = Query("serving_backend_pid", {}, first_row)
+_PLAIN = SQL("public")
+
+
+def pooled(conn: Any) -> bool:
+    """Whether `conn` (opened by this module, or from an engine's pool) reaches PostgreSQL
+    through a pooler that hands it a different session per transaction."""
+    return conn in _POOLED
+
+
+def _checked(conn: C) -> C:
+    """`conn`, its prepared statements off when a pooler stands before PostgreSQL."""
+    try:
+        row = _PLAIN.run(conn, _SERVING_PID)
+        if not conn.autocommit:
+            conn.rollback()
+    except BaseException:
+        conn.close()
+        raise
+    if row is not None and row[0] != conn.info.backend_pid:
+        _mark_pooled(conn)
+    return conn
+
+
+def _mark_pooled(conn: Any) -> None:
+    # a prepared statement would live in one server session and be missing (or
+    # already exist) in the next: psycopg prepares nothing with no threshold
+    conn.prepare_threshold = None
+    _POOLED.add(conn)
+    if not _said.is_set():
+        _said.set()
+        log.warning(
+            "subengine: the database connection goes through a connection pooler (the "
+            "session serving it is not the one it started with): prepared statements are "
+            "off, and what needs a session of its own (LISTEN, the workers' partition "
+            "locks, the pruner's lock) uses SUBENGINE_DIRECT_DSN (docs/pooler.md)"
+        )
+
+
+def needs_own_session(what: str) -> ConfigurationError:
+    """The error refusing a pooled connection for `what`, which needs a session of its
+    own; it says what to set."""
+    return ConfigurationError(
+        f"{what} needs a database session of its own, and this connection goes through a "
+        "connection pooler: set SUBENGINE_DIRECT_DSN to a connection straight to "
+        "PostgreSQL (docs/pooler.md)"
+    )
+
+
 def connect(
     dsn: str,
     connect_timeout: float,
@@ -70,7 +138,8 @@ def connect(
     a malformed DSN), its message stripped of the DSN's secrets.
     """
     options = connect_options(connect_timeout, application_name)
-    return _opened(lambda: psycopg.connect(dsn, autocommit=autocommit, **options), dsn)
+    conn = _opened(lambda: psycopg.connect(dsn, autocommit=autocommit, **options), dsn)
+    return _checked(conn)
 
 
 class PooledConnection(psycopg.Connection[Any]):
@@ -79,7 +148,8 @@ class PooledConnection(psycopg.Connection[Any]):
 
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
-        return _opened(lambda: super(PooledConnection, cls).connect(conninfo, **kwargs), conninfo)
+        conn = _opened(lambda: super(PooledConnection, cls).connect(conninfo, **kwargs), conninfo)
+        return _checked(conn)
 
 
 C = TypeVar("C", bound=PgConnection)
@@ -361,10 +431,26 @@ async def connect_async(
     errors name no secret of `dsn` either."""
     options = connect_options(connect_timeout, application_name)
     try:
-        return await psycopg.AsyncConnection.connect(dsn, autocommit=autocommit, **options)
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=autocommit, **options)
     except psycopg.Error as error:
         failure = _without_secrets(error, dsn)
+    else:
+        return await _checked_async(conn)
     raise failure  # outside the `except`: see `_opened`
+
+
+async def _checked_async(conn: psycopg.AsyncConnection[Any]) -> psycopg.AsyncConnection[Any]:
+    """`_checked` for asyncio."""
+    try:
+        row = await _PLAIN.run_async(conn, _SERVING_PID)
+        if not conn.autocommit:
+            await conn.rollback()
+    except BaseException:
+        await conn.close()
+        raise
+    if row is not None and row[0] != conn.info.backend_pid:
+        _mark_pooled(conn)
+    return conn
 
 
 class PooledAsyncConnection(psycopg.AsyncConnection[Any]):
@@ -373,9 +459,12 @@ class PooledAsyncConnection(psycopg.AsyncConnection[Any]):
     @classmethod
     async def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
         try:
-            return await super().connect(conninfo, **kwargs)
+            conn = await super().connect(conninfo, **kwargs)
         except psycopg.Error as error:
             failure = _without_secrets(error, conninfo)
+        else:
+            await _checked_async(conn)
+            return conn
         raise failure
 
 

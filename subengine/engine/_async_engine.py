@@ -26,6 +26,8 @@ from subengine.db._connection import (
     connect_async,
     connect_options,
     connection_lost_error,
+    needs_own_session,
+    pooled,
 )
 from subengine.db._sql import SQL, Db
 from subengine.engine._configure import configured
@@ -173,21 +175,34 @@ class AsyncEngine:
                 wait.failed(error)
 
     async def connect(
-        self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False
+        self,
+        *,
+        application_name: str = APPLICATION_NAME,
+        autocommit: bool = False,
+        session: str | None = None,
     ) -> psycopg.AsyncConnection[Any]:
         """A new connection of its own (not from the pool), with the engine's connect
-        timeout; the caller closes it."""
-        return await connect_async(
-            self.dsn,
+        timeout; the caller closes it. `session`: see `Engine.connect`."""
+        dsn = self.dsn
+        if session is not None and self.settings.direct_dsn is not None:
+            dsn = self.settings.direct_dsn
+        conn = await connect_async(
+            dsn,
             self.settings.connect_timeout,
             application_name=application_name,
             autocommit=autocommit,
         )
+        if session is not None and pooled(conn):
+            await conn.close()
+            raise needs_own_session(session)
+        return conn
 
     async def _listening_connection(self) -> psycopg.AsyncConnection[Any]:
         if self._closed:
             raise DatabaseUnavailable("this AsyncEngine is closed")
-        return await self.connect(application_name=LISTENER_APPLICATION_NAME, autocommit=True)
+        return await self.connect(
+            application_name=LISTENER_APPLICATION_NAME, autocommit=True, session="LISTEN"
+        )
 
     # streams
 

@@ -24,6 +24,10 @@ def configured(
     base = settings or Settings.from_env()
     changes = {k: v for k, v in {"dsn": dsn, "schema": schema}.items() if v is not None}
     settings = base.with_changes(**changes) if changes else base
+    if settings.direct_dsn is not None:
+        problem = dsn_problem(settings.direct_dsn)
+        if problem is not None:
+            raise ConfigurationError(f"invalid direct DSN (SUBENGINE_DIRECT_DSN): {problem}")
     if settings.dsn is not None:
         problem = dsn_problem(settings.dsn)
         if problem is not None:

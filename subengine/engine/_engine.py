@@ -24,7 +24,9 @@ from subengine.db._connection import (
     connect,
     connect_options,
     connection_lost_error,
+    needs_own_session,
     one_line,
+    pooled,
 )
 from subengine.db._loop import loop_db
 from subengine.db._sql import SQL, Db
@@ -190,21 +192,36 @@ class Engine(GatewayStorage, ParkedKeys, RemoteLeases):
                 wait.failed(error)
 
     def connect(
-        self, *, application_name: str = APPLICATION_NAME, autocommit: bool = False
+        self,
+        *,
+        application_name: str = APPLICATION_NAME,
+        autocommit: bool = False,
+        session: str | None = None,
     ) -> psycopg.Connection[Any]:
         """A new connection of its own (not from the pool), with the engine's connect
-        timeout; the caller closes it."""
-        return connect(
-            self.dsn,
+        timeout; the caller closes it. `session` names what needs a session of its own
+        on it (LISTEN, session locks or settings): it then goes to SUBENGINE_DIRECT_DSN
+        when set, and a connection through a pooler is refused (ConfigurationError)."""
+        dsn = self.dsn
+        if session is not None and self.settings.direct_dsn is not None:
+            dsn = self.settings.direct_dsn
+        conn = connect(
+            dsn,
             self.settings.connect_timeout,
             application_name=application_name,
             autocommit=autocommit,
         )
+        if session is not None and pooled(conn):
+            conn.close()
+            raise needs_own_session(session)
+        return conn
 
     def _listening_connection(self) -> psycopg.Connection[Any]:
         if self._closed:
             raise DatabaseUnavailable("this Engine is closed")
-        return self.connect(application_name=LISTENER_APPLICATION_NAME, autocommit=True)
+        return self.connect(
+            application_name=LISTENER_APPLICATION_NAME, autocommit=True, session="LISTEN"
+        )
 
     # schema
 
@@ -277,7 +294,7 @@ class Engine(GatewayStorage, ParkedKeys, RemoteLeases):
         """Prune what the streams' retention policies no longer keep (every stream with
         one, or `stream`), `batch` events per transaction; with `dry_run`, only report
         what would go. If another pruner runs now, returns at once with `locked` set."""
-        with self.connect(autocommit=True) as conn:
+        with self.connect(autocommit=True, session="the pruner's lock") as conn:
             return _retention.run_retention(
                 Db(conn, self.sql),
                 self.schema,

@@ -36,6 +36,14 @@ class Settings:
         "PostgreSQL URL or libpq conninfo. Unset: an embedded PostgreSQL in SUBENGINE_HOME.",
         shown=False,  # it may hold a password: never in a repr, so never in a log line
     )
+    direct_dsn: str | None = _setting(
+        None,
+        "SUBENGINE_DIRECT_DSN",
+        "A connection straight to PostgreSQL, for what needs a session of its own (LISTEN, "
+        "partition locks, the pruner's lock) when SUBENGINE_DSN goes through a "
+        "transaction-mode pooler (docs/pooler.md). Unset: SUBENGINE_DSN.",
+        shown=False,  # it may hold a password
+    )
     home: Path = _setting(
         Path(".subengine"),
         "SUBENGINE_HOME",

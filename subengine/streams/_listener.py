@@ -30,7 +30,7 @@ import psycopg
 
 from subengine.db._connection import one_line
 from subengine.db._sql import SQL
-from subengine.model._errors import DatabaseUnavailable
+from subengine.model._errors import ConfigurationError, DatabaseUnavailable
 from subengine.streams._streams import listen
 
 log = logging.getLogger("subengine")
@@ -272,6 +272,22 @@ def _failed(error: Exception, delay: float) -> None:
     )
 
 
+_no_push_said = threading.Event()
+
+
+def _no_push(error: ConfigurationError) -> None:
+    """Say once per process that no notification will come: the connection LISTEN needs
+    goes through a pooler and no direct one is set (docs/pooler.md)."""
+    if not _no_push_said.is_set():
+        _no_push_said.set()
+        log.warning(
+            "subengine: %s. Until then tails and the gateway get no notifications: they "
+            "find new events by polling (SUBENGINE_POLL_INTERVAL), and API keys are read "
+            "for every request",
+            error,
+        )
+
+
 class Listener(_Inboxes):
     """The LISTEN connection of a sync engine's tails, in a daemon thread."""
 
@@ -324,6 +340,12 @@ class Listener(_Inboxes):
                     while self._needed():
                         for notification in conn.notifies(timeout=_CHECK_SECONDS):
                             self.deliver(notification.payload)
+            except ConfigurationError as error:  # only a pooler between us and PostgreSQL
+                self._listening(False)
+                _no_push(error)
+                while self._needed() and not self._stopped.wait(_LONGEST_RECONNECT_SECONDS):
+                    pass
+                return
             except Exception as error:
                 self._listening(False)
                 _failed(error, delay)
@@ -403,6 +425,12 @@ class AsyncListener(_Inboxes):
                     while self._needed():
                         async for notification in conn.notifies(timeout=_CHECK_SECONDS):
                             self.deliver(notification.payload)
+            except ConfigurationError as error:  # only a pooler between us and PostgreSQL
+                self._listening(False)
+                _no_push(error)
+                while self._needed():
+                    await asyncio.sleep(_LONGEST_RECONNECT_SECONDS)
+                return
             except Exception as error:
                 self._listening(False)
                 _failed(error, delay)

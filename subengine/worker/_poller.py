@@ -20,7 +20,7 @@ from subengine.subscriptions._work import (
     prepare_worker_connection,
     stream_heads,
 )
-from subengine.worker._state import RECONNECT_DELAY_SECONDS, WorkerState
+from subengine.worker._state import POLLER_SESSION, RECONNECT_DELAY_SECONDS, WorkerState
 
 log = logging.getLogger("subengine.worker")
 
@@ -48,7 +48,7 @@ class Poller:
         outage_since: float | None = None
         while not stop.is_set():
             try:
-                with self._state.connect(autocommit=True) as conn:
+                with self._state.connect(autocommit=True, session=POLLER_SESSION) as conn:
                     db = Db(conn, self._state.engine.sql)
                     prepare_worker_connection(db)
                     # every partition is a suspect for the first look, which comes after

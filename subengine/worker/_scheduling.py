@@ -20,7 +20,7 @@ from subengine.db._locks import lock_key
 from subengine.db._sql import Db
 from subengine.subscriptions._work import find_work
 from subengine.worker._held import Held
-from subengine.worker._state import RECONNECT_DELAY_SECONDS, WorkerState
+from subengine.worker._state import PARTITION_LOCKS, RECONNECT_DELAY_SECONDS, WorkerState
 from subengine.worker._turn import Turns
 
 log = logging.getLogger("subengine.worker")
@@ -57,7 +57,10 @@ class Slots:
         """One slot, in a thread of its own, until `stop`: a connection for its batches
         and a lock connection, each made again when lost."""
         outage_since: float | None = None
-        held = Held(lambda: self._state.connect(autocommit=True), self._state.engine.sql)
+        held = Held(
+            lambda: self._state.connect(autocommit=True, session=PARTITION_LOCKS),
+            self._state.engine.sql,
+        )
         try:
             while not stop.is_set():
                 try:

@@ -22,6 +22,10 @@ from subengine.worker._metrics import WorkerMetrics
 
 RECONNECT_DELAY_SECONDS = 1.0
 
+# What needs a session of its own on a worker's connections (docs/pooler.md).
+PARTITION_LOCKS = "a worker's partition locks"
+POLLER_SESSION = "a worker's poller (LISTEN, and its session settings)"
+
 
 class WorkerState:
     """One worker's shared state. The slots and the poller read it; what they change is
@@ -56,9 +60,20 @@ class WorkerState:
         self.fatal: Exception | None = None
         self.stopping = False
 
-    def connect(self, autocommit: bool = False) -> psycopg.Connection[Any]:
-        """A new connection of the worker's own, named after it."""
-        return self.engine.connect(application_name=self.application_name, autocommit=autocommit)
+    def connect(
+        self, autocommit: bool = False, session: str | None = None
+    ) -> psycopg.Connection[Any]:
+        """A new connection of the worker's own, named after it (`session`: what needs a
+        session of its own on it, see `Engine.connect`)."""
+        return self.engine.connect(
+            application_name=self.application_name, autocommit=autocommit, session=session
+        )
+
+    def check_sessions(self) -> None:
+        """Refuse to start (ConfigurationError, saying what to set) when the worker's own
+        connections would go through a transaction-mode pooler: session locks taken
+        there would stay with a server session other clients use."""
+        self.connect(autocommit=True, session=PARTITION_LOCKS).close()
 
     def serving(self) -> list[str]:
         """The subscriptions the worker runs, but those it left."""

@@ -98,6 +98,7 @@ class Worker:
 
     def run(self, stop: threading.Event) -> None:
         """Work until `stop` is set; the current batches finish and every lock is released."""
+        self._state.check_sessions()
         with self.engine.db() as db:
             for subscription in self.subscriptions.values():
                 ensure_subscription(db, subscription)

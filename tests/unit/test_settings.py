@@ -88,6 +88,12 @@ def test_invalid_dsn_is_a_configuration_error() -> None:
         subengine.Engine("host=x port")
 
 
+def test_invalid_direct_dsn_is_a_configuration_error_that_names_it() -> None:
+    settings = Settings(dsn="host=localhost", direct_dsn="host=x port")
+    with pytest.raises(subengine.ConfigurationError, match="invalid direct DSN"):
+        subengine.Engine(settings=settings)
+
+
 def test_unreachable_database_fails_with_the_reason() -> None:
     settings = Settings(dsn="postgresql://nobody@127.0.0.1:1/none", connect_timeout=1)
     with (

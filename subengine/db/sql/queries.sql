@@ -815,6 +815,12 @@ SELECT stream, partition, head FROM {schema}.partitions WHERE stream = ANY (%(st
 WITH try AS MATERIALIZED (SELECT pg_try_advisory_lock(%(key)s) AS got)
 SELECT got, CASE WHEN got THEN pg_advisory_unlock(%(held)s) END FROM try
 
+-- name: serving_backend_pid
+-- The process id of the server session serving this statement. On a direct connection it
+-- is the one libpq was given at start-up; behind a transaction-mode pooler it is not
+-- (db/_connection.py: prepared statements are then off).
+SELECT pg_backend_pid()
+
 -- name: worker_connection_settings
 -- The worker's own connections (each slot's lock connection and the poller's) run only
 -- the worker's statements: the look, the lock statements, the poll, the heads. Their

@@ -1,0 +1,227 @@
+"""Behind a connection pooler in transaction mode (docs/pooler.md): a real PgBouncer
+process between the engine and the test database, pool of 2 server sessions.
+
+Appends and reads work through it (psycopg's prepared statements are off on its
+connections); what needs a session of its own goes to SUBENGINE_DIRECT_DSN, and without
+one the worker and the pruner refuse to start and tails poll."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from helpers import GatewayProcess, free_port, wait_for
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import subengine
+from subengine import NewEvent, Subscription
+from subengine.db._connection import connect, pooled
+from subengine.worker._worker import Worker
+
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+
+
+def _run_as() -> list[str]:
+    """PgBouncer refuses to run as root: then it runs as the embedded server's user (its
+    socket directory is that user's) or as nobody."""
+    if os.geteuid() != 0:
+        return []
+    for name in ("pgserver", "nobody"):
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            continue
+        return ["-u", name]
+    pytest.skip("running as root, with no user for PgBouncer to run as")
+
+
+@pytest.fixture
+def bouncer(dsn: str) -> Iterator[str]:
+    """The DSN of `dsn`'s database through a PgBouncer in transaction mode."""
+    if not os.path.exists(PGBOUNCER):
+        pytest.skip("PgBouncer is not installed (apt-get install pgbouncer; .ci/run does)")
+    params = conninfo_to_dict(dsn)
+    server = " ".join(
+        f"{key}={value}"
+        for key, value in (
+            ("host", params.get("host", "localhost")),
+            ("port", params.get("port", 5432)),
+            ("user", params.get("user", "postgres")),
+            ("password", params.get("password")),
+        )
+        if value
+    )
+    directory = Path(tempfile.mkdtemp(prefix="subengine-test-pgbouncer-"))
+    directory.chmod(0o777)  # PgBouncer may run as another user (see _run_as)
+    port = free_port()
+    ini = directory / "pgbouncer.ini"
+    ini.write_text(
+        f"[databases]\n* = {server}\n\n[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        "auth_type = any\npool_mode = transaction\ndefault_pool_size = 2\n"
+        "max_client_conn = 200\nignore_startup_parameters = extra_float_digits,options\n"
+        f"logfile = {directory}/pgbouncer.log\npidfile = {directory}/pgbouncer.pid\n"
+    )
+    ini.chmod(0o644)
+    process = subprocess.Popen([PGBOUNCER, *_run_as(), str(ini)], stderr=subprocess.PIPE)
+    through = make_conninfo(
+        host="127.0.0.1", port=port, dbname=params["dbname"], user=params.get("user", "")
+    )
+
+    def up() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"PgBouncer exited: {process.stderr.read()!r}")  # type: ignore[union-attr]
+        try:
+            psycopg.connect(through, connect_timeout=2).close()
+        except psycopg.OperationalError:
+            return False
+        return True
+
+    try:
+        wait_for(up, "PgBouncer to accept connections", timeout=30)
+        yield through
+    finally:
+        process.terminate()
+        process.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_connections_through_the_pooler_are_found_out_and_prepare_nothing(
+    dsn: str, bouncer: str
+) -> None:
+    with connect(dsn, 5) as direct, connect(bouncer, 5) as through:
+        assert not pooled(direct) and direct.prepare_threshold is not None
+        assert pooled(through) and through.prepare_threshold is None
+
+
+def test_appends_and_reads_work_through_the_pooler(bouncer: str) -> None:
+    """psycopg prepares a statement at its 5th run: behind a transaction-mode pooler the
+    6th run failed ('_pg3_0 already exists') or found it missing on another session."""
+    with subengine.Engine(bouncer) as engine:
+        engine.create_stream("orders", partitions=2)
+        for n in range(20):
+            engine.append("orders", [NewEvent(f"k{n % 3}", "T", {"n": n})])
+            assert sum(len(engine.read("orders", p, limit=100)) for p in (0, 1)) == n + 1
+
+
+def test_without_a_direct_dsn_the_worker_and_the_pruner_refuse_to_start(
+    bouncer: str,
+) -> None:
+    with subengine.Engine(bouncer) as engine:
+        engine.create_stream("orders", partitions=2)
+        sub = Subscription("effects", "orders")
+        sub.handler()(lambda event, conn: None)
+        failed: list[Exception] = []
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                Worker(engine, [sub]).run(stop)
+            except Exception as error:
+                failed.append(error)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(30)
+        stop.set()  # (before the refusal, the worker ran on with its locks in pooled sessions)
+        thread.join(30)
+        assert [type(error) for error in failed] == [subengine.ConfigurationError]
+        assert "a worker's partition locks" in str(failed[0])
+        assert "SUBENGINE_DIRECT_DSN" in str(failed[0])
+        with pytest.raises(subengine.ConfigurationError, match="the pruner's lock"):
+            engine.run_retention()
+
+
+def test_with_a_direct_dsn_workers_handle_every_event_once_in_order(
+    dsn: str, bouncer: str, sql: psycopg.Connection[Any]
+) -> None:
+    sql.execute(
+        "CREATE TABLE effects (partition int, position bigint, PRIMARY KEY (partition, position))"
+    )
+    settings = subengine.Settings(dsn=bouncer, direct_dsn=dsn, poll_interval=0.5)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=4)
+        sub = Subscription("effects", "orders")
+
+        @sub.handler()
+        def record(event: subengine.Event, conn: Any) -> None:
+            conn.execute("INSERT INTO effects VALUES (%s, %s)", (event.partition, event.position))
+
+        engine.append("orders", [NewEvent(f"k{n}", "T", {"n": n}) for n in range(200)])
+        heads = engine.heads("orders")
+        workers = [Worker(engine, [sub], concurrency=2) for _ in range(2)]
+        stop = threading.Event()
+        threads = [threading.Thread(target=w.run, args=(stop,)) for w in workers]
+        for thread in threads:
+            thread.start()
+        try:
+            more = engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(100)])
+            heads = engine.heads("orders")
+
+            def done() -> bool:
+                positions = engine.subscription_positions("effects")
+                return {p.partition: p.position for p in positions} == heads
+
+            wait_for(done, "every event handled", timeout=60)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+    rows = sql.execute("SELECT partition, position FROM effects ORDER BY 1, 2").fetchall()
+    assert rows == [(p, n) for p, head in sorted(heads.items()) for n in range(1, head + 1)]
+    assert len(more) == 100
+
+
+def test_tails_poll_when_no_connection_can_listen(bouncer: str) -> None:
+    settings = subengine.Settings(dsn=bouncer, poll_interval=0.2)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=2)
+        with engine.tail("orders") as tail:
+            engine.append("orders", [NewEvent("k", "T", {"n": 1})])
+            event = tail.next_event(timeout=30)
+            assert isinstance(event, subengine.Event) and event.data == {"n": 1}
+            assert engine.listener.connects == 0  # never listened through the pooler
+
+
+def test_async_tails_poll_when_no_connection_can_listen(bouncer: str) -> None:
+    async def scenario() -> None:
+        settings = subengine.Settings(dsn=bouncer, poll_interval=0.2)
+        async with subengine.AsyncEngine(settings=settings) as engine:
+            await engine.create_stream("orders", partitions=2)
+            async with engine.tail("orders") as tail:
+                await engine.append("orders", [NewEvent("k", "T", {"n": 1})])
+                event = await tail.next_event(timeout=30)
+                assert isinstance(event, subengine.Event) and event.data == {"n": 1}
+                assert engine.listener.connects == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_gateway_serves_through_the_pooler(
+    engine: subengine.Engine, bouncer: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """No LISTEN: appends and reads still work, and the gateway says what is degraded."""
+    engine.create_stream("orders", partitions=2)
+    env = {**cli_env, "SUBENGINE_DSN": bouncer, "SUBENGINE_POLL_INTERVAL": "0.2"}
+    with GatewayProcess(env, tmp=tmp_path) as gateway:
+        url = f"{gateway.url}/v1/streams/orders/events"
+        for n in range(8):  # past psycopg's prepare threshold
+            appended = httpx.post(url, json=[{"key": "k", "type": "T", "data": {"n": n}}])
+            assert appended.status_code == 201, appended.text
+            read = httpx.get(url, params={"limit": 100})
+            assert read.status_code == 200, read.text
+            assert len(read.json()["events"]) == n + 1
+        output = gateway.output()
+    assert "goes through a connection pooler" in output
+    assert "get no notifications" in output
