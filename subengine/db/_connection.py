@@ -114,10 +114,15 @@ def _mark_pooled(conn: Any) -> None:
         )
 
 
-def needs_own_session(what: str) -> ConfigurationError:
+class SessionNeeded(ConfigurationError):
+    """A connection that goes through a pooler was refused for what needs a session of
+    its own (and no SUBENGINE_DIRECT_DSN is set, or it too is pooled)."""
+
+
+def needs_own_session(what: str) -> SessionNeeded:
     """The error refusing a pooled connection for `what`, which needs a session of its
     own; it says what to set."""
-    return ConfigurationError(
+    return SessionNeeded(
         f"{what} needs a database session of its own, and this connection goes through a "
         "connection pooler: set SUBENGINE_DIRECT_DSN to a connection straight to "
         "PostgreSQL (docs/pooler.md)"

@@ -44,6 +44,14 @@ class Settings:
         "transaction-mode pooler (docs/pooler.md). Unset: SUBENGINE_DSN.",
         shown=False,  # it may hold a password
     )
+    lock_provider: str = _setting(
+        "pals",
+        "SUBENGINE_LOCK_PROVIDER",
+        "How worker slots lock partitions: pals (session advisory locks through pals), "
+        "builtin (the same locks by one statement per switch) or rows (no advisory lock: "
+        "batches wait on their partition's row; for transaction-mode poolers). "
+        'docs/pooler.md, "Lock providers".',
+    )
     home: Path = _setting(
         Path(".subengine"),
         "SUBENGINE_HOME",
@@ -112,6 +120,12 @@ class Settings:
 
     def __post_init__(self) -> None:
         validate_schema_name(self.schema)
+        if self.lock_provider not in LOCK_PROVIDERS:
+            raise ConfigurationError(
+                f"setting lock_provider must be one of {', '.join(LOCK_PROVIDERS)}, not "
+                f"{shown_value(self.lock_provider)} (environment variable "
+                "SUBENGINE_LOCK_PROVIDER)"
+            )
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "int":
@@ -146,6 +160,9 @@ class Settings:
             default = "unset" if f.default is None else str(f.default)
             yield f.name, f.metadata["env"], default, f.metadata["doc"]
 
+
+# The providers of worker slots' partition locks (db/_locks.py).
+LOCK_PROVIDERS = ("pals", "builtin", "rows")
 
 # Waits longer than this are mistakes (a worker that polls once a month), and far longer
 # ones overflow the timers they reach (threading.Event.wait, libpq's connect_timeout).

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from subengine.db._locks import lock_partition, unlock_partition
 from subengine.db._sql import Db, Query, Result, first_row
 from subengine.streams._streams import listen
 
@@ -110,14 +109,3 @@ def prepare_worker_connection(db: Db) -> None:
 def listen_for_appends(db: Db) -> None:
     """Start receiving the notifications of appends on this autocommit connection."""
     db.run(listen())
-
-
-def take_partition_lock(db: Db, key: int, held: int | None) -> bool:
-    """Take the partition lock `key` and, only if it was taken, release `held` (None:
-    none held), in one statement; whether it was taken."""
-    return db.run(lock_partition(key, held))
-
-
-def release_partition_lock(db: Db, key: int) -> None:
-    """Give the partition lock `key` back."""
-    db.run(unlock_partition(key))

@@ -14,13 +14,10 @@ from typing import Any, TypeVar
 
 import psycopg
 
+from subengine.db._locks import PartitionLocks, partition_locks
 from subengine.db._sql import SQL, Db
 from subengine.model._settings import Settings
-from subengine.subscriptions._work import (
-    prepare_worker_connection,
-    release_partition_lock,
-    take_partition_lock,
-)
+from subengine.subscriptions._work import prepare_worker_connection
 
 log = logging.getLogger("subengine.worker")
 
@@ -37,10 +34,20 @@ class Held:
     a transaction; its locks are session locks, gone if it ends.
     """
 
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], sql: SQL) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], psycopg.Connection[Any]],
+        sql: SQL,
+        provider: str,
+        *,
+        session_settings: bool = True,
+    ) -> None:
         self._connect = connect
         self._sql = sql
+        self._provider = provider
+        self._session_settings = session_settings
         self._db: Db | None = None
+        self._locks: PartitionLocks | None = None
         self.key: tuple[str, int] | None = None
         self.has_work = False
         self._lock_key: int | None = None
@@ -53,7 +60,9 @@ class Held:
             if self._db is None or self._db.conn.closed:
                 self.close()
                 self._db = Db(self._connect(), self._sql)
-                prepare_worker_connection(self._db)
+                if self._session_settings:
+                    prepare_worker_connection(self._db)
+                self._locks = partition_locks(self._provider, self._db)
             try:
                 return statement(self._db)
             except psycopg.OperationalError:
@@ -64,7 +73,7 @@ class Held:
 
     def try_lock(self, key: tuple[str, int], lock_key: int) -> bool:
         """Take the lock of `key` (keyed `lock_key`) and hold it instead of the one held."""
-        if not self.run(lambda db: take_partition_lock(db, lock_key, self._lock_key)):
+        if not self.run(lambda db: self._provided().take(lock_key, self._lock_key)):
             return False
         self.key, self._lock_key, self.has_work = key, lock_key, True
         return True
@@ -75,8 +84,8 @@ class Held:
         lock_key = self._lock_key
         self._forget()
         try:
-            if self._db is not None:
-                release_partition_lock(self._db, lock_key)
+            if self._locks is not None:
+                self._locks.release(lock_key)
         except psycopg.Error as error:  # the connection is gone, and the lock with it
             log.info("a partition lock's connection was gone (%s); so is the lock", error)
             self.close()
@@ -84,10 +93,15 @@ class Held:
     def close(self) -> None:
         """Forget the lock and close the connection (which ends its locks)."""
         self._forget()
+        self._locks = None
         if self._db is not None:
             with contextlib.suppress(psycopg.Error):
                 self._db.conn.close()
             self._db = None
+
+    def _provided(self) -> PartitionLocks:
+        assert self._locks is not None, "run() made the lock connection's locks"
+        return self._locks
 
     def _forget(self) -> None:
         self.key, self._lock_key = None, None

@@ -48,9 +48,10 @@ class Poller:
         outage_since: float | None = None
         while not stop.is_set():
             try:
-                with self._state.connect(autocommit=True, session=POLLER_SESSION) as conn:
+                with self._state.connect_own(POLLER_SESSION) as conn:
                     db = Db(conn, self._state.engine.sql)
-                    prepare_worker_connection(db)
+                    if self._state.sessions:
+                        prepare_worker_connection(db)
                     # every partition is a suspect for the first look, which comes after
                     # the LISTEN: nothing appended before or after it goes unseen
                     self._board.heads_read(stream_heads(db, self._board.streams), everything=True)

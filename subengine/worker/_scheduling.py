@@ -57,9 +57,12 @@ class Slots:
         """One slot, in a thread of its own, until `stop`: a connection for its batches
         and a lock connection, each made again when lost."""
         outage_since: float | None = None
+        state = self._state
         held = Held(
-            lambda: self._state.connect(autocommit=True, session=PARTITION_LOCKS),
-            self._state.engine.sql,
+            lambda: state.connect_own(PARTITION_LOCKS),
+            state.engine.sql,
+            state.lock_provider,
+            session_settings=state.sessions,
         )
         try:
             while not stop.is_set():

@@ -3,6 +3,7 @@ wake-up, the backoff, the metrics, the subscriptions it left, and the error that
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -13,12 +14,15 @@ from typing import Any
 
 import psycopg
 
+from subengine.db._connection import SessionNeeded
 from subengine.engine._engine import Engine
 from subengine.model._declarations import Subscription
 from subengine.model._errors import DatabaseUnavailable
 from subengine.worker._board import Board, Wakeup
 from subengine.worker._held import Backoff
 from subengine.worker._metrics import WorkerMetrics
+
+log = logging.getLogger("subengine.worker")
 
 RECONNECT_DELAY_SECONDS = 1.0
 
@@ -44,6 +48,9 @@ class WorkerState:
         self.settings = engine.settings
         self.subscriptions = {s.name: s for s in subscriptions}
         self.listen = listen
+        self.lock_provider = engine.settings.lock_provider
+        # whether its own connections may keep session state: see check_sessions
+        self.sessions = True
         self.look_limit = look_limit
         self.serves_metrics = serves_metrics
         self.id = uuid.uuid4()
@@ -70,10 +77,34 @@ class WorkerState:
         )
 
     def check_sessions(self) -> None:
-        """Refuse to start (ConfigurationError, saying what to set) when the worker's own
-        connections would go through a transaction-mode pooler: session locks taken
-        there would stay with a server session other clients use."""
-        self.connect(autocommit=True, session=PARTITION_LOCKS).close()
+        """Find out, before the slots start, whether the worker's own connections can
+        have sessions of their own (directly, or through SUBENGINE_DIRECT_DSN). When they
+        go through a transaction-mode pooler instead, the worker takes no advisory lock
+        (the `rows` provider), polls instead of listening, sets nothing on its sessions
+        and leaves pruning to others: all of which would stay behind in a server session
+        other clients use. It says so once (docs/pooler.md)."""
+        try:
+            self.connect(autocommit=True, session=PARTITION_LOCKS).close()
+        except SessionNeeded:
+            self.sessions = False
+            self.lock_provider = "rows"
+            self.listen = False
+            log.warning(
+                "worker %s: its connections go through a connection pooler and "
+                "SUBENGINE_DIRECT_DSN is not set: it takes no partition locks (a batch "
+                "waits on its partition's row instead, and the status views show no "
+                "holder), polls every %g s instead of listening (SUBENGINE_POLL_INTERVAL), "
+                "and does not prune (docs/pooler.md)",
+                self.id,
+                self.settings.poll_interval,
+                extra=self.fields(),
+            )
+
+    def connect_own(self, what: str) -> psycopg.Connection[Any]:
+        """A connection for `what`, which wants a session of its own (an autocommit
+        connection through SUBENGINE_DIRECT_DSN when set); a pooled one when the worker
+        found it has no sessions (`check_sessions`)."""
+        return self.connect(autocommit=True, session=what if self.sessions else None)
 
     def serving(self) -> list[str]:
         """The subscriptions the worker runs, but those it left."""

@@ -139,7 +139,7 @@ class Worker:
                 daemon=True,
             ),
         ]
-        if self.settings.retention_interval:
+        if self.settings.retention_interval and self._state.sessions:
             threads.append(
                 threading.Thread(target=self._prune, args=(stop,), daemon=True, name="pruner")
             )

@@ -115,61 +115,57 @@ def test_appends_and_reads_work_through_the_pooler(bouncer: str) -> None:
             assert sum(len(engine.read("orders", p, limit=100)) for p in (0, 1)) == n + 1
 
 
-def test_without_a_direct_dsn_the_worker_and_the_pruner_refuse_to_start(
+def test_without_a_direct_dsn_the_pruner_refuses_to_start(bouncer: str) -> None:
+    with (
+        subengine.Engine(bouncer) as engine,
+        pytest.raises(subengine.ConfigurationError, match="the pruner's lock"),
+    ):
+        engine.run_retention()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-dsn", "no-direct-dsn"])
+def test_workers_behind_the_pooler_handle_every_event_once_in_order(
+    direct: bool,
+    dsn: str,
     bouncer: str,
+    sql: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with subengine.Engine(bouncer) as engine:
-        engine.create_stream("orders", partitions=2)
-        sub = Subscription("effects", "orders")
-        sub.handler()(lambda event, conn: None)
-        failed: list[Exception] = []
-        stop = threading.Event()
-
-        def run() -> None:
-            try:
-                Worker(engine, [sub]).run(stop)
-            except Exception as error:
-                failed.append(error)
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join(30)
-        stop.set()  # (before the refusal, the worker ran on with its locks in pooled sessions)
-        thread.join(30)
-        assert [type(error) for error in failed] == [subengine.ConfigurationError]
-        assert "a worker's partition locks" in str(failed[0])
-        assert "SUBENGINE_DIRECT_DSN" in str(failed[0])
-        with pytest.raises(subengine.ConfigurationError, match="the pruner's lock"):
-            engine.run_retention()
-
-
-def test_with_a_direct_dsn_workers_handle_every_event_once_in_order(
-    dsn: str, bouncer: str, sql: psycopg.Connection[Any]
-) -> None:
+    """With a direct DSN the workers lock and listen there; without one they take no
+    advisory lock, poll, and leave no session setting behind in the pooled sessions."""
     sql.execute(
-        "CREATE TABLE effects (partition int, position bigint, PRIMARY KEY (partition, position))"
+        "CREATE TABLE effects (partition int, position bigint, seq serial,"
+        " PRIMARY KEY (partition, position))"
     )
-    settings = subengine.Settings(dsn=bouncer, direct_dsn=dsn, poll_interval=0.5)
+    settings = subengine.Settings(
+        dsn=bouncer, direct_dsn=dsn if direct else None, poll_interval=0.5
+    )
+    advisory = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+    locks_seen: set[int] = set()
     with subengine.Engine(settings=settings) as engine:
         engine.create_stream("orders", partitions=4)
-        sub = Subscription("effects", "orders")
+        sub = Subscription("effects", "orders", batch_size=10)
 
         @sub.handler()
         def record(event: subengine.Event, conn: Any) -> None:
-            conn.execute("INSERT INTO effects VALUES (%s, %s)", (event.partition, event.position))
+            conn.execute(
+                "INSERT INTO effects (partition, position) VALUES (%s, %s)",
+                (event.partition, event.position),
+            )
 
         engine.append("orders", [NewEvent(f"k{n}", "T", {"n": n}) for n in range(200)])
-        heads = engine.heads("orders")
         workers = [Worker(engine, [sub], concurrency=2) for _ in range(2)]
         stop = threading.Event()
         threads = [threading.Thread(target=w.run, args=(stop,)) for w in workers]
         for thread in threads:
             thread.start()
         try:
-            more = engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(100)])
+            engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(100)])
             heads = engine.heads("orders")
 
             def done() -> bool:
+                row = sql.execute(advisory).fetchone()
+                locks_seen.add(row[0] if row else 0)
                 positions = engine.subscription_positions("effects")
                 return {p.partition: p.position for p in positions} == heads
 
@@ -178,9 +174,21 @@ def test_with_a_direct_dsn_workers_handle_every_event_once_in_order(
             stop.set()
             for thread in threads:
                 thread.join(30)
-    rows = sql.execute("SELECT partition, position FROM effects ORDER BY 1, 2").fetchall()
-    assert rows == [(p, n) for p, head in sorted(heads.items()) for n in range(1, head + 1)]
-    assert len(more) == 100
+    rows = sql.execute("SELECT partition, position FROM effects ORDER BY seq").fetchall()
+    for partition, head in heads.items():
+        assert [p for q, p in rows if q == partition] == list(range(1, head + 1))
+    if direct:
+        assert max(locks_seen) > 0  # the slots held their partitions' locks
+    else:
+        assert locks_seen == {0}
+        assert "takes no partition locks" in caplog.text
+        with psycopg.connect(bouncer, prepare_threshold=None, autocommit=True) as through:
+            for _ in range(4):  # the pool's 2 server sessions, whichever comes
+                shown = through.execute(
+                    "SELECT current_setting('synchronous_commit'),"
+                    " current_setting('plan_cache_mode')"
+                ).fetchone()
+                assert shown == ("on", "auto")
 
 
 def test_tails_poll_when_no_connection_can_listen(bouncer: str) -> None:

@@ -1,0 +1,125 @@
+"""The partition lock providers' contract (db/_locks.py, docs/pooler.md "Lock providers"):
+every provider runs a worker's subscriptions with every event's effect exactly once and in
+order per partition (invariant 3: that never rested on locks); the exclusive ones keep a
+partition's lock to one slot at a time, release the one held when they take another, and
+leave the lock connection in autocommit, idle (DESIGN.md, known pitfalls: pals)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import wait_for
+
+import subengine
+from subengine import NewEvent, Subscription
+from subengine.db._connection import connect
+from subengine.db._locks import lock_key, partition_locks
+from subengine.db._sql import SQL, Db
+from subengine.model._settings import LOCK_PROVIDERS
+from subengine.worker._worker import Worker
+
+EXCLUSIVE = [provider for provider in LOCK_PROVIDERS if provider != "rows"]
+
+
+@pytest.fixture
+def lock_connections(dsn: str) -> Iterator[list[Db]]:
+    conns = [connect(dsn, 5, autocommit=True) for _ in range(2)]
+    try:
+        yield [Db(conn, SQL("subengine")) for conn in conns]
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def _advisory_holders(sql: psycopg.Connection[Any], key: int) -> list[int]:
+    rows = sql.execute(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND classid = %s AND objid = %s AND objsubid = 1",
+        ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+@pytest.mark.parametrize("provider", EXCLUSIVE)
+def test_an_exclusive_provider_keeps_a_partition_to_one_holder(
+    provider: str, lock_connections: list[Db], sql: psycopg.Connection[Any]
+) -> None:
+    first_db, second_db = lock_connections
+    first, second = (partition_locks(provider, db) for db in lock_connections)
+    key, other = lock_key("subengine", "effects", 0), lock_key("subengine", "effects", 1)
+    assert first.exclusive
+    assert first.take(key, None)
+    assert not second.take(key, None)
+    assert _advisory_holders(sql, key) == [first_db.conn.info.backend_pid]
+    assert first.take(other, key)  # a switch gives the held lock back
+    assert _advisory_holders(sql, key) == []
+    assert second.take(key, None)
+    second.release(key)
+    assert _advisory_holders(sql, key) == []
+    for db in (first_db, second_db):  # the lock connections stay autocommit and idle
+        assert db.conn.autocommit
+        assert db.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_the_rows_provider_takes_no_advisory_lock(
+    lock_connections: list[Db], sql: psycopg.Connection[Any]
+) -> None:
+    first, second = (partition_locks("rows", db) for db in lock_connections)
+    key = lock_key("subengine", "effects", 0)
+    assert not first.exclusive
+    assert first.take(key, None) and second.take(key, None)
+    assert _advisory_holders(sql, key) == []
+
+
+def test_an_unknown_provider_is_a_configuration_error() -> None:
+    with pytest.raises(subengine.ConfigurationError, match="lock_provider must be one of"):
+        subengine.Settings(lock_provider="zookeeper")
+
+
+@pytest.mark.parametrize("provider", LOCK_PROVIDERS)
+def test_workers_handle_every_event_once_in_order_with_each_provider(
+    provider: str, dsn: str, sql: psycopg.Connection[Any]
+) -> None:
+    sql.execute(
+        "CREATE TABLE effects (partition int, position bigint, seq serial,"
+        " PRIMARY KEY (partition, position))"
+    )
+    settings = subengine.Settings(dsn=dsn, lock_provider=provider, poll_interval=0.5)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=4)
+        sub = Subscription("effects", "orders", batch_size=5)
+
+        @sub.handler()
+        def record(event: subengine.Event, conn: Any) -> None:
+            conn.execute(
+                "INSERT INTO effects (partition, position) VALUES (%s, %s)",
+                (event.partition, event.position),
+            )
+
+        engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(200)])
+        workers = [Worker(engine, [sub], concurrency=2) for _ in range(2)]
+        stop = threading.Event()
+        threads = [threading.Thread(target=w.run, args=(stop,)) for w in workers]
+        for thread in threads:
+            thread.start()
+        try:
+            engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(200)])
+            heads = engine.heads("orders")
+
+            def done() -> bool:
+                positions = engine.subscription_positions("effects")
+                return {p.partition: p.position for p in positions} == heads
+
+            wait_for(done, "every event handled", timeout=60)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+    rows = sql.execute("SELECT partition, position FROM effects ORDER BY seq").fetchall()
+    for partition, head in heads.items():
+        # once each (the primary key), and handled in position order per partition
+        assert [p for q, p in rows if q == partition] == list(range(1, head + 1))
