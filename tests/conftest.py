@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pwd
+import shutil
+import subprocess
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -42,12 +45,14 @@ from helpers import (  # noqa: F401  (re-exported for tests that still import fr
     Proxy,
     Receiver,
     Replication,
+    free_port,
     postgres_runner,
     run_subengine,
     run_subengine_until,
     snapshot,
     streaming_replication,
     subengine_command,
+    wait_for,
     wait_replayed,
     write_readme_app,
 )
@@ -400,3 +405,73 @@ def streaming_replica() -> Iterator[Replication]:
         _migrate.upgrade(replication.primary_dsn, "subengine", subengine.Settings().connect_timeout)
         wait_replayed(*replication, timeout=REPLICATION_TIMEOUT)
         yield replication
+
+
+# a connection pooler in transaction mode (docs/pooler.md)
+
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+
+
+def _run_as() -> list[str]:
+    """PgBouncer refuses to run as root: then it runs as the embedded server's user (its
+    socket directory is that user's) or as nobody."""
+    if os.geteuid() != 0:
+        return []
+    for name in ("pgserver", "nobody"):
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            continue
+        return ["-u", name]
+    pytest.skip("running as root, with no user for PgBouncer to run as")
+
+
+@pytest.fixture
+def bouncer(dsn: str) -> Iterator[str]:
+    """The DSN of `dsn`'s database through a PgBouncer in transaction mode."""
+    if not os.path.exists(PGBOUNCER):
+        pytest.skip("PgBouncer is not installed (apt-get install pgbouncer; .ci/run does)")
+    params = conninfo_to_dict(dsn)
+    server = " ".join(
+        f"{key}={value}"
+        for key, value in (
+            ("host", params.get("host", "localhost")),
+            ("port", params.get("port", 5432)),
+            ("user", params.get("user", "postgres")),
+            ("password", params.get("password")),
+        )
+        if value
+    )
+    directory = Path(tempfile.mkdtemp(prefix="subengine-test-pgbouncer-"))
+    directory.chmod(0o777)  # PgBouncer may run as another user (see _run_as)
+    port = free_port()
+    ini = directory / "pgbouncer.ini"
+    ini.write_text(
+        f"[databases]\n* = {server}\n\n[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        "auth_type = any\npool_mode = transaction\ndefault_pool_size = 2\n"
+        "max_client_conn = 200\nignore_startup_parameters = extra_float_digits,options\n"
+        f"logfile = {directory}/pgbouncer.log\npidfile = {directory}/pgbouncer.pid\n"
+    )
+    ini.chmod(0o644)
+    process = subprocess.Popen([PGBOUNCER, *_run_as(), str(ini)], stderr=subprocess.PIPE)
+    through = make_conninfo(
+        host="127.0.0.1", port=port, dbname=params["dbname"], user=params.get("user", "")
+    )
+
+    def up() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"PgBouncer exited: {process.stderr.read()!r}")  # type: ignore[union-attr]
+        try:
+            psycopg.connect(through, connect_timeout=2).close()
+        except psycopg.OperationalError:
+            return False
+        return True
+
+    try:
+        wait_for(up, "PgBouncer to accept connections", timeout=30)
+        yield through
+    finally:
+        process.terminate()
+        process.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)

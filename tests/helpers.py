@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -1010,3 +1011,23 @@ def reset_waiting_for_the_batch(dsn: str, name: str = "billing") -> threading.Th
     with psycopg.connect(dsn, autocommit=True) as watcher:
         wait_for(lambda: watcher.execute(waiting).fetchone()[0] == 1)  # type: ignore[index]
     return thread
+
+
+def assert_each_effect_once_in_key_order(
+    sql: psycopg.Connection[Any], engine: subengine.Engine
+) -> None:
+    """Every stored event has exactly one effect, and each key's effects, in the order
+    they were made, are its versions 1, 2, 3 …"""
+    duplicated = sql.execute(
+        "SELECT event_id, count(*) FROM effects GROUP BY 1 HAVING count(*) > 1"
+    ).fetchall()
+    assert duplicated == []
+    missing = sql.execute(  # type: ignore[index]
+        "SELECT count(*) FROM subengine.events e"
+        " WHERE NOT EXISTS (SELECT FROM effects f WHERE f.event_id = e.id)"
+    ).fetchone()[0]
+    assert missing == 0
+    versions = defaultdict(list)
+    for key, version in sql.execute("SELECT key, key_version FROM effects ORDER BY seq"):
+        versions[key].append(version)
+    assert all(v == list(range(1, len(v) + 1)) for v in versions.values())

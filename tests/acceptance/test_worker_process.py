@@ -11,7 +11,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from helpers import (
     APPS,
     README,
     Proxy,
+    assert_each_effect_once_in_key_order,
     free_port,
     run_subengine,
     subengine_command,
@@ -109,26 +109,6 @@ def advisory_locks(sql: psycopg.Connection[Any]) -> int:
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
         " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     ).fetchone()[0]
-
-
-def assert_each_effect_once_in_key_order(
-    sql: psycopg.Connection[Any], engine: subengine.Engine
-) -> None:
-    """Every stored event has exactly one effect, and each key's effects, in the order
-    they were made, are its versions 1, 2, 3 …"""
-    duplicated = sql.execute(
-        "SELECT event_id, count(*) FROM effects GROUP BY 1 HAVING count(*) > 1"
-    ).fetchall()
-    assert duplicated == []
-    missing = sql.execute(  # type: ignore[index]
-        "SELECT count(*) FROM subengine.events e"
-        " WHERE NOT EXISTS (SELECT FROM effects f WHERE f.event_id = e.id)"
-    ).fetchone()[0]
-    assert missing == 0
-    versions = defaultdict(list)
-    for key, version in sql.execute("SELECT key, key_version FROM effects ORDER BY seq"):
-        versions[key].append(version)
-    assert all(v == list(range(1, len(v) + 1)) for v in versions.values())
 
 
 # fatal conditions

@@ -8,93 +8,19 @@ one the worker and the pruner refuse to start and tails poll."""
 from __future__ import annotations
 
 import asyncio
-import os
-import pwd
-import shutil
-import subprocess
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
-from helpers import GatewayProcess, free_port, wait_for
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from helpers import GatewayProcess, wait_for
 
 import subengine
 from subengine import NewEvent, Subscription
 from subengine.db._connection import connect, pooled
 from subengine.worker._worker import Worker
-
-PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
-
-
-def _run_as() -> list[str]:
-    """PgBouncer refuses to run as root: then it runs as the embedded server's user (its
-    socket directory is that user's) or as nobody."""
-    if os.geteuid() != 0:
-        return []
-    for name in ("pgserver", "nobody"):
-        try:
-            pwd.getpwnam(name)
-        except KeyError:
-            continue
-        return ["-u", name]
-    pytest.skip("running as root, with no user for PgBouncer to run as")
-
-
-@pytest.fixture
-def bouncer(dsn: str) -> Iterator[str]:
-    """The DSN of `dsn`'s database through a PgBouncer in transaction mode."""
-    if not os.path.exists(PGBOUNCER):
-        pytest.skip("PgBouncer is not installed (apt-get install pgbouncer; .ci/run does)")
-    params = conninfo_to_dict(dsn)
-    server = " ".join(
-        f"{key}={value}"
-        for key, value in (
-            ("host", params.get("host", "localhost")),
-            ("port", params.get("port", 5432)),
-            ("user", params.get("user", "postgres")),
-            ("password", params.get("password")),
-        )
-        if value
-    )
-    directory = Path(tempfile.mkdtemp(prefix="subengine-test-pgbouncer-"))
-    directory.chmod(0o777)  # PgBouncer may run as another user (see _run_as)
-    port = free_port()
-    ini = directory / "pgbouncer.ini"
-    ini.write_text(
-        f"[databases]\n* = {server}\n\n[pgbouncer]\n"
-        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-        "auth_type = any\npool_mode = transaction\ndefault_pool_size = 2\n"
-        "max_client_conn = 200\nignore_startup_parameters = extra_float_digits,options\n"
-        f"logfile = {directory}/pgbouncer.log\npidfile = {directory}/pgbouncer.pid\n"
-    )
-    ini.chmod(0o644)
-    process = subprocess.Popen([PGBOUNCER, *_run_as(), str(ini)], stderr=subprocess.PIPE)
-    through = make_conninfo(
-        host="127.0.0.1", port=port, dbname=params["dbname"], user=params.get("user", "")
-    )
-
-    def up() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"PgBouncer exited: {process.stderr.read()!r}")  # type: ignore[union-attr]
-        try:
-            psycopg.connect(through, connect_timeout=2).close()
-        except psycopg.OperationalError:
-            return False
-        return True
-
-    try:
-        wait_for(up, "PgBouncer to accept connections", timeout=30)
-        yield through
-    finally:
-        process.terminate()
-        process.wait(10)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_connections_through_the_pooler_are_found_out_and_prepare_nothing(
@@ -189,6 +115,20 @@ def test_workers_behind_the_pooler_handle_every_event_once_in_order(
                     " current_setting('plan_cache_mode')"
                 ).fetchone()
                 assert shown == ("on", "auto")
+
+
+def test_with_a_direct_dsn_tails_are_pushed_to(dsn: str, bouncer: str) -> None:
+    """The listener connects to the direct DSN: an event reaches a tail long before its
+    next poll (a minute away)."""
+    settings = subengine.Settings(dsn=bouncer, direct_dsn=dsn, poll_interval=60)
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=2)
+        with engine.tail("orders") as tail:
+            assert tail.next_event(timeout=0.5) is None  # its first poll, done
+            wait_for(lambda: engine.listener.connects >= 1, "the listener", timeout=30)
+            engine.append("orders", [NewEvent("k", "T", {"n": 1})])
+            event = tail.next_event(timeout=20)
+            assert isinstance(event, subengine.Event) and event.data == {"n": 1}
 
 
 def test_tails_poll_when_no_connection_can_listen(bouncer: str) -> None:
