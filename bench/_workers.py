@@ -102,6 +102,7 @@ class WorkerJob:
     batch_size: int
     concurrency: int = 1
     count_statements: bool = False
+    lock_provider: str | None = None  # None: the settings' (SUBENGINE_LOCK_PROVIDER)
 
 
 def count_statements(kinds: list[tuple[float, str]]) -> None:
@@ -146,7 +147,10 @@ def worker_process(job: WorkerJob, results: Any, ready: Any, go: Any) -> None:
         count_statements(statements)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.set())
-    with subengine.Engine(job.dsn, schema=SCHEMA) as engine:
+    settings = subengine.Settings.from_env(
+        dsn=job.dsn, schema=SCHEMA, lock_provider=job.lock_provider
+    )
+    with subengine.Engine(settings=settings) as engine:
         ready.set()
         wait_for_go(go)
         app.run_worker(engine, list(job.names), concurrency=job.concurrency, stop=stop)

@@ -1,10 +1,12 @@
 """How fast subengine's worker consumes, next to a plain psycopg loop and depeche-db: the
 throughput of no-op, one-INSERT and executemany handlers over a backlog (1 and 2
-processes), the latency from an append's commit to its handler, and an idle worker's
-statements per second. The README's performance section explains each figure.
+processes), with each partition lock provider (pals, the default; builtin; rows), the
+latency from an append's commit to its handler, and an idle worker's statements per
+second. The README's performance section explains each figure.
 
     .venv/bin/python bench/consume.py            # about 6 minutes on 2 cores
     .venv/bin/python bench/consume.py --quick    # about a minute, for a smoke test
+    .venv/bin/python bench/consume.py --providers pals,builtin   # some providers only
     .venv/bin/python bench/consume.py --dsn postgresql://...   # or set SUBENGINE_DSN
 
 Every run creates a database of its own (`bench_consume_<pid>`) and drops it at the end.
@@ -39,6 +41,8 @@ from _harness import Database, Spread, progress, verdict
 from _workers import Live, Processes, WorkerJob
 from psycopg import sql
 
+from subengine.model._settings import LOCK_PROVIDERS
+
 STREAM = "bench"
 LIVE_STREAM = "bench-live"
 KEYS = 1000
@@ -60,6 +64,8 @@ PLAIN_DONE = "SELECT sum(position) FROM bench_plain_positions WHERE subscription
 # are judged (the others are for reading)
 PLAIN_GOALS = (("no-op", 0.9, True), ("one INSERT", 0.35, True), ("executemany", 0.7, False))
 NO_OP_RATE_GOAL = 100_000  # the no-op handler's rate with the most processes
+WORKER = "subengine worker"
+DEFAULT_PROVIDER = "pals"  # Settings.lock_provider's default: the runner the goals judge
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,7 @@ class Config:
     idle_seconds: float
     idle_short_seconds: float
     seed: int
+    providers: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +124,9 @@ class Variant:
     @property
     def notes(self) -> str:
         return "; ".join(sorted({r.note for r in self.rows if r.note}))
+
+
+Runner = Callable[[SpawnContext, Database, "Config", str, int, int], Throughput]
 
 
 def variants(rows: Sequence[Throughput]) -> list[Variant]:
@@ -195,17 +205,27 @@ def timed_run(
     return Throughput(runner, handler, len(jobs), config.backlog, finished - started, xacts, note)
 
 
-def run_subengine(
-    context: SpawnContext, database: Database, config: Config, handler: str, processes: int,
-    round_: int,
-) -> Throughput:  # fmt: skip
-    name = f"throughput-{handler.replace(' ', '-')}-{processes}-{round_}"
-    workers.ensure_subscriptions(database.dsn, [name], STREAM, "beginning")
-    job = WorkerJob(database.dsn, (name,), STREAM, "beginning", handler, config.batch_size)
-    return timed_run(
-        context, database, config, workers.worker_entry, [job] * processes,
-        workers.positions_query(), name, "subengine worker", handler,
-    )  # fmt: skip
+def subengine_runner(provider: str) -> Runner:
+    """The worker with the partition locks of `provider` (docs/pooler.md); the default
+    provider's runner is "subengine worker", which the goals judge."""
+    label = WORKER if provider == DEFAULT_PROVIDER else f"{WORKER}, {provider}"
+
+    def run_subengine(
+        context: SpawnContext, database: Database, config: Config, handler: str,
+        processes: int, round_: int,
+    ) -> Throughput:  # fmt: skip
+        name = f"throughput-{handler.replace(' ', '-')}-{provider}-{processes}-{round_}"
+        workers.ensure_subscriptions(database.dsn, [name], STREAM, "beginning")
+        job = WorkerJob(
+            database.dsn, (name,), STREAM, "beginning", handler, config.batch_size,
+            lock_provider=provider,
+        )  # fmt: skip
+        return timed_run(
+            context, database, config, workers.worker_entry, [job] * processes,
+            workers.positions_query(), name, label, handler,
+        )  # fmt: skip
+
+    return run_subengine
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +292,8 @@ def measure_throughput(
     context: SpawnContext, database: Database, config: Config, skip: Sequence[str]
 ) -> list[Throughput]:
     """Every scenario, `config.rounds` times, each round in an order rotated by one."""
-    runners = [run_subengine] + ([] if "plain" in skip else [run_plain])
+    runners = [subengine_runner(p) for p in config.providers]
+    runners += [] if "plain" in skip else [run_plain]
     scenarios = [
         (handler, runner, processes)
         for handler in HANDLERS
@@ -354,7 +375,7 @@ def find(found: Sequence[Variant], runner: str, handler: str, processes: int) ->
 
 def plain_ratio(found: Sequence[Variant], variant: Variant) -> float | None:
     """A worker scenario's median rate over the plain loop's, same handler and processes."""
-    if variant.runner != "subengine worker":
+    if not variant.runner.startswith(WORKER):
         return None
     plain = find(found, "plain psycopg loop", variant.handler, variant.processes)
     return None if plain is None else variant.rate.median / plain.rate.median
@@ -482,7 +503,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Any, Config]:
     add("--idle-seconds", type=float, help="measured idle seconds (20)")
     add("--seed", type=int, default=20261122, help="seed of the event data")
     add("--skip", action="append", default=[], choices=("depeche", "plain"))
+    add(
+        "--providers", default=",".join(LOCK_PROVIDERS),
+        help=f"the partition lock providers to run the worker with ({','.join(LOCK_PROVIDERS)})",
+    )  # fmt: skip
     args = bench.parse(parser, argv)
+    providers = tuple(p for p in args.providers.split(",") if p)
+    if not providers or set(providers) - set(LOCK_PROVIDERS) or DEFAULT_PROVIDER not in providers:
+        parser.error(
+            f"--providers: some of {', '.join(LOCK_PROVIDERS)}, {DEFAULT_PROVIDER} among them"
+        )
     config = Config(
         backlog=bench.sized(args, "backlog", 5_000, 100_000),
         depeche_backlog=bench.sized(args, "depeche_backlog", 1_000, 10_000),
@@ -496,6 +526,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Any, Config]:
         idle_seconds=bench.sized(args, "idle_seconds", 4.0, 20.0),
         idle_short_seconds=2.0 if args.quick else 5.0,
         seed=args.seed,
+        providers=providers,
     )
     return args, config
 
