@@ -80,7 +80,7 @@ for (;;) {
         break;
       }
     }
-    if (!stopped) await call(`${leasePath}/ack`);
+    if (!stopped && !lost) await call(`${leasePath}/ack`);
   } catch (error) {
     if (error.status !== 409 && error.status !== 404) throw error; // the lease was lost
     console.error(error.message);

@@ -156,6 +156,11 @@ class _Hold:
     def renewed(self, sent: float) -> None:
         self._until = max(self._until, sent + self._seconds)
 
+    @property
+    def lost(self) -> bool:
+        """Whether the gateway said so, or the lease was found not surely held."""
+        return self._lost
+
     def lose(self, error: GatewayError) -> None:
         self._lost = True
         log.warning("lease %s of partition %d was lost: %s", self.lease.id,
@@ -268,7 +273,8 @@ class RemoteWorker:
                 self._post(hold, "nack", protocol.failure(event, error))
                 return handled
             handled += 1
-        self._post(hold, "ack", {})
+        if not hold.lost:  # a lease heard lost during the last event is not acked
+            self._post(hold, "ack", {})
         return handled
 
     def _post(self, hold: _Hold, verb: str, body: dict[str, Any]) -> None:
@@ -302,6 +308,9 @@ class RemoteWorker:
                 log.warning("a heartbeat of lease %s failed: %s", hold.lease.id, error)
             except httpx.TransportError as error:
                 log.warning("a heartbeat of lease %s failed: %s", hold.lease.id, error)
+            except Exception:  # an answer it cannot read: the lease is no longer sure
+                log.exception("a heartbeat of lease %s failed", hold.lease.id)
+                return
             else:
                 hold.renewed(sent)
 
@@ -395,7 +404,8 @@ class AsyncRemoteWorker:
                 await self._post(hold, "nack", protocol.failure(event, error))
                 return handled
             handled += 1
-        await self._post(hold, "ack", {})
+        if not hold.lost:
+            await self._post(hold, "ack", {})
         return handled
 
     async def _post(self, hold: _Hold, verb: str, body: dict[str, Any]) -> None:
@@ -429,6 +439,9 @@ class AsyncRemoteWorker:
                 log.warning("a heartbeat of lease %s failed: %s", hold.lease.id, error)
             except httpx.TransportError as error:
                 log.warning("a heartbeat of lease %s failed: %s", hold.lease.id, error)
+            except Exception:  # an answer it cannot read: the lease is no longer sure
+                log.exception("a heartbeat of lease %s failed", hold.lease.id)
+                return
             else:
                 hold.renewed(sent)
 

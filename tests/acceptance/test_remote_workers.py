@@ -194,6 +194,25 @@ def test_a_worker_told_its_lease_is_lost_handles_no_further_event_of_it(
     assert handled == [0, 0, 1, 2]
 
 
+def test_a_lease_heard_lost_during_its_last_event_is_not_acked(
+    gateway: GatewayProcess, engine: subengine.Engine, consumer: str, heard_lost: threading.Event
+) -> None:
+    engine.append("orders", [NewEvent("k", "T", {})])
+    sent: list[str] = []
+
+    def handler(event: Event) -> None:
+        engine.reset_subscription("effects", "beginning")
+        assert heard_lost.wait(30), "the heartbeat heard of the reset"
+
+    client = httpx.Client(event_hooks={"request": [lambda r: sent.append(r.url.path)]})
+    with RemoteWorker(
+        gateway.url, "effects", handler, lease_seconds=1, wait=0, client=client
+    ) as worker:
+        assert worker.run_once() == 1
+    verbs = [path.rsplit("/", 1)[1] for path in sent if "/leases/" in path]
+    assert "extend" in verbs and "ack" not in verbs
+
+
 def test_the_async_worker_told_its_lease_is_lost_handles_no_further_event_of_it(
     gateway: GatewayProcess, engine: subengine.Engine, consumer: str, heard_lost: threading.Event
 ) -> None:
