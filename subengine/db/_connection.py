@@ -107,10 +107,11 @@ def _mark_pooled(conn: Any) -> None:
     if not _said.is_set():
         _said.set()
         log.warning(
-            "subengine: the database connection goes through a connection pooler (the "
+            "subengine: a database connection goes through a connection pooler (the "
             "session serving it is not the one it started with): prepared statements are "
-            "off, and what needs a session of its own (LISTEN, the workers' partition "
-            "locks, the pruner's lock) uses SUBENGINE_DIRECT_DSN (docs/pooler.md)"
+            "off on it, and what needs a session of its own (LISTEN, the workers' "
+            "partition locks, the pruner's lock) needs SUBENGINE_DIRECT_DSN "
+            "(docs/pooler.md)"
         )
 
 

@@ -17,9 +17,11 @@ Taking and giving back a lock is a service with providers (`partition_locks`, se
   lock and gives the old one back in one round trip.
 - `rows`: no advisory lock at all, for a worker whose connections go through a
   transaction-mode pooler (a session lock would stay behind in a pooled server session).
-  A batch still locks its partition's position row (`lock_batch`), so two slots never run
-  one partition's batches at once: the second waits for the first to commit. The status
-  views then show no holder.
+  A transactional batch still locks its partition's position row (`lock_batch`) to its
+  commit, so two slots never run one partition's batches at once: the second waits for
+  the first. An at_least_once batch commits before its handlers run, so a worker refuses
+  those subscriptions with this provider (worker/_state.py). The status views then show
+  no holder.
 """
 
 from __future__ import annotations
@@ -60,10 +62,8 @@ def unlock_partition(key: int) -> Query[None]:
 
 class PartitionLocks(Protocol):
     """A slot's partition locks on its lock connection: `take(key, held)` takes the lock
-    `key` and, only if it got it, gives back `held` (None: none held); whether it got it.
-    `exclusive`: whether a lock taken keeps other workers off the partition."""
-
-    exclusive: bool
+    `key` and, only if it got it, gives back `held` (None: none held); whether it got it
+    (the `rows` provider always gets it, and keeps no one off the partition)."""
 
     def take(self, key: int, held: int | None) -> bool: ...
 
@@ -80,8 +80,6 @@ def partition_locks(provider: str, db: Db) -> PartitionLocks:
 
 
 class _StatementLocks:
-    exclusive = True
-
     def __init__(self, db: Db) -> None:
         self._db = db
 
@@ -93,8 +91,6 @@ class _StatementLocks:
 
 
 class _PalsLocks:
-    exclusive = True
-
     def __init__(self, db: Db) -> None:
         conn = db.conn
         # pals' own engine: one autocommit connection, the slot's (a StaticPool hands
@@ -153,8 +149,6 @@ def _psycopg_errors() -> Iterator[None]:
 
 
 class _NoLocks:
-    exclusive = False
-
     def take(self, key: int, held: int | None) -> bool:
         return True
 

@@ -46,7 +46,7 @@ from subengine.gateway._delivery_bodies import (
 )
 from subengine.gateway._delivery_turns import DeliveryWorker, Route
 from subengine.gateway._hub import tombstone_body
-from subengine.model._errors import RetryLater, SubengineError
+from subengine.model._errors import ConfigurationError, RetryLater, SubengineError
 from subengine.model._events import Event, Tombstone
 from subengine.outside import _webhooks
 from subengine.outside._webhook_batches import ClaimedBatch
@@ -134,6 +134,7 @@ class Deliveries:
         self._worker_stop = threading.Event()
         self._worker_thread: threading.Thread | None = None
         self._plan: list[Deliverable] = []
+        self._refused = False  # whether the delivery worker was refused for good
         # counts for /metrics: results of deliveries, events delivered
         self.results: dict[str, int] = {}
         self.events_delivered = 0
@@ -221,6 +222,12 @@ class Deliveries:
         def run() -> None:
             try:
                 worker.run(stop)
+            except ConfigurationError as error:
+                # what no round can change (a pooler and no direct connection: see
+                # docs/pooler.md): said once, and the plan stays, so it is not retried
+                if not self._refused:
+                    self._refused = True
+                    log.warning("webhook deliveries are off: %s", error)
             except Exception:
                 log.exception("the webhook delivery worker stopped")
                 self._plan = []  # started again at the next round

@@ -28,9 +28,9 @@ from typing import Any
 
 import psycopg
 
-from subengine.db._connection import one_line
+from subengine.db._connection import SessionNeeded, one_line
 from subengine.db._sql import SQL
-from subengine.model._errors import ConfigurationError, DatabaseUnavailable
+from subengine.model._errors import DatabaseUnavailable
 from subengine.streams._streams import listen
 
 log = logging.getLogger("subengine")
@@ -275,7 +275,7 @@ def _failed(error: Exception, delay: float) -> None:
 _no_push_said = threading.Event()
 
 
-def _no_push(error: ConfigurationError) -> None:
+def _no_push(error: SessionNeeded) -> None:
     """Say once per process that no notification will come: the connection LISTEN needs
     goes through a pooler and no direct one is set (docs/pooler.md)."""
     if not _no_push_said.is_set():
@@ -340,7 +340,7 @@ class Listener(_Inboxes):
                     while self._needed():
                         for notification in conn.notifies(timeout=_CHECK_SECONDS):
                             self.deliver(notification.payload)
-            except ConfigurationError as error:  # only a pooler between us and PostgreSQL
+            except SessionNeeded as error:  # a pooler between us and PostgreSQL
                 self._listening(False)
                 _no_push(error)
                 while self._needed() and not self._stopped.wait(_LONGEST_RECONNECT_SECONDS):
@@ -425,7 +425,7 @@ class AsyncListener(_Inboxes):
                     while self._needed():
                         async for notification in conn.notifies(timeout=_CHECK_SECONDS):
                             self.deliver(notification.payload)
-            except ConfigurationError as error:  # only a pooler between us and PostgreSQL
+            except SessionNeeded as error:  # a pooler between us and PostgreSQL
                 self._listening(False)
                 _no_push(error)
                 while self._needed():

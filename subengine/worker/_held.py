@@ -59,10 +59,15 @@ class Held:
         for attempt in (1, 2):
             if self._db is None or self._db.conn.closed:
                 self.close()
-                self._db = Db(self._connect(), self._sql)
-                if self._session_settings:
-                    prepare_worker_connection(self._db)
-                self._locks = partition_locks(self._provider, self._db)
+                db = Db(self._connect(), self._sql)
+                try:
+                    if self._session_settings:
+                        prepare_worker_connection(db)
+                    locks = partition_locks(self._provider, db)
+                except BaseException:
+                    db.conn.close()
+                    raise
+                self._db, self._locks = db, locks
             try:
                 return statement(self._db)
             except psycopg.OperationalError:

@@ -17,7 +17,7 @@ import psycopg
 from subengine.db._connection import SessionNeeded
 from subengine.engine._engine import Engine
 from subengine.model._declarations import Subscription
-from subengine.model._errors import DatabaseUnavailable
+from subengine.model._errors import ConfigurationError, DatabaseUnavailable
 from subengine.worker._board import Board, Wakeup
 from subengine.worker._held import Backoff
 from subengine.worker._metrics import WorkerMetrics
@@ -89,16 +89,35 @@ class WorkerState:
             self.sessions = False
             self.lock_provider = "rows"
             self.listen = False
+            self._refuse_unlocked()
             log.warning(
-                "worker %s: its connections go through a connection pooler and "
-                "SUBENGINE_DIRECT_DSN is not set: it takes no partition locks (a batch "
-                "waits on its partition's row instead, and the status views show no "
-                "holder), polls every %g s instead of listening (SUBENGINE_POLL_INTERVAL), "
-                "and does not prune (docs/pooler.md)",
+                "worker %s: its connections go through a connection pooler and no direct "
+                "one is set (SUBENGINE_DIRECT_DSN, itself not pooled): it takes no partition "
+                "locks (a batch waits on its partition's row instead, and the status views "
+                "show no holder), polls every %g s instead of listening "
+                "(SUBENGINE_POLL_INTERVAL), and does not prune (docs/pooler.md)",
                 self.id,
                 self.settings.poll_interval,
                 extra=self.fields(),
             )
+        else:
+            self._refuse_unlocked()
+
+    def _refuse_unlocked(self) -> None:
+        """Without partition locks (the `rows` provider) only a transactional batch keeps
+        its partition to itself, by its row lock: an at_least_once batch runs its
+        handlers after its first transaction committed, so a second slot could run the
+        same batch meanwhile. Such subscriptions are refused (ConfigurationError)."""
+        if self.lock_provider != "rows":
+            return
+        for subscription in self.subscriptions.values():
+            if subscription.ack == "at_least_once":
+                raise ConfigurationError(
+                    f"subscription {subscription.name!r} acknowledges at least once, which "
+                    "needs partition locks (its handlers run outside the batch's "
+                    "transaction), and this worker has none (lock provider rows): set "
+                    "SUBENGINE_DIRECT_DSN behind a pooler, or another SUBENGINE_LOCK_PROVIDER"
+                )
 
     def connect_own(self, what: str) -> psycopg.Connection[Any]:
         """A connection for `what`, which wants a session of its own (an autocommit

@@ -98,10 +98,11 @@ class Worker:
 
     def run(self, stop: threading.Event) -> None:
         """Work until `stop` is set; the current batches finish and every lock is released."""
-        self._state.check_sessions()
-        with self.engine.db() as db:
+        with self.engine.db() as db:  # (waits for a server that is starting)
             for subscription in self.subscriptions.values():
                 ensure_subscription(db, subscription)
+        self._state.check_sessions()
+        with self.engine.db() as db:
             pruned = register_worker(db, self._registration())
         if pruned:
             log.info(

@@ -51,7 +51,6 @@ def test_an_exclusive_provider_keeps_a_partition_to_one_holder(
     first_db, second_db = lock_connections
     first, second = (partition_locks(provider, db) for db in lock_connections)
     key, other = lock_key("subengine", "effects", 0), lock_key("subengine", "effects", 1)
-    assert first.exclusive
     assert first.take(key, None)
     assert not second.take(key, None)
     assert _advisory_holders(sql, key) == [first_db.conn.info.backend_pid]
@@ -70,7 +69,6 @@ def test_the_rows_provider_takes_no_advisory_lock(
 ) -> None:
     first, second = (partition_locks("rows", db) for db in lock_connections)
     key = lock_key("subengine", "effects", 0)
-    assert not first.exclusive
     assert first.take(key, None) and second.take(key, None)
     assert _advisory_holders(sql, key) == []
 
@@ -123,3 +121,17 @@ def test_workers_handle_every_event_once_in_order_with_each_provider(
     for partition, head in heads.items():
         # once each (the primary key), and handled in position order per partition
         assert [p for q, p in rows if q == partition] == list(range(1, head + 1))
+
+
+def test_without_partition_locks_an_at_least_once_subscription_is_refused(dsn: str) -> None:
+    """Its handlers run after its batch's first transaction committed: with no lock, a
+    second slot could run the same batch meanwhile."""
+    settings = subengine.Settings(dsn=dsn, lock_provider="rows")
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=2)
+        sub = Subscription("mailer", "orders", ack="at_least_once")
+        sub.handler()(lambda event, conn: None)
+        stop = threading.Event()
+        stop.set()  # (were it not refused, the worker would stop at once)
+        with pytest.raises(subengine.ConfigurationError, match="'mailer' acknowledges at least"):
+            Worker(engine, [sub]).run(stop)
