@@ -9,10 +9,14 @@ process sends them again under the same webhook-id. Its slots take a plain batch
 statements, its events' JSON made by PostgreSQL and spliced into the body as bytes
 (`_delivery_turns`); the engine's batch, whose handlers are here too, takes the rest.
 
-The supervisor, about every second: ends webhooks whose lease ran out (`expired`, their
-positions deleted) or that failed longer than the failure timeout (`failed`); sends the
-consent challenge of pending ones (a refusal deletes the webhook); and restarts the
-worker when the set of webhooks to deliver changed.
+The supervisor's rounds end webhooks whose lease ran out (`expired`, their positions
+deleted) or that failed longer than the failure timeout (`failed`); send the consent
+challenge of pending ones (a refusal deletes the webhook); record successes; and restart
+the worker when the set of webhooks to deliver changed. A round runs only when something
+can have changed: this process woke it, another one notified a change of the webhooks
+(the listener's `WEBHOOKS_CHANGED`), a deadline the last round read comes due, or a
+delivery succeeded or failed (within a tick). Besides, a slow safety poll covers a lost
+notification; while the listener does not listen, rounds run every tick, as they must.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import random
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -56,8 +61,12 @@ from subengine.outside._webhooks import (
     WebhookNotFound,
     WebhookStream,
 )
+from subengine.streams._listener import Changes
 
 log = logging.getLogger("subengine.gateway.webhooks")
+
+# Seconds after a deadline the round comes: PostgreSQL's clock has passed it by then.
+_DEADLINE_SLACK_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,14 @@ class DeliveryConfig:
     first_retry: float = 1.0
     longest_retry: float = 300.0
     longest_retry_after: float = 3600.0
-    # seconds between the supervisor's rounds
+    # seconds between the supervisor's rounds while notifications do not arrive (or
+    # deliveries succeed or fail, which are recorded once a round)
     tick: float = 1.0
+    # seconds between the supervisor's rounds while nothing happens and the listener
+    # listens: only a lost notification needs them (each notification or reconnection of
+    # the listener runs a round at once), so the longest wait that still bounds the delay
+    # of a webhook made by another process when a notification is lost
+    safety_poll: float = 60.0
     # seconds an expired webhook stays shown before its row is removed
     keep_expired: float = 86_400.0
 
@@ -129,7 +144,13 @@ class Deliveries:
         self.config = config
         self._on_round = on_round
         self._stop = threading.Event()
+        # a round now (a wake or a notified change), and a round at the next tick (a
+        # delivery's success or failure to record, a worker to start again)
         self._woken = threading.Event()
+        self._soon = threading.Event()
+        self._changes: Changes | None = None
+        # rounds run since the start (for tests and /metrics)
+        self.rounds = 0
         self._thread: threading.Thread | None = None
         self._worker_stop = threading.Event()
         self._worker_thread: threading.Thread | None = None
@@ -145,14 +166,19 @@ class Deliveries:
 
     # running
 
-    def start(self) -> None:
+    def start(self, changes: Changes | None = None) -> None:
+        """Start the supervisor. `changes` counts the notified changes of the webhooks
+        (`WEBHOOKS_CHANGED`; its `wake` should be this `wake`): while it listens, rounds
+        run when woken and at the safety poll; without it, every tick."""
+        self._changes = changes
         self._thread = threading.Thread(
             target=self._supervise, name="webhook-deliveries", daemon=True
         )
         self._thread.start()
 
     def wake(self) -> None:
-        """Look for work now (a webhook was created or changed in this process)."""
+        """Look for work now: a webhook was created or changed in this process, or
+        another one notified a change."""
         self._woken.set()
 
     def stop(self) -> None:
@@ -169,17 +195,36 @@ class Deliveries:
 
     def _supervise(self) -> None:
         while not self._stop.is_set():
+            # cleared before the round: a wake during it runs another
+            self._woken.clear()
+            self._soon.clear()
+            wait = self.config.tick
             try:
-                self._round()
+                wait = self._round()
             except (psycopg.Error, SubengineError) as error:
                 log.warning("webhook deliveries: %s; trying again", error)
             except Exception:
                 log.exception("webhook deliveries: unexpected error; trying again")
-            self._woken.wait(self.config.tick)
-            self._woken.clear()
+            self._rest(wait)
 
-    def _round(self) -> None:
-        self._record_successes()
+    def _listening(self) -> bool:
+        return self._changes is not None and self._changes.listening
+
+    def _rest(self, wait: float) -> None:
+        """Wait up to `wait` seconds for the next round: less when woken, and at the next
+        tick when a round is wanted soon or the listener stopped listening."""
+        deadline = time.monotonic() + wait
+        while not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._woken.wait(min(remaining, self.config.tick)):
+                return
+            if self._soon.is_set() or not self._listening():
+                return
+
+    def _round(self) -> float:
+        """One round; the seconds until the next one is due."""
+        self.rounds += 1
+        recorded = self._record_successes()
         with self.engine.db() as db:
             for webhook_id, state in _webhooks.end_lapsed(db, self.config.failure_timeout):
                 log.warning(
@@ -196,11 +241,22 @@ class Deliveries:
             self._challenge(challenge)
         with self.engine.db() as db:
             plan = db.run(_webhooks.deliverable())
+            due = db.run(
+                _webhooks.next_deadline(self.config.failure_timeout, self.config.keep_expired)
+            )
             shown = _webhooks.webhooks(db) if self._on_round is not None else []
         if self._on_round is not None:
             self._on_round(shown)
         if plan != self._plan:
             self._restart_worker(plan)
+        wait = self.config.safety_poll if self._listening() else self.config.tick
+        if recorded:
+            # once more a tick later: the positions of the batches just recorded commit
+            # after their POST, and the lag shown must follow them
+            wait = self.config.tick
+        if due is not None:
+            wait = min(wait, max(due, 0.0) + _DEADLINE_SLACK_SECONDS)
+        return wait
 
     def _restart_worker(self, plan: list[Deliverable]) -> None:
         self._stop_worker()
@@ -231,6 +287,7 @@ class Deliveries:
             except Exception:
                 log.exception("the webhook delivery worker stopped")
                 self._plan = []  # started again at the next round
+                self._soon.set()
 
         self._worker_thread = threading.Thread(target=run, name="webhook-worker", daemon=True)
         self._worker_thread.start()
@@ -375,21 +432,23 @@ class Deliveries:
             self._record_successes()  # first: a later record must not hide this failure
             with self.engine.db() as db:
                 attempts = db.run(_webhooks.delivery_failed(hook.id, str(error)))
+            self._soon.set()  # the next round reads when its failure timeout passes
             delay = self._delay(attempts or 1, retry_after)
             raise RetryLater(delay, f"webhook {hook.id}: {error}") from None
         self._count("delivered", events)
         with self._count_lock:
             self._succeeded[hook.id] = self._succeeded.get(hook.id, 0) + events
+        self._soon.set()  # recorded at the next round
         if target.state != "active":
             self._record_successes()  # failing no more: say so now, not at the next round
 
-    def _record_successes(self) -> None:
+    def _record_successes(self) -> bool:
         """Record the deliveries that succeeded since the last record: each webhook's
-        last success, delivered count, and state active."""
+        last success, delivered count, and state active. Whether there were any."""
         with self._count_lock:
             succeeded, self._succeeded = self._succeeded, {}
         if not succeeded:
-            return
+            return False
         try:
             with self.engine.db() as db, db.transaction():
                 for webhook_id, events in sorted(succeeded.items()):
@@ -399,6 +458,7 @@ class Deliveries:
                 for webhook_id, events in succeeded.items():
                     self._succeeded[webhook_id] = self._succeeded.get(webhook_id, 0) + events
             raise
+        return True
 
     def _delay(self, attempts: int, retry_after: float | None) -> float:
         """Exponential backoff with jitter; at least the receiver's Retry-After."""

@@ -79,8 +79,7 @@ class _StateCollector(Collector):
 
 class _WebhookCollector(Collector):
     """Each webhook's state, failed attempts, last success and lag, as the deliveries'
-    last round read them (about every second), and what the deliveries of this process
-    did since it started."""
+    last round read them, and what the deliveries of this process did since it started."""
 
     def __init__(self) -> None:
         self.seen: list[Webhook] = []
@@ -131,6 +130,13 @@ class _WebhookCollector(Collector):
             "subengine_webhook_events_delivered",
             "Events delivered to callbacks by this process.",
             value=self.deliveries.events_delivered,
+        )
+        yield CounterMetricFamily(
+            "subengine_webhook_rounds",
+            "Rounds of this process's webhook supervisor (a few statements each): when "
+            "woken by a change, at a deadline, while deliveries succeed or fail, and "
+            "otherwise once a safety poll.",
+            value=self.deliveries.rounds,
         )
 
 

@@ -21,6 +21,7 @@ from subengine.gateway._reading import Selection
 from subengine.gateway._sse import EventStream
 from subengine.model._errors import StreamNotFound
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
+from subengine.streams._listener import WEBHOOKS_CHANGED, Changes
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ class Gateway:
     sync_engine: Engine = field(init=False)
     callbacks: CallbackClient = field(init=False)
     deliveries: Deliveries | None = field(init=False, default=None)
+    # the notified changes of the webhooks, which wake the deliveries
+    webhook_changes: Changes | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.hub = Hub(self.engine, self.read_engine, self.config.poll_interval)
@@ -118,7 +121,8 @@ class Gateway:
                 self.metrics.webhooks_seen,
             )
             self.metrics.watch_deliveries(self.deliveries)
-            self.deliveries.start()
+            self.webhook_changes = listener.watch_changes(WEBHOOKS_CHANGED, self.deliveries.wake)
+            self.deliveries.start(self.webhook_changes)
 
     def close_streams(self) -> None:
         """End every open event stream and long-poll now (each says why), so that a
@@ -150,6 +154,8 @@ class Gateway:
             self._watchdog.cancel()
         if self.deliveries is not None:
             await asyncio.to_thread(self.deliveries.stop)
+        if self.webhook_changes is not None:
+            self.engine.listener.unwatch_changes(self.webhook_changes)
         self.callbacks.close()
         self.auth.close()
         await asyncio.to_thread(self.sync_engine.close)

@@ -510,5 +510,18 @@ def end_lapsed(db: Db, failure_timeout: float) -> list[tuple[str, str]]:
     return ended
 
 
+def next_deadline(failure_timeout: float, keep: float) -> Query[float | None]:
+    """Seconds until a webhook's lease runs out, its failure timeout passes, its challenge
+    falls due or, expired, it is to be removed, whichever comes first (None: none ever;
+    negative: one is due now)."""
+
+    def read(result: Result) -> float | None:
+        row = first_row(result)
+        return None if row is None or row[0] is None else float(row[0])
+
+    params = {"failure_timeout": failure_timeout, "keep": keep}
+    return Query("next_webhook_deadline", params, read)
+
+
 def forget_expired(keep: float) -> Query[None]:
     return Query("forget_expired_webhooks", {"keep": keep}, nothing)

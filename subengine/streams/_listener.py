@@ -10,7 +10,9 @@ tails poll besides.
 The gateway's API keys are cached by every gateway process; a change of a key notifies
 the same channel (`KEYS_CHANGED`), and a `Changes` registered with the listener counts
 those notifications and the listener's (re)connections and losses, so that a cache is
-trusted only while notifications arrive and nothing changed since it was read.
+trusted only while notifications arrive and nothing changed since it was read. A change
+of the webhooks to deliver notifies it too (`WEBHOOKS_CHANGED`): a `Changes` of those
+wakes each gateway process's webhook deliveries, which otherwise only poll slowly.
 
 `Listener` runs in a thread, `AsyncListener` in an asyncio task; they share the inboxes'
 bookkeeping. Either runs while at least one tail (or `Changes`) is registered and
@@ -42,22 +44,31 @@ _FIRST_RECONNECT_SECONDS = 0.1
 _LONGEST_RECONNECT_SECONDS = 5.0
 # The payload of the notification a change of the gateway's API keys sends (sql/queries.sql).
 KEYS_CHANGED = "gateway_keys"
+# The payload of the notification a change of the webhooks to deliver, or of when their
+# supervisor must next look, sends (sql/webhooks.sql).
+WEBHOOKS_CHANGED = "gateway_webhooks"
 
 
 class Changes:
-    """What a cache of the gateway's API keys knows of the listener: `version` moves
-    whenever a cached answer may have gone stale (a key changed, the listener connected,
-    or it lost its connection), and `listening` says whether notifications arrive now. A
-    cache trusts an answer only while listening, and only at the version it read it at."""
+    """What a watcher of one kind of change (`about`: API keys or webhooks) knows of the
+    listener: `version` moves whenever what it read may have gone stale (a change of that
+    kind was notified, the listener connected, or it lost its connection), and `listening`
+    says whether notifications arrive now. A cache trusts an answer only while listening,
+    and only at the version it read it at. `wake`, if given, is called at every move (from
+    the listener's thread or event loop: it must be thread-safe and quick)."""
 
-    def __init__(self) -> None:
+    def __init__(self, about: str = KEYS_CHANGED, wake: Callable[[], None] | None = None) -> None:
+        self.about = about
         self.version = 0
         self.listening = False
+        self._wake = wake
 
     def _moved(self, listening: bool | None = None) -> None:
         if listening is not None:
             self.listening = listening
         self.version += 1
+        if self._wake is not None:
+            self._wake()
 
 
 class Inbox:
@@ -196,11 +207,11 @@ class _Inboxes:
         for change in changes:
             change._moved(listening=False)
 
-    def _add_changes(self) -> Changes:
+    def _add_changes(self, about: str, wake: Callable[[], None] | None) -> Changes:
         # under the lock
         if self._closed:
             raise DatabaseUnavailable("the engine of this listener is closed")
-        changes = Changes()
+        changes = Changes(about, wake)
         self._changes.add(changes)
         return changes
 
@@ -241,9 +252,9 @@ class _Inboxes:
 
     def deliver(self, payload: str) -> None:
         """Hand a notification's new head to the inboxes of its stream."""
-        if payload == KEYS_CHANGED:
+        if payload in (KEYS_CHANGED, WEBHOOKS_CHANGED):
             with self._lock:
-                changes = list(self._changes)
+                changes = [change for change in self._changes if change.about == payload]
             for change in changes:
                 change._moved()
             return
@@ -375,12 +386,15 @@ class AsyncListener(_Inboxes):
             self._start()
         return inbox
 
-    def watch_changes(self) -> Changes:
-        """A count of the changes of the gateway's API keys and of this listener's
-        connection, kept from now until `unwatch_changes`; starts the listener if it is
-        not running. Call it from the event loop the listener runs in."""
+    def watch_changes(
+        self, about: str = KEYS_CHANGED, wake: Callable[[], None] | None = None
+    ) -> Changes:
+        """A count of the changes of one kind (`about`: the gateway's API keys, or
+        `WEBHOOKS_CHANGED`) and of this listener's connection, kept from now until
+        `unwatch_changes`, calling `wake` at each; starts the listener if it is not
+        running. Call it from the event loop the listener runs in."""
         with self._lock:
-            changes = self._add_changes()
+            changes = self._add_changes(about, wake)
             self._start()
         return changes
 

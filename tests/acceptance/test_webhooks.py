@@ -554,3 +554,40 @@ def test_a_tombstone_batch_says_why_its_range_went_and_where_the_head_is(
     wait_for(lambda: any(b["tombstones"] for b in batches(receiver, secret)), "the gap")
     [gap] = [t for b in batches(receiver, secret) for t in b["tombstones"]]
     assert (gap["gap_from"], gap["gap_to"], gap["reason"], gap["head"]) == (1, 7, "cap", 10)
+
+
+def rounds(gateway: GatewayProcess) -> float:
+    """The rounds the gateway's webhook supervisor ran (0 before the first scrape)."""
+    return value(scrape(gateway.port), "subengine_webhook_rounds_total") or 0.0
+
+
+def test_an_idle_gateway_does_not_look_every_second_yet_a_webhook_made_elsewhere_comes_at_once(
+    engine: subengine.Engine,
+    orders: str,
+    cli_env: dict[str, str],
+    hooks: GatewayProcess,
+    receiver: Receiver,
+) -> None:
+    wait_for(lambda: rounds(hooks) >= 1, "the first round")
+    time.sleep(2)  # its listener connects (which runs a round too)
+    before = rounds(hooks)
+    time.sleep(5)
+    # no webhook, nothing notified, no deadline: no round (each one is a few statements
+    # and two connections taken from the pool; they ran every second)
+    assert rounds(hooks) - before <= 1
+
+    # another process makes a webhook: its notification wakes the gateway, long before
+    # the safety poll (a minute) would
+    made = run_subengine(
+        cli_env, "webhook", "create", "elsewhere", "--callback", receiver.url,
+        "--stream", "orders", "--callback-allow", "127.0.0.0/8", "--json",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["secret"]
+    wait_for(lambda: state(hooks, "elsewhere") == "active", "the consent", timeout=20)
+    engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
+    wait_for(
+        lambda: sum(len(b["events"]) for b in batches(receiver, secret)) == 3,
+        "the events delivered",
+        timeout=20,
+    )

@@ -7,13 +7,15 @@ SELECT id, serial, callback, streams, include_data, max_events, secret, state, k
    FOR UPDATE
 
 -- name: insert_webhook
--- A new webhook subscription, pending until its callback echoes the challenge.
+-- A new webhook subscription, pending until its callback echoes the challenge. This and
+-- every change of which webhooks are delivered notify the gateways (sql/listen.sql), whose
+-- deliveries otherwise look only slowly.
 INSERT INTO {schema}.webhooks
        (id, key_id, callback, streams, include_data, max_events, lease_seconds, secret,
         expires_at)
 VALUES (%(id)s, %(key_id)s, %(callback)s, %(streams)s, %(include_data)s, %(max_events)s,
         %(lease_seconds)s, %(secret)s, now() + make_interval(secs => %(lease_seconds)s))
-RETURNING serial
+RETURNING serial, pg_notify((parse_ident('{schema}'))[1], 'gateway_webhooks')::text
 
 -- name: renew_webhook
 -- The same subscription asked for again: a new lease and, when a new secret is given, a
@@ -33,6 +35,7 @@ UPDATE {schema}.webhooks
 
 -- name: delete_webhook_row
 DELETE FROM {schema}.webhooks WHERE id = %(id)s
+RETURNING pg_notify((parse_ident('{schema}'))[1], 'gateway_webhooks')::text
 
 -- name: webhook_subscription_names
 -- The engine subscriptions of a webhook (webhook.<serial>.<index>).
@@ -113,6 +116,7 @@ UPDATE {schema}.webhooks
    SET state = 'active', state_changed_at = now(), verified_at = now(), challenge_due = NULL,
        last_attempt_at = now(), attempts = 0, last_error = NULL
  WHERE id = %(id)s AND state = 'pending'
+RETURNING pg_notify((parse_ident('{schema}'))[1], 'gateway_webhooks')::text
 
 -- name: challenge_failed
 -- A challenge that could not be sent or answered (not a refusal): asked again later.
@@ -136,6 +140,26 @@ SELECT id, serial, CASE WHEN expires_at <= now() THEN 'expired' ELSE 'failed' EN
 UPDATE {schema}.webhooks
    SET state = %(state)s, state_changed_at = now(), challenge_due = NULL
  WHERE id = %(id)s
+RETURNING pg_notify((parse_ident('{schema}'))[1], 'gateway_webhooks')::text
+
+-- name: next_webhook_deadline
+-- Seconds until the supervisor of deliveries must next look (None: nothing is due ever):
+-- the first lease to run out, failure timeout to pass, challenge to fall due, or expired
+-- webhook to be removed; the conditions of webhooks_to_expire, claim_challenges and
+-- forget_expired_webhooks.
+SELECT extract(epoch FROM min(due) - clock_timestamp())::float8
+  FROM (SELECT CASE WHEN state = 'expired'
+                    THEN state_changed_at + make_interval(secs => %(keep)s)
+                    ELSE expires_at END
+          FROM {schema}.webhooks
+        UNION ALL
+        SELECT failing_since + make_interval(secs => %(failure_timeout)s)
+          FROM {schema}.webhooks
+         WHERE state IN ('pending', 'failing') AND NOT paused
+        UNION ALL
+        SELECT challenge_due
+          FROM {schema}.webhooks
+         WHERE state = 'pending' AND NOT paused) deadlines (due)
 
 -- name: forget_expired_webhooks
 -- Expired webhooks shown for `keep` seconds after they expired, then removed.
@@ -152,6 +176,7 @@ UPDATE {schema}.webhooks
        challenge_due = CASE WHEN NOT %(paused)s AND state = 'pending' THEN now()
                             ELSE challenge_due END
  WHERE id = %(id)s
+RETURNING pg_notify((parse_ident('{schema}'))[1], 'gateway_webhooks')::text
 
 -- name: claim_webhook_batch
 -- The next batch of one partition of a webhook's engine subscription, claimed for the
