@@ -345,6 +345,14 @@ class Proxy:
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
+    def cut(self) -> None:
+        """Close every connection through the proxy now; it goes on accepting new ones."""
+        with self.lock:
+            connections, self.sockets = self.sockets[1:], self.sockets[:1]
+        for s in connections:
+            _shut(s, s)
+            s.close()
+
     def dsn(self, dsn: str) -> str:
         """`dsn` through the proxy."""
         return make_conninfo(dsn, host="127.0.0.1", port=self.port)

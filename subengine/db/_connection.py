@@ -292,9 +292,11 @@ class PoolWait:
         self._look = _FIRST_LOOK_SECONDS
         self._reported = False
 
-    def look(self) -> float:
-        """How long to wait on the pool now (each look waits longer than the last)."""
-        wait = max(0.0, min(self._look, self._deadline - time.monotonic()))
+    def look(self, impatient: bool = False) -> float:
+        """How long to wait on the pool now (each look waits longer than the last, but
+        an `impatient` one no longer than the first)."""
+        longest = _FIRST_LOOK_SECONDS if impatient else self._look
+        wait = max(0.0, min(longest, self._deadline - time.monotonic()))
         self._look = min(2 * self._look, _LONGEST_LOOK_SECONDS)
         return wait
 

@@ -6,6 +6,7 @@ Thread-safe; close it (or use it as a context manager) to release its connection
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -66,6 +67,8 @@ from subengine.subscriptions._subscriptions import Deleted, SubscriptionPosition
 # application configured no logging they would all land on stderr; subengine reports the
 # failure once, as DatabaseUnavailable. Configured handlers still receive them.
 logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
+# Seconds `close` gives each thread of the pool after `stop_waiting` (instead of five).
+_IMPATIENT_CLOSE_SECONDS = 0.25
 
 
 class Engine(GatewayStorage, ParkedKeys, RemoteLeases):
@@ -99,6 +102,8 @@ class Engine(GatewayStorage, ParkedKeys, RemoteLeases):
             open=True,
         )
         self._closed = False
+        # set by stop_waiting: a call that finds no free connection fails instead of waiting
+        self._impatient = threading.Event()
         # its tails' LISTEN connection, opened by the first tail
         self._listener = Listener(self._listening_connection, self.sql)
 
@@ -109,10 +114,32 @@ class Engine(GatewayStorage, ParkedKeys, RemoteLeases):
 
     def close(self) -> None:
         """End its tails, stop their listener and close every connection of the pool;
-        later tails are refused."""
+        later tails are refused. After `stop_waiting`, it does not wait for the pool's
+        threads that still try to connect."""
         self._closed = True
         self._listener.close()
-        self._pool.close()
+        if self._impatient.is_set():
+            # its threads may be stuck connecting to a server that is gone: not joined
+            # for long (they are daemon threads)
+            self._pool.close(timeout=_IMPATIENT_CLOSE_SECONDS)
+        else:
+            self._pool.close()
+
+    def stop_waiting(self) -> None:
+        """From now on, a call that finds no connection free in the pool (within half a
+        second, or the look it is in) fails with DatabaseUnavailable instead of waiting
+        up to `connect_timeout` for PostgreSQL: for a shutdown, which must not wait for a
+        database that is gone, while calls that have their connection still finish."""
+        self._impatient.set()
+
+    def reachable(self, timeout: float) -> bool:
+        """Whether PostgreSQL accepts a new connection within `timeout` seconds (libpq
+        waits two at least)."""
+        try:
+            connect(self.dsn, timeout).close()
+        except psycopg.Error:
+            return False
+        return True
 
     def __enter__(self) -> Engine:
         return self
@@ -177,12 +204,17 @@ class Engine(GatewayStorage, ParkedKeys, RemoteLeases):
         while True:
             errors = self._pool.get_stats().get("connections_errors", 0)
             try:
-                conn = self._pool.getconn(timeout=wait.look())
+                conn = self._pool.getconn(timeout=wait.look(self._impatient.is_set()))
             except PoolTimeout:
                 pass
             else:
                 self._pool_errors_seen = errors
                 return conn
+            if self._impatient.is_set():
+                raise DatabaseUnavailable(
+                    "no free connection to PostgreSQL came at once, and this engine is "
+                    "shutting down: it waits no longer"
+                )
             if self._pool.get_stats().get("connections_errors", 0) == self._pool_errors_seen:
                 wait.pool_busy()  # or one connection is on its way
                 continue

@@ -67,6 +67,10 @@ log = logging.getLogger("subengine.gateway.webhooks")
 
 # Seconds after a deadline the round comes: PostgreSQL's clock has passed it by then.
 _DEADLINE_SLACK_SECONDS = 0.05
+# While a stop waits for the batches in flight, how often it makes sure PostgreSQL still
+# answers (and how long it gives it): once it does not, nothing in flight can commit, and
+# the stop waits no longer.
+_STOP_CHECK_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -182,16 +186,35 @@ class Deliveries:
         self._woken.set()
 
     def stop(self) -> None:
-        """Stop delivering: the batches in flight finish (or time out) first."""
+        """Stop delivering: the batches in flight finish (or time out) first, unless
+        PostgreSQL stopped answering (then they cannot commit, and the stop returns within
+        seconds, leaving the daemon threads that wait for it)."""
         self._stop.set()
         self._woken.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._worker_stop.set()
+        if self._thread is not None and not self._ended(self._thread):
+            return
+        self._worker_stop.set()  # the supervisor may have started another one meanwhile
+        if self._worker_thread is not None and not self._ended(self._worker_thread):
+            return
         self._stop_worker()
         try:
             self._record_successes()
         except (psycopg.Error, SubengineError) as error:
             log.warning("webhook deliveries: the last successes were not recorded: %s", error)
+
+    def _ended(self, thread: threading.Thread) -> bool:
+        """Wait for `thread` to end while PostgreSQL answers; whether it ended."""
+        while True:
+            thread.join(_STOP_CHECK_SECONDS)
+            if not thread.is_alive():
+                return True
+            if not self.engine.reachable(_STOP_CHECK_SECONDS):
+                log.warning(
+                    "webhook deliveries: PostgreSQL does not answer; stopping without "
+                    "waiting for the batches in flight (they are sent again later)"
+                )
+                return False
 
     def _supervise(self) -> None:
         while not self._stop.is_set():

@@ -152,6 +152,9 @@ class Gateway:
         self.closing.set()
         if self._watchdog is not None:
             self._watchdog.cancel()
+        # what is in flight finishes on the connections it has; nothing waits any more
+        # for a connection PostgreSQL does not give (the database may be gone)
+        self.sync_engine.stop_waiting()
         if self.deliveries is not None:
             await asyncio.to_thread(self.deliveries.stop)
         if self.webhook_changes is not None:
