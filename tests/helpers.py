@@ -1039,3 +1039,87 @@ def assert_each_effect_once_in_key_order(
     for key, version in sql.execute("SELECT key, key_version FROM effects ORDER BY seq"):
         versions[key].append(version)
     assert all(v == list(range(1, len(v) + 1)) for v in versions.values())
+
+
+class WorkerProcesses:
+    """`subengine worker --app APP` processes of one test (run from tests/apps, logs in
+    `log_dir`); `kill_all` at the end kills those still running."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path, app: str = "worker_app:app") -> None:
+        self.env, self.log_dir, self.app = env, log_dir, app
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
+        """One more worker with the command's `args`, its environment plus `env`."""
+        with open(self.log_dir / f"worker-{len(self.processes)}.log", "wb") as log:
+            process = subprocess.Popen(
+                [subengine_command(), "worker", "--app", self.app, *args],
+                cwd=APPS, env=dict(self.env, **env), stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        self.processes.append(process)
+        return process
+
+    def log(self, process: subprocess.Popen[bytes]) -> str:
+        return (self.log_dir / f"worker-{self.processes.index(process)}.log").read_text()
+
+    def logs(self) -> str:
+        return "".join(self.log(process) for process in self.processes)
+
+    def kill_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def two_workers_drain_once_in_order(
+    sql: psycopg.Connection[Any],
+    settings: subengine.Settings,
+    while_working: Callable[[], object] = lambda: None,
+) -> None:
+    """Two in-process workers of two slots each, on an engine of `settings`, handle a
+    backlog of 4 partitions (200 events appended before they start, 200 while they run),
+    each event inserting its (partition, position) into a table `effects`;
+    `while_working()` is called at every look at their progress. Then every partition's
+    effects must be its positions 1, 2, 3 …, once each and in that order."""
+    from subengine.worker._worker import Worker
+
+    sql.execute(
+        "CREATE TABLE effects (partition int, position bigint, seq serial,"
+        " PRIMARY KEY (partition, position))"
+    )
+    with subengine.Engine(settings=settings) as engine:
+        engine.create_stream("orders", partitions=4)
+        sub = subengine.Subscription("effects", "orders", batch_size=5)
+
+        @sub.handler()
+        def record(event: subengine.Event, conn: Any) -> None:
+            conn.execute(
+                "INSERT INTO effects (partition, position) VALUES (%s, %s)",
+                (event.partition, event.position),
+            )
+
+        engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {}) for n in range(200)])
+        workers = [Worker(engine, [sub], concurrency=2) for _ in range(2)]
+        stop = threading.Event()
+        threads = [threading.Thread(target=w.run, args=(stop,)) for w in workers]
+        for thread in threads:
+            thread.start()
+        try:
+            engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {}) for n in range(200)])
+            heads = engine.heads("orders")
+
+            def done() -> bool:
+                while_working()
+                positions = engine.subscription_positions("effects")
+                return {p.partition: p.position for p in positions} == heads
+
+            wait_for(done, "every event handled", timeout=60)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+    rows = sql.execute("SELECT partition, position FROM effects ORDER BY seq").fetchall()
+    for partition, head in heads.items():
+        # once each (the primary key), and handled in position order per partition
+        assert [p for q, p in rows if q == partition] == list(range(1, head + 1))

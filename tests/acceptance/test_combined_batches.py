@@ -8,7 +8,6 @@ handler call (partition, positions, events, transaction id) before it runs."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 import pytest
-from helpers import APPS, key_in, subengine_command, wait_for
+from helpers import WorkerProcesses, key_in, wait_for
 
 import subengine
 from subengine import NewEvent
@@ -50,33 +49,9 @@ def engine(dsn: str) -> Iterator[subengine.Engine]:
         yield engine
 
 
-class Workers:
-    """The test's worker processes; those still running at the end are killed."""
-
-    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
-        self.env, self.log_dir = env, log_dir
-        self.processes: list[subprocess.Popen[bytes]] = []
-
-    def start(self, concurrency: int = 1, **env: str) -> subprocess.Popen[bytes]:
-        with open(self.log_dir / f"worker-{len(self.processes)}.log", "wb") as log:
-            process = subprocess.Popen(
-                [subengine_command(), "worker", "--app", "combined_app:app",
-                 "--concurrency", str(concurrency)],
-                cwd=APPS, env=dict(self.env, **env), stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        self.processes.append(process)
-        return process
-
-    def kill_all(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-
-
 @pytest.fixture
-def workers(env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
-    started = Workers(env, tmp_path)
+def workers(env: dict[str, str], tmp_path: Path) -> Iterator[WorkerProcesses]:
+    started = WorkerProcesses(env, tmp_path, "combined_app:app")
     yield started
     started.kill_all()
 
@@ -147,7 +122,10 @@ def by_transaction(found: list[Call]) -> dict[int, list[Call]]:
 
 
 def test_sparse_partitions_share_transactions_and_each_effect_is_made_once_in_order(
-    env: dict[str, str], engine: subengine.Engine, sql: psycopg.Connection[Any], workers: Workers
+    env: dict[str, str],
+    engine: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: WorkerProcesses,
 ) -> None:
     # 64 partitions of 1 to 4 events, batch size 5, two processes of two slots: the
     # batches carry other partitions, beyond the batch size in all (never beyond it in
@@ -155,8 +133,8 @@ def test_sparse_partitions_share_transactions_and_each_effect_is_made_once_in_or
     engine.create_stream("orders", partitions=64)
     append_spread(engine, 64, {p: [{"n": n} for n in range(1 + p % 4)] for p in range(64)})
     append_spread(engine, 64, {p: [{"n": 9}] for p in range(0, 64, 3)})
-    workers.start(concurrency=2)
-    workers.start(concurrency=2)
+    workers.start("--concurrency", "2")
+    workers.start("--concurrency", "2")
     wait_for(lambda: caught_up(engine, sql), what="the workers to catch up")
     assert_once_in_order(sql)
     found = calls(env)
@@ -195,7 +173,7 @@ def gate(dsn: str) -> Iterator[psycopg.Connection[Any]]:
 
 def test_a_worker_killed_inside_a_combined_transaction_commits_none_of_it(
     env: dict[str, str], engine: subengine.Engine, sql: psycopg.Connection[Any],
-    workers: Workers, gate: psycopg.Connection[Any],
+    workers: WorkerProcesses, gate: psycopg.Connection[Any],
 ) -> None:  # fmt: skip
     gated(engine)
     first = workers.start()
@@ -213,7 +191,10 @@ def test_a_worker_killed_inside_a_combined_transaction_commits_none_of_it(
 
 
 def test_a_failing_event_in_one_partition_of_a_combined_transaction_fails_alone(
-    env: dict[str, str], engine: subengine.Engine, sql: psycopg.Connection[Any], workers: Workers
+    env: dict[str, str],
+    engine: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: WorkerProcesses,
 ) -> None:
     # Partition 3's first event raises, in a transaction that carries all 8 partitions:
     # it rolls back, and every other event is then handled once (none twice: its first
@@ -236,7 +217,7 @@ def test_a_failing_event_in_one_partition_of_a_combined_transaction_fails_alone(
 
 def test_a_reset_of_one_partition_of_a_combined_transaction_waits_for_it(
     env: dict[str, str], engine: subengine.Engine, sql: psycopg.Connection[Any],
-    workers: Workers, gate: psycopg.Connection[Any], dsn: str,
+    workers: WorkerProcesses, gate: psycopg.Connection[Any], dsn: str,
 ) -> None:  # fmt: skip
     # A transaction carries all 8 partitions and waits at partition 7 when partition 3 is
     # reset to 0. The reset waits for the batch (it holds the position rows), which then

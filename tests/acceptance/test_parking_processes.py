@@ -16,41 +16,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import APPS, run_subengine, subengine_command, wait_for
+from helpers import APPS, WorkerProcesses, run_subengine, subengine_command, wait_for
 
 import subengine
 from subengine import NewEvent
 
 
-class Workers:
-    """`subengine worker --app parking_app:app` processes, killed at the end if still running."""
-
-    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
-        self.env, self.log_dir = env, log_dir
-        self.processes: list[subprocess.Popen[bytes]] = []
-
-    def start(self, *args: str) -> subprocess.Popen[bytes]:
-        with open(self.log_dir / f"worker-{len(self.processes)}.log", "wb") as log:
-            process = subprocess.Popen(
-                [subengine_command(), "worker", "--app", "parking_app:app", *args],
-                cwd=APPS,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        self.processes.append(process)
-        return process
-
-    def kill_all(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-
-
 @pytest.fixture
-def workers(worker_app_env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
-    started = Workers(worker_app_env, tmp_path)
+def workers(worker_app_env: dict[str, str], tmp_path: Path) -> Iterator[WorkerProcesses]:
+    started = WorkerProcesses(worker_app_env, tmp_path, "parking_app:app")
     yield started
     started.kill_all()
 
@@ -88,7 +62,7 @@ def test_two_workers_park_poisoned_keys_and_a_retry_replays_them_in_order_as_the
     worker_app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
-    workers: Workers,
+    workers: WorkerProcesses,
 ) -> None:
     engine_of.create_stream("orders", partitions=4)
     keys = [f"order-{n}" for n in range(40)]
@@ -149,7 +123,7 @@ def test_two_workers_park_poisoned_keys_and_a_retry_replays_them_in_order_as_the
 
 @pytest.fixture
 def parked_key(
-    worker_app_env: dict[str, str], engine_of: subengine.Engine, workers: Workers
+    worker_app_env: dict[str, str], engine_of: subengine.Engine, workers: WorkerProcesses
 ) -> str:
     """Key 'p' of subscription parking parked at its first event, with two more events set
     aside after it; key 'q' handled."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -15,34 +14,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import APPS, assert_each_effect_once_in_key_order, subengine_command
+from helpers import WorkerProcesses, assert_each_effect_once_in_key_order
 
 import subengine
 from subengine import NewEvent
-
-
-class Workers:
-    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
-        self.env, self.log_dir = env, log_dir
-        self.processes: list[subprocess.Popen[bytes]] = []
-
-    def start(self) -> subprocess.Popen[bytes]:
-        with open(self.log_dir / f"worker-{len(self.processes)}.log", "wb") as log:
-            process = subprocess.Popen(
-                [subengine_command(), "worker", "--app", "worker_app:app", "--concurrency", "2"],
-                cwd=APPS, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        self.processes.append(process)
-        return process
-
-    def logs(self) -> str:
-        return "".join(path.read_text() for path in sorted(self.log_dir.glob("worker-*.log")))
-
-    def kill_all(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
 
 
 @pytest.fixture
@@ -52,22 +27,25 @@ def pooled_workers(
     bouncer: str,
     dsn: str,
     tmp_path: Path,
-) -> Iterator[Workers]:
+) -> Iterator[WorkerProcesses]:
     env = {**worker_app_env, "SUBENGINE_DSN": bouncer}
     if request.param == "direct-dsn":
         env["SUBENGINE_DIRECT_DSN"] = dsn
-    workers = Workers(env, tmp_path)
+    workers = WorkerProcesses(env, tmp_path)
     yield workers
     workers.kill_all()
 
 
 @pytest.mark.parametrize("pooled_workers", ["direct-dsn", "no-direct-dsn"], indirect=True)
 def test_exactly_once_while_pooled_workers_are_killed(
-    pooled_workers: Workers, bouncer: str, engine: subengine.Engine, sql: psycopg.Connection[Any]
+    pooled_workers: WorkerProcesses,
+    bouncer: str,
+    engine: subengine.Engine,
+    sql: psycopg.Connection[Any],
 ) -> None:
     engine.create_stream("orders", partitions=4)
     rng = random.Random(31)
-    running = [pooled_workers.start() for _ in range(3)]
+    running = [pooled_workers.start("--concurrency", "2") for _ in range(3)]
     total, appended = 2_000, threading.Event()
 
     def produce() -> None:
@@ -95,7 +73,7 @@ def test_exactly_once_while_pooled_workers_are_killed(
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         kills += 1
-        running.append(pooled_workers.start())
+        running.append(pooled_workers.start("--concurrency", "2"))
     producer.join()
     assert sum(engine.heads("orders").values()) == total
     assert_each_effect_once_in_key_order(sql, engine)

@@ -21,6 +21,7 @@ from helpers import (
     APPS,
     README,
     Proxy,
+    WorkerProcesses,
     assert_each_effect_once_in_key_order,
     free_port,
     run_subengine,
@@ -45,41 +46,9 @@ def engine_of(dsn: str) -> Iterator[subengine.Engine]:
         yield engine
 
 
-class Workers:
-    """Worker processes of one test; whatever is still running at the end is killed."""
-
-    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
-        self.env = env
-        self.log_dir = log_dir
-        self.processes: list[subprocess.Popen[bytes]] = []
-
-    def start(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"worker-{len(self.processes)}.log", "wb")
-        process = subprocess.Popen(
-            [subengine_command(), "worker", "--app", "worker_app:app", *args],
-            cwd=APPS,
-            env=dict(self.env, **env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        self.processes.append(process)
-        return process
-
-    def log(self, process: subprocess.Popen[bytes]) -> str:
-        index = self.processes.index(process)
-        return (self.log_dir / f"worker-{index}.log").read_text()
-
-    def kill_all(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-
-
 @pytest.fixture
-def workers(app_env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
-    workers = Workers(app_env, tmp_path)
+def workers(app_env: dict[str, str], tmp_path: Path) -> Iterator[WorkerProcesses]:
+    workers = WorkerProcesses(app_env, tmp_path)
     yield workers
     workers.kill_all()
 
@@ -158,7 +127,7 @@ def test_a_database_lost_for_longer_than_the_outage_timeout_exits_non_zero(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
-    workers: Workers,
+    workers: WorkerProcesses,
 ) -> None:
     engine_of.create_stream("orders", partitions=2)
     engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
@@ -178,7 +147,7 @@ def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
-    workers: Workers,
+    workers: WorkerProcesses,
 ) -> None:
     # Every connection the worker opens must give up after SUBENGINE_CONNECT_TIMEOUT: once
     # the host has gone silent, the server ends the worker's connections, so that the
@@ -223,7 +192,7 @@ def test_a_busy_partition_never_starves_an_older_event_of_another(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
-    workers: Workers,
+    workers: WorkerProcesses,
 ) -> None:
     # Invariant 7, the issue's reproduction: 4 partitions, batches of 10, 10 ms per event,
     # one slot, about 200 appends a second to one key (twice what the slot can handle),
@@ -272,7 +241,7 @@ def test_sigterm_finishes_the_current_batch_releases_locks_and_exits_0(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
-    workers: Workers,
+    workers: WorkerProcesses,
 ) -> None:
     engine_of.create_stream("orders", partitions=1)
     engine_of.append("orders", [NewEvent("k", "T", {}) for _ in range(60)])
@@ -293,7 +262,7 @@ def test_a_second_signal_exits_at_once_and_the_batch_rolls_back(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
-    workers: Workers,
+    workers: WorkerProcesses,
 ) -> None:
     engine_of.create_stream("orders", partitions=1)
     engine_of.append("orders", [NewEvent("k", "T", {}) for _ in range(20)])
@@ -318,7 +287,7 @@ def test_exactly_once_while_workers_are_killed_at_random(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
-    workers: Workers,
+    workers: WorkerProcesses,
 ) -> None:
     engine_of.create_stream("orders", partitions=8)
     rng = random.Random(7)
@@ -359,7 +328,7 @@ def test_a_worker_that_loses_a_connection_mid_batch_never_duplicates(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
-    workers: Workers,
+    workers: WorkerProcesses,
     terminated: str,
 ) -> None:
     # One partition, slow batches. While the first worker is inside a batch, terminate
@@ -401,7 +370,7 @@ def test_reset_while_a_worker_runs(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
-    workers: Workers,
+    workers: WorkerProcesses,
 ) -> None:
     engine_of.create_stream("orders", partitions=4)
     engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(40)])

@@ -12,10 +12,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import wait_for
+from helpers import two_workers_drain_once_in_order
 
 import subengine
-from subengine import NewEvent, Subscription
+from subengine import Subscription
 from subengine.db._connection import connect
 from subengine.db._locks import lock_key, partition_locks
 from subengine.db._sql import SQL, Db
@@ -82,45 +82,8 @@ def test_an_unknown_provider_is_a_configuration_error() -> None:
 def test_workers_handle_every_event_once_in_order_with_each_provider(
     provider: str, dsn: str, sql: psycopg.Connection[Any]
 ) -> None:
-    sql.execute(
-        "CREATE TABLE effects (partition int, position bigint, seq serial,"
-        " PRIMARY KEY (partition, position))"
-    )
     settings = subengine.Settings(dsn=dsn, lock_provider=provider, poll_interval=0.5)
-    with subengine.Engine(settings=settings) as engine:
-        engine.create_stream("orders", partitions=4)
-        sub = Subscription("effects", "orders", batch_size=5)
-
-        @sub.handler()
-        def record(event: subengine.Event, conn: Any) -> None:
-            conn.execute(
-                "INSERT INTO effects (partition, position) VALUES (%s, %s)",
-                (event.partition, event.position),
-            )
-
-        engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(200)])
-        workers = [Worker(engine, [sub], concurrency=2) for _ in range(2)]
-        stop = threading.Event()
-        threads = [threading.Thread(target=w.run, args=(stop,)) for w in workers]
-        for thread in threads:
-            thread.start()
-        try:
-            engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(200)])
-            heads = engine.heads("orders")
-
-            def done() -> bool:
-                positions = engine.subscription_positions("effects")
-                return {p.partition: p.position for p in positions} == heads
-
-            wait_for(done, "every event handled", timeout=60)
-        finally:
-            stop.set()
-            for thread in threads:
-                thread.join(30)
-    rows = sql.execute("SELECT partition, position FROM effects ORDER BY seq").fetchall()
-    for partition, head in heads.items():
-        # once each (the primary key), and handled in position order per partition
-        assert [p for q, p in rows if q == partition] == list(range(1, head + 1))
+    two_workers_drain_once_in_order(sql, settings)
 
 
 def test_without_partition_locks_an_at_least_once_subscription_is_refused(dsn: str) -> None:

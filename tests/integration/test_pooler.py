@@ -8,19 +8,17 @@ one the worker and the pruner refuse to start and tails poll."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
-from helpers import GatewayProcess, wait_for
+from helpers import GatewayProcess, two_workers_drain_once_in_order, wait_for
 
 import subengine
-from subengine import NewEvent, Subscription
+from subengine import NewEvent
 from subengine.db._connection import connect, pooled
-from subengine.worker._worker import Worker
 
 
 def test_connections_through_the_pooler_are_found_out_and_prepare_nothing(
@@ -59,50 +57,16 @@ def test_workers_behind_the_pooler_handle_every_event_once_in_order(
 ) -> None:
     """With a direct DSN the workers lock and listen there; without one they take no
     advisory lock, poll, and leave no session setting behind in the pooled sessions."""
-    sql.execute(
-        "CREATE TABLE effects (partition int, position bigint, seq serial,"
-        " PRIMARY KEY (partition, position))"
-    )
     settings = subengine.Settings(
         dsn=bouncer, direct_dsn=dsn if direct else None, poll_interval=0.5
     )
-    advisory = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
     locks_seen: set[int] = set()
-    with subengine.Engine(settings=settings) as engine:
-        engine.create_stream("orders", partitions=4)
-        sub = Subscription("effects", "orders", batch_size=10)
 
-        @sub.handler()
-        def record(event: subengine.Event, conn: Any) -> None:
-            conn.execute(
-                "INSERT INTO effects (partition, position) VALUES (%s, %s)",
-                (event.partition, event.position),
-            )
+    def count_advisory_locks() -> None:
+        row = sql.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()
+        locks_seen.add(row[0] if row else 0)
 
-        engine.append("orders", [NewEvent(f"k{n}", "T", {"n": n}) for n in range(200)])
-        workers = [Worker(engine, [sub], concurrency=2) for _ in range(2)]
-        stop = threading.Event()
-        threads = [threading.Thread(target=w.run, args=(stop,)) for w in workers]
-        for thread in threads:
-            thread.start()
-        try:
-            engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(100)])
-            heads = engine.heads("orders")
-
-            def done() -> bool:
-                row = sql.execute(advisory).fetchone()
-                locks_seen.add(row[0] if row else 0)
-                positions = engine.subscription_positions("effects")
-                return {p.partition: p.position for p in positions} == heads
-
-            wait_for(done, "every event handled", timeout=60)
-        finally:
-            stop.set()
-            for thread in threads:
-                thread.join(30)
-    rows = sql.execute("SELECT partition, position FROM effects ORDER BY seq").fetchall()
-    for partition, head in heads.items():
-        assert [p for q, p in rows if q == partition] == list(range(1, head + 1))
+    two_workers_drain_once_in_order(sql, settings, count_advisory_locks)
     if direct:
         assert max(locks_seen) > 0  # the slots held their partitions' locks
     else:
