@@ -69,6 +69,9 @@ class PartitionLocks(Protocol):
 
     def release(self, key: int) -> None: ...
 
+    def close(self) -> None:
+        """Let go of what it keeps, before the lock connection closes."""
+
 
 def partition_locks(provider: str, db: Db) -> PartitionLocks:
     """The partition locks of `provider` on the lock connection of `db`."""
@@ -80,6 +83,9 @@ def partition_locks(provider: str, db: Db) -> PartitionLocks:
 
 
 class _StatementLocks:
+    def close(self) -> None:
+        pass
+
     def __init__(self, db: Db) -> None:
         self._db = db
 
@@ -101,6 +107,8 @@ class _PalsLocks:
             creator=lambda: conn,
             poolclass=sa.pool.StaticPool,
             isolation_level="AUTOCOMMIT",
+            # an autocommit connection has nothing to roll back when pals gives it back
+            pool_reset_on_return=None,
         )
         self._conn = self._engine.connect()
         self._locks: dict[int, Any] = {}
@@ -112,6 +120,15 @@ class _PalsLocks:
     def release(self, key: int) -> None:
         with _psycopg_errors():
             self._release(key)
+
+    def close(self) -> None:
+        # now, and not whenever the garbage collector finds them: pals' locks and
+        # SQLAlchemy's pool have finalizers that would talk to a connection being closed
+        for lock in self._locks.values():
+            lock.conn = None
+        self._locks.clear()
+        self._conn.close()
+        self._engine.dispose(close=False)  # the slot closes the connection itself
 
     def _take(self, key: int, held: int | None) -> bool:
         lock = PalsLock(self._engine, key, f"subengine partition lock {key}", blocking=False)
@@ -149,6 +166,9 @@ def _psycopg_errors() -> Iterator[None]:
 
 
 class _NoLocks:
+    def close(self) -> None:
+        pass
+
     def take(self, key: int, held: int | None) -> bool:
         return True
 

@@ -98,7 +98,10 @@ class Held:
     def close(self) -> None:
         """Forget the lock and close the connection (which ends its locks)."""
         self._forget()
-        self._locks = None
+        locks, self._locks = self._locks, None
+        if locks is not None:
+            with contextlib.suppress(Exception):
+                locks.close()
         if self._db is not None:
             with contextlib.suppress(psycopg.Error):
                 self._db.conn.close()
