@@ -83,9 +83,6 @@ def partition_locks(provider: str, db: Db) -> PartitionLocks:
 
 
 class _StatementLocks:
-    def close(self) -> None:
-        pass
-
     def __init__(self, db: Db) -> None:
         self._db = db
 
@@ -94,6 +91,9 @@ class _StatementLocks:
 
     def release(self, key: int) -> None:
         self._db.run(unlock_partition(key))
+
+    def close(self) -> None:
+        pass
 
 
 class _PalsLocks:

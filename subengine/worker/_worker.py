@@ -101,8 +101,7 @@ class Worker:
         with self.engine.db() as db:  # (waits for a server that is starting)
             for subscription in self.subscriptions.values():
                 ensure_subscription(db, subscription)
-        self._state.check_sessions()
-        with self.engine.db() as db:
+            self._state.check_sessions()  # before it registers: it may refuse to start
             pruned = register_worker(db, self._registration())
         if pruned:
             log.info(
