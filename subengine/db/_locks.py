@@ -32,8 +32,6 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import psycopg
-import sqlalchemy as sa
-from pals.core import Lock as PalsLock  # type: ignore[import-untyped]
 
 from subengine.db._sql import Db, Query, nothing
 
@@ -98,6 +96,10 @@ class _StatementLocks:
 
 class _PalsLocks:
     def __init__(self, db: Db) -> None:
+        # imported here: a process that takes no partition lock (most commands) does not
+        # pay for SQLAlchemy's import, a third of the command line's start-up
+        import sqlalchemy as sa
+
         conn = db.conn
         # pals' own engine: one autocommit connection, the slot's (a StaticPool hands
         # out the same one), so its locks are the lock connection's and the status views
@@ -110,7 +112,8 @@ class _PalsLocks:
             # an autocommit connection has nothing to roll back when pals gives it back
             pool_reset_on_return=None,
         )
-        self._conn = self._engine.connect()
+        with _psycopg_errors():  # its first connect asks the server for its version
+            self._conn = self._engine.connect()
         self._locks: dict[int, Any] = {}
 
     def take(self, key: int, held: int | None) -> bool:
@@ -131,6 +134,8 @@ class _PalsLocks:
         self._engine.dispose(close=False)  # the slot closes the connection itself
 
     def _take(self, key: int, held: int | None) -> bool:
+        from pals.core import Lock as PalsLock  # type: ignore[import-untyped]
+
         lock = PalsLock(self._engine, key, f"subengine partition lock {key}", blocking=False)
         lock.conn = self._conn  # the kept connection: no check-out, no check-in per lock
         if not lock.acquire():
@@ -157,9 +162,11 @@ class _PalsLocks:
 def _psycopg_errors() -> Iterator[None]:
     """SQLAlchemy's wrapping of a psycopg error, taken off: the worker tells a lost
     connection from other errors by psycopg's classes, whatever the provider."""
+    from sqlalchemy.exc import DBAPIError
+
     try:
         yield
-    except sa.exc.DBAPIError as error:
+    except DBAPIError as error:
         if isinstance(error.orig, psycopg.Error):
             raise error.orig from None
         raise

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import psycopg
-import sqlalchemy.exc
 
 from subengine.db._locks import lock_key
 from subengine.db._sql import Db
@@ -70,7 +69,9 @@ class Slots:
                     with self._state.connect() as conn:
                         outage_since = None
                         self._work(Db(conn, self._state.engine.sql), held, stop)
-                except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
+                except (
+                    psycopg.OperationalError
+                ) as error:  # a provider's own errors arrive as psycopg's
                     outage_since = outage_since or time.monotonic()
                     if self._state.gave_up(outage_since, error, stop):
                         return

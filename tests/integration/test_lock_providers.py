@@ -120,3 +120,18 @@ def test_closed_providers_leave_nothing_for_the_garbage_collector(
     del locks
     gc.collect()
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize("provider", EXCLUSIVE)
+def test_a_provider_on_a_terminated_connection_raises_psycopgs_operational_error(
+    provider: str, lock_connections: list[Db], sql: psycopg.Connection[Any]
+) -> None:
+    """The slot tells a lost connection (reconnect, count the outage) from its own
+    failure (stop the worker) by psycopg's classes, whatever the provider: SQLAlchemy's
+    wrapping of psycopg's errors never reaches it, not even from pals' first connect,
+    which asks the server for its version."""
+    db = lock_connections[0]
+    sql.execute("SELECT pg_terminate_backend(%s)", (db.conn.info.backend_pid,))
+    key = lock_key("subengine", "effects", 0)
+    with pytest.raises(psycopg.OperationalError):
+        partition_locks(provider, db).take(key, None)

@@ -253,6 +253,19 @@ def test_importing_the_client_loads_neither_psycopg_nor_the_engine() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_the_command_line_loads_sqlalchemy_only_for_what_needs_it() -> None:
+    # SQLAlchemy's import was a third of every command's start-up: only the pals lock
+    # provider (a worker's slots) and the ORM helpers need it
+    probe = (
+        "import sys, subengine, subengine.cli.main; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sqlalchemy', 'pals', 'alembic'}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"
+
+
 # Each rule fails on a deliberate violation
 
 
