@@ -203,6 +203,7 @@ class Hub:
         self._poll_now = asyncio.Event()
         self._closed = False
         self.reads = 0  # queries run by `read` (for the metrics and the benchmark)
+        self.pages = 0  # pages read by cursor through it (`Reader.page`, the metrics)
 
     # watchers
 

@@ -63,6 +63,12 @@ class _StateCollector(Collector):
             "partition, position) however many clients stand there.",
             value=self._hub.reads,
         )
+        yield CounterMetricFamily(
+            "subengine_gateway_page_reads",
+            "Pages of a stream read by cursor: pulls, catch-up, and a long-poll's first "
+            "read (a long-poll woken by an append reads through the hub).",
+            value=self._hub.pages,
+        )
         yield GaugeMetricFamily(
             "subengine_gateway_watchers",
             "Long-polls and event streams the hub wakes (one per stream each follows).",

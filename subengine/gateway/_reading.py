@@ -136,6 +136,7 @@ class Reader:
             max_bytes=max_bytes,
             oversize=oversize,
         )
+        self.hub.pages += 1
         page = await read(self.marks[stream])
         if page.epoch != self.epochs[stream]:
             self._reset(stream, self.epochs[stream], page.epoch)
@@ -160,6 +161,64 @@ class Reader:
         first event larger than it when `oversize`, `max_bytes` of their JSON). Moves
         the cursor."""
         return self._take_page(await self._read_page(stream, limit, max_bytes, oversize))
+
+    async def live_page(
+        self,
+        stream: str,
+        partitions: Iterable[int],
+        wanted: frozenset[int] | None,
+        limit: int,
+        max_bytes: int = PAGE_BYTES,
+        oversize: bool = True,
+    ) -> Taken:
+        """What `page` would take once the stream was up to date and the hub said that
+        `partitions` moved, read through the hub's shared reads: one read per partition
+        and position however many readers wait there, instead of a page of the whole
+        stream each (a long-poll woken by an append). The events of the partitions are
+        taken oldest first, as a page takes them, within `limit` and `max_bytes`; the
+        cursor moves over what is taken (and the events the filters pass over before
+        it). Up to date means every partition of `wanted` (None: all) is at the head the
+        hub knows."""
+        selection = self.selections[stream]
+        tombstones: list[dict[str, Any]] = []
+        merged: list[tuple[Any, int, int, SharedRead, int]] = []
+        for partition in sorted(set(partitions)):
+            position = self.position(stream, partition)
+            if self.hub.head(stream, partition) <= position:
+                continue
+            shared = await self.hub.read(stream, partition, position)
+            for index, item in enumerate(shared.items):
+                if isinstance(item, Tombstone):
+                    if index > 0:  # behind events that may not all be taken: read again
+                        break
+                    self._advance(stream, partition, item.gap_to)
+                    tombstones.append(tombstone_body(item))
+                else:
+                    merged.append((item.recorded_at, partition, item.position, shared, index))
+        merged.sort(key=lambda m: m[:3])
+        events: list[str] = []
+        size, full = 0, False
+        for _, partition, position, shared, index in merged:
+            item = shared.items[index]
+            assert isinstance(item, RawEvent)
+            if selection.keeps(item):
+                if len(events) >= limit:
+                    break
+                text = shared.encoded(index, selection.include_data)
+                grown = size + len(text.encode()) + (1 if events else 0)
+                if grown > max_bytes and (events or not oversize):
+                    full = True
+                    break
+                events.append(text)
+                size = grown
+            self._advance(stream, partition, position)
+        marks = self.marks[stream]
+        up_to_date = all(
+            self.hub.head(stream, partition) <= mark
+            for partition, mark in enumerate(marks)
+            if wanted is None or partition in wanted
+        )
+        return Taken(events, tombstones, up_to_date, size, full)
 
     def _reset(self, stream: str, previous: int, epoch: int) -> None:
         self.epochs[stream] = epoch

@@ -228,15 +228,28 @@ async def _long_poll(
     size = 0  # bytes of the events' JSON joined by commas
     tombstones: list[dict[str, Any]] = []
     up_to_date = True
+    live = False  # the last read found the stream up to date: read what moved, shared
     try:
         while True:
-            watcher.take()  # what moves from now on wakes the wait below
+            # what moves from now on wakes the wait below
+            changed, resync = watcher.take()
             # what a reply gathers stays within one page's bytes: a later read adds only
             # what fits beside what is there (and a comma)
             room = PAGE_BYTES - size - 1 if events else PAGE_BYTES
-            taken = await reader.page(
-                stream, gathering.limit - len(events), room, oversize=not events
-            )
+            if live and not resync:
+                taken = await reader.live_page(
+                    stream,
+                    (partition for name, partition in changed if name == stream),
+                    watcher.partitions.get(stream),
+                    gathering.limit - len(events),
+                    room,
+                    oversize=not events,
+                )
+            else:  # the first read, or after a resync (the stream may be a new one)
+                taken = await reader.page(
+                    stream, gathering.limit - len(events), room, oversize=not events
+                )
+            live = taken.up_to_date
             now = time.monotonic()
             if taken.events and not events and gathering.linger is not None:
                 answer_by = min(now + gathering.linger, deadline)

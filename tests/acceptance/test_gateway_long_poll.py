@@ -138,3 +138,46 @@ def test_bad_gathering_parameters_are_refused_naming_them(
     )
     assert answer.status_code == 400
     assert answer.json()["error"]["message"].startswith(named)
+
+
+def test_long_polls_woken_by_one_append_share_one_read(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    """A long-poll woken by an append reads what moved through the hub's shared read, as
+    an event stream does: eight long-polls at the head cost one read of the partition,
+    and no page of the stream each."""
+    engine.append(orders, [subengine.NewEvent("a", "T", {"n": 0})])
+    head = httpx.get(events_url(gateway), timeout=TIMEOUT).headers["Subengine-Cursor"]
+    polls = [Poll(events_url(gateway), after=head, wait="30") for _ in range(8)]
+    wait_for(lambda: waiting(gateway) == 8, "eight long-polls waiting", timeout=20)
+    before = scrape(gateway.port)
+    engine.append(orders, [subengine.NewEvent("a", "T", {"n": 1})])
+    answers = [poll.result() for poll in polls]
+    after = scrape(gateway.port)
+
+    def grew(name: str) -> float:
+        return (value(after, name) or 0) - (value(before, name) or 0)
+
+    assert [[e["data"] for e in a.json()["events"]] for a in answers] == [[{"n": 1}]] * 8
+    assert grew("subengine_gateway_hub_reads_total") == 1
+    assert grew("subengine_gateway_page_reads_total") == 0
+
+
+def test_a_woken_long_poll_keeps_its_limit_and_its_filter_and_the_cursor_loses_nothing(
+    engine: subengine.Engine, gateway: GatewayProcess
+) -> None:
+    engine.create_stream("spread", partitions=4)
+    url = f"{gateway.url}/v1/streams/spread/events"
+    head = httpx.get(url, timeout=TIMEOUT).headers["Subengine-Cursor"]
+    keys = [f"k{n}" for n in range(8)]
+    limited = Poll(url, after=head, wait="30", limit="3")
+    filtered = Poll(url, after=head, wait="30", key="k5")
+    wait_for(lambda: waiting(gateway) == 2, "two long-polls waiting", timeout=20)
+    engine.append("spread", [subengine.NewEvent(key, "T", {"n": n}) for n, key in enumerate(keys)])
+    first = limited.result()
+    assert len(first.json()["events"]) == 3
+    rest = httpx.get(url, params={"after": first.headers["Subengine-Cursor"]}, timeout=TIMEOUT)
+    # every event once across the two replies
+    got = [e["data"]["n"] for e in first.json()["events"] + rest.json()["events"]]
+    assert sorted(got) == list(range(8))
+    assert [e["key"] for e in filtered.result().json()["events"]] == ["k5"]
