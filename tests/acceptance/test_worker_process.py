@@ -166,7 +166,7 @@ def test_a_host_that_stops_answering_new_connections_ends_in_the_outage_exit(
         proxy.silent = True
         sql.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE application_name LIKE 'subengine worker %'"
+            " WHERE application_name LIKE 'subengine worker %' AND datname = current_database()"
         )
         engine_of.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(10)])
         assert worker.wait(timeout=90) == 1
@@ -252,7 +252,7 @@ def test_sigterm_finishes_the_current_batch_releases_locks_and_exits_0(
     assert "finishing the current batches" in workers.log(worker)
     # the batch that was running when the signal came committed whole, and no other began
     last = marks(app_env)[-1][3]
-    assert positions(sql) == {0: last}
+    assert positions(sql) == {0: last}, workers.log(worker)
     assert effect_count(sql) == last
     assert advisory_locks(sql) == 0
     assert sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 0  # type: ignore[index]

@@ -461,7 +461,8 @@ def test_a_key_change_or_a_lost_listener_moves_the_gateways_cache_version(
             seen = changes.version
             sql.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE application_name = 'subengine-tail' AND pid <> pg_backend_pid()"
+                " WHERE application_name = 'subengine-tail' AND datname = current_database()"
+                " AND pid <> pg_backend_pid()"
             )
             # lost, then back: nothing read before the loss is trusted after it
             await until(lambda: changes.version >= seen + 2 and changes.listening)
