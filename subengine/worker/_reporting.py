@@ -67,6 +67,22 @@ class Reporter:
             ),
         )
 
+    def left_at_stop(self, subscription: Subscription, partition: int, error: Exception) -> None:
+        """The worker stops, and the partition's batch failed (or its events were being
+        handled again in parts): what of it had not committed rolled back, and is left to
+        the next worker, which starts from the partition's committed position."""
+        log.warning(
+            "subscription %s partition %s: the batch in progress failed (%s) while the "
+            "worker stops: it is not tried again; what of it had not committed rolled "
+            "back, for the next worker",
+            subscription.name,
+            partition,
+            error_text(error),
+            extra=self._state.fields(
+                subscription=subscription.name, partition=partition, error=error_text(error)
+            ),
+        )
+
     def postponed(self, subscription: Subscription, failed: BatchFailed, recorded: bool) -> None:
         """A handler raised RetryLater; `recorded`: the delay was stored (the position
         had not moved)."""

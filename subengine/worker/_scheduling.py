@@ -72,6 +72,15 @@ class Slots:
                 except (
                     psycopg.OperationalError
                 ) as error:  # a provider's own errors arrive as psycopg's
+                    if stop.is_set():  # nothing is tried again: the batch rolled back
+                        log.warning(
+                            "database connection lost while the worker stops: %s; not "
+                            "reconnecting (what of a batch in progress had not committed "
+                            "rolled back, for the next worker)",
+                            error,
+                            extra=self._state.fields(),
+                        )
+                        return
                     outage_since = outage_since or time.monotonic()
                     if self._state.gave_up(outage_since, error, stop):
                         return

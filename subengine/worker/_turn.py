@@ -98,10 +98,12 @@ class Turns:
         partitions that fails is handled again partition by partition, each one alone.
         Any other error is kept to this partition: it is logged and the partition is
         tried again after a backoff, without counting an attempt; only a lost connection
-        leaves the turn.
+        leaves the turn. Once the worker stops nothing is tried again: a failed try is
+        the end of the turn, and the log says what of the partition did not commit.
         """
         key = (subscription.name, partition)
         split: BatchFailed | None = None  # a failed batch of several events, handled singly
+        failed: Exception | None = None  # what the last try met, to try again in parts
         while not stop.is_set():
             started = time.monotonic()
             alone = split is not None or not companions
@@ -110,8 +112,12 @@ class Turns:
             except Exception as error:
                 if db.conn.broken or db.conn.closed:
                     raise ConnectionLost(f"the worker's connection broke: {error}") from error
+                if stop.is_set():  # stopping: no backoff, no retry; it rolled back
+                    self._report.left_at_stop(subscription, partition, error)
+                    return None, False, set()
                 if not alone:  # perhaps another partition's trouble: try this one alone
                     companions = False
+                    failed = error
                     continue
                 delay = self._backoff.failed(key)
                 self._report.database_trouble(subscription, partition, error, delay)
@@ -120,6 +126,7 @@ class Turns:
             if outcomes is None:
                 return None, False, set()
             if isinstance(outcomes, BatchFailed):
+                failed = outcomes.error
                 if outcomes.shared:
                     companions = False
                     if outcomes.partition != partition:
@@ -141,6 +148,8 @@ class Turns:
                 continue
             moved = {(subscription.name, o.partition) for o in outcomes[1:]}
             return outcome.next_time, outcome.next_time is None, moved
+        if failed is not None:  # the worker stopped before the try again
+            self._report.left_at_stop(subscription, partition, failed)
         return None, False, set()
 
     def _batch(

@@ -258,6 +258,51 @@ def test_sigterm_finishes_the_current_batch_releases_locks_and_exits_0(
     assert sql.execute("SELECT count(*) FROM subengine.workers").fetchone()[0] == 0  # type: ignore[index]
 
 
+@pytest.mark.parametrize(
+    ("end", "said"),
+    [
+        (
+            "pg_cancel_backend",
+            "subscription effects partition 0: the batch in progress failed (QueryCanceled: "
+            "canceling statement due to user request) while the worker stops: it is not tried "
+            "again",
+        ),
+        ("pg_terminate_backend", "database connection lost while the worker stops"),
+    ],
+)
+def test_a_batch_that_fails_while_the_worker_stops_is_said_and_left_to_the_next_worker(
+    end: str,
+    said: str,
+    app_env: dict[str, str],
+    engine_of: subengine.Engine,
+    sql: psycopg.Connection[Any],
+    workers: WorkerProcesses,
+) -> None:
+    # The batch running when SIGTERM came meets a database error (its statement
+    # cancelled, its connection ended): a stopping worker tries nothing again, but it
+    # says that the batch rolled back (it once ended such a batch without a word).
+    engine_of.create_stream("orders", partitions=1)
+    engine_of.append("orders", [NewEvent("k", "T", {}) for _ in range(20)])
+    worker = workers.start(WORKER_APP_BATCH="10", WORKER_APP_SLEEP="3")
+    wait_for(lambda: marks(app_env), what="a batch to start")
+    worker.send_signal(signal.SIGTERM)
+    wait_for(lambda: "finishing the current batches" in workers.log(worker), what="the signal")
+    ended = psycopg.sql.SQL(
+        "SELECT count({}(pid)) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event = 'PgSleep'"
+    ).format(psycopg.sql.Identifier(end))
+    wait_for(lambda: sql.execute(ended).fetchone()[0] == 1, what="the batch's statement")  # type: ignore[index]
+    assert worker.wait(timeout=60) == 0
+    assert said in workers.log(worker), workers.log(worker)
+    assert positions(sql) == {0: 0}
+    assert effect_count(sql) == 0
+    assert advisory_locks(sql) == 0
+    # the next worker does the whole backlog, once each
+    workers.start()
+    wait_for(lambda: positions(sql) == {0: 20}, what="the next worker to finish")
+    assert_each_effect_once_in_key_order(sql, engine_of)
+
+
 def test_a_second_signal_exits_at_once_and_the_batch_rolls_back(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
