@@ -69,9 +69,8 @@ class Slots:
                     with self._state.connect() as conn:
                         outage_since = None
                         self._work(Db(conn, self._state.engine.sql), held, stop)
-                except (
-                    psycopg.OperationalError
-                ) as error:  # a provider's own errors arrive as psycopg's
+                # (a lock provider's own errors arrive as psycopg's too)
+                except psycopg.OperationalError as error:
                     if stop.is_set():  # nothing is tried again: the batch rolled back
                         log.warning(
                             "database connection lost while the worker stops: %s; not "
