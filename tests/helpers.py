@@ -222,6 +222,15 @@ class Running:
         assert self.error is None, self.error
 
 
+def fresh_python(code: str) -> str:
+    """What `code` prints, run by a new interpreter of this environment: what an import
+    loads, say, which this process cannot tell (it has imported everything already)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    return done.stdout.strip()
+
+
 def subengine_command() -> str:
     """The installed `subengine` console script of this interpreter's environment."""
     return str(Path(sys.executable).parent / "subengine")

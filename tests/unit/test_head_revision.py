@@ -4,8 +4,7 @@ as Alembic reads it: a revision added without moving the constant fails here."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from helpers import fresh_python
 
 from subengine.db import _migrate
 
@@ -19,7 +18,4 @@ def test_knowing_the_head_revision_loads_neither_alembic_nor_sqlalchemy() -> Non
         "import sys; from subengine.db._migrate import head_revision; head_revision(); "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'alembic', 'sqlalchemy'}))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert done.stdout.strip() == "[]"
+    assert fresh_python(probe) == "[]"

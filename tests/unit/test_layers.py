@@ -9,13 +9,11 @@ failing on a small made-up package as well as passing on the real one."""
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, fresh_python
 
 PACKAGE = ROOT / "subengine"
 
@@ -247,10 +245,7 @@ def test_importing_the_client_loads_neither_psycopg_nor_the_engine() -> None:
         "print(sorted(m for m in sys.modules if m.split('.')[0] in {'psycopg', 'psycopg_pool'}"
         " or m.startswith(('subengine.engine', 'subengine.db', 'subengine.streams'))))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert done.stdout.strip() == "[]"
+    assert fresh_python(probe) == "[]"
 
 
 def test_the_command_line_loads_sqlalchemy_only_for_what_needs_it() -> None:
@@ -260,10 +255,7 @@ def test_the_command_line_loads_sqlalchemy_only_for_what_needs_it() -> None:
         "import sys, subengine, subengine.cli.main; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'sqlalchemy', 'pals', 'alembic'}))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert done.stdout.strip() == "[]"
+    assert fresh_python(probe) == "[]"
 
 
 # Each rule fails on a deliberate violation

@@ -6,8 +6,8 @@ database."""
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
+
+from helpers import fresh_python
 
 import subengine
 
@@ -38,7 +38,4 @@ def test_a_star_import_gives_every_public_name() -> None:
         "from subengine import *; import subengine; "
         "missing = [n for n in subengine.__all__ if n not in globals()]; print(missing)"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert done.stdout.strip() == "[]"
+    assert fresh_python(probe) == "[]"
