@@ -178,15 +178,24 @@ class Reader:
         taken oldest first, as a page takes them, within `limit` and `max_bytes`; the
         cursor moves over what is taken (and the events the filters pass over before
         it). Up to date means every partition of `wanted` (None: all) is at the head the
-        hub knows."""
+        hub knows: with `key=` filters the cursor of the other partitions stays where it
+        was (a later page passes over their events). Items of a stream created again
+        since the cursor's epoch send it to `page`, which emits the reset."""
         selection = self.selections[stream]
-        tombstones: list[dict[str, Any]] = []
-        merged: list[tuple[Any, int, int, SharedRead, int]] = []
+        reads = []
         for partition in sorted(set(partitions)):
             position = self.position(stream, partition)
             if self.hub.head(stream, partition) <= position:
                 continue
             shared = await self.hub.read(stream, partition, position)
+            if shared.items and await self.hub.epoch_after(shared) != self.epochs[stream]:
+                # the stream was deleted and created again: a page says so (a reset)
+                # and reads the new one from its beginning
+                return await self.page(stream, limit, max_bytes, oversize)
+            reads.append((partition, shared))
+        tombstones: list[dict[str, Any]] = []
+        merged: list[tuple[Any, int, int, SharedRead, int]] = []
+        for partition, shared in reads:
             for index, item in enumerate(shared.items):
                 if isinstance(item, Tombstone):
                     if index > 0:  # behind events that may not all be taken: read again
