@@ -325,6 +325,10 @@ class Reader:
         shared: SharedRead = await self.hub.read(
             stream, partition, self.position(stream, partition)
         )
+        if shared.items and await self.hub.epoch_after(shared) != self.epochs[stream]:
+            # the stream was deleted and created again, which no notification says: a
+            # page emits the reset and reads the new one from its beginning
+            return not await self.catch_up_frames(stream, READ_LIMIT), True
         selection = self.selections[stream]
         kept: list[str] = []
         first = last = None

@@ -203,3 +203,24 @@ def test_a_lost_listen_connection_shows_as_a_reconnect(
         timeout=20,
     )
     follower.close()
+
+
+def test_an_event_stream_woken_after_its_stream_was_created_again_gets_a_reset_first(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    """No notification says a stream was deleted and created again (the hub learns it at
+    its next head poll): an event stream woken by the new stream's append must not take
+    its events after the old cursor's position (it skipped them, then sent them again
+    after the hub's resync)."""
+    engine.append(orders, [subengine.NewEvent("a", "T", {"n": n}) for n in range(2)])
+    follower = Follower(gateway)
+    wait_for(lambda: "caught-up" in follower.kinds(), "caught-up", timeout=20)
+    engine.delete_stream(orders)
+    engine.create_stream(orders, partitions=4)
+    engine.append(orders, [subengine.NewEvent("a", "T", {"n": n}) for n in (10, 11, 12)])
+    wait_for(lambda: len(follower.events()) >= 3, "the new stream's events", timeout=20)
+    time.sleep(2)  # the hub's head poll has run: nothing is sent twice after it either
+    follower.close()
+    kinds = follower.kinds()
+    assert "reset" in kinds and kinds.index("reset") < kinds.index("events"), kinds
+    assert [event["data"]["n"] for event in follower.events()] == [10, 11, 12]
