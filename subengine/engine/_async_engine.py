@@ -281,9 +281,10 @@ class AsyncEngine:
 
     async def read_json(
         self, stream: str, partition: int, after: int = 0, limit: int | None = None
-    ) -> list[RawEvent | Tombstone]:
-        """`read`, with each event's data and metadata as their JSON text (`RawEvent`):
-        for relaying events without decoding them (the gateway)."""
+    ) -> tuple[int, list[RawEvent | Tombstone]]:
+        """The stream's epoch and what `read` gives, in one snapshot, with each event's
+        data and metadata as their JSON text (`RawEvent`): for relaying events without
+        decoding them (the gateway), and knowing which stream of the name they are of."""
         query = _read.read_after_raw(
             stream, partition, after, self.settings.read_limit if limit is None else limit
         )

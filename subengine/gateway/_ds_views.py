@@ -74,7 +74,7 @@ async def read_view(
 ) -> list[tuple[int, str]]:
     """The events of the view after `after`, up to its tail, as JSON text: as many as
     fit in `max_bytes`, at least one. Retention having removed the next ones is 410."""
-    items = await engine.read_json(found.stream, found.partition, after, _VIEW_ROWS)
+    _, items = await engine.read_json(found.stream, found.partition, after, _VIEW_ROWS)
     messages: list[tuple[int, str]] = []
     size = 0
     for item in items:

@@ -80,17 +80,21 @@ def _text(text: str) -> str:
 @dataclass(eq=False)
 class SharedRead:
     """One read of a partition after a position, shared by every watcher standing there:
-    its items, the head known when it was asked for, and each event's JSON, made once."""
+    its items, the epoch of the stream they are of (read with them, in one snapshot),
+    the head known when it was asked for, and each event's JSON, made once.
+
+    A stream deleted and created again has a new epoch and sends no notification (the
+    hub learns of it only at its next head poll): a reader whose cursor is of another
+    epoch than the read's must not take its items, but read the stream anew."""
 
     stream: str
     partition: int
     after: int
     head: int
+    epoch: int = 0
     items: list[RawEvent | Tombstone] = field(default_factory=list)
     finished: float = 0.0
     _encoded: dict[tuple[int, bool], str] = field(default_factory=dict)
-    # the stream's epoch, asked for once after the items were read (`Hub.epoch_after`)
-    _epoch: asyncio.Future[int | None] | None = None
 
     def reaches(self, head: int) -> bool:
         """Whether this read still answers a reader at `after`: it was full, or it got
@@ -343,28 +347,13 @@ class Hub:
             self._evict(now)
         return await asyncio.shield(future)
 
-    async def epoch_after(self, shared: SharedRead) -> int | None:
-        """The epoch of the stream named `shared.stream` (None: there is none), read after
-        `shared`'s items and once for every reader that asks. The items belong to that
-        epoch or an earlier one: a reader whose cursor is of this epoch may take them, and
-        any other must read the stream anew (it was deleted and created again, which no
-        notification says: the hub learns it only at its next head poll)."""
-        future = shared._epoch
-        if future is None or (
-            future.done() and (future.cancelled() or future.exception() is not None)
-        ):
-            future = shared._epoch = asyncio.ensure_future(self._epoch_of(shared.stream))
-        return await asyncio.shield(future)
-
-    async def _epoch_of(self, stream: str) -> int | None:
-        found = await self.read_engine.epochs_and_heads([stream])
-        return found[stream][0] if stream in found else None
-
     async def _read(self, stream: str, partition: int, after: int) -> SharedRead:
         shared = SharedRead(stream, partition, after, self.head(stream, partition))
         self.reads += 1
         try:
-            shared.items = await self.read_engine.read_json(stream, partition, after, READ_LIMIT)
+            shared.epoch, shared.items = await self.read_engine.read_json(
+                stream, partition, after, READ_LIMIT
+            )
         except BaseException:
             key = (stream, partition, after)
             if self._reads.get(key) is asyncio.current_task():

@@ -179,8 +179,9 @@ class Reader:
         cursor moves over what is taken (and the events the filters pass over before
         it). Up to date means every partition of `wanted` (None: all) is at the head the
         hub knows: with `key=` filters the cursor of the other partitions stays where it
-        was (a later page passes over their events). Items of a stream created again
-        since the cursor's epoch send it to `page`, which emits the reset."""
+        was (a later page passes over their events). A read of a stream created again
+        since the cursor's epoch (the read says its epoch) sends it to `page`, which
+        emits the reset."""
         selection = self.selections[stream]
         reads = []
         for partition in sorted(set(partitions)):
@@ -188,7 +189,7 @@ class Reader:
             if self.hub.head(stream, partition) <= position:
                 continue
             shared = await self.hub.read(stream, partition, position)
-            if shared.items and await self.hub.epoch_after(shared) != self.epochs[stream]:
+            if shared.epoch != self.epochs[stream]:
                 # the stream was deleted and created again: a page says so (a reset)
                 # and reads the new one from its beginning
                 return await self.page(stream, limit, max_bytes, oversize)
@@ -325,7 +326,7 @@ class Reader:
         shared: SharedRead = await self.hub.read(
             stream, partition, self.position(stream, partition)
         )
-        if shared.items and await self.hub.epoch_after(shared) != self.epochs[stream]:
+        if shared.epoch != self.epochs[stream]:
             # the stream was deleted and created again, which no notification says: a
             # page emits the reset and reads the new one from its beginning
             return not await self.catch_up_frames(stream, READ_LIMIT), True

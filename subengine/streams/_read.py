@@ -72,13 +72,17 @@ def read_after(
     """Up to `limit` events of one partition after position `after`, in position order;
     first a tombstone when retention removed positions after `after` (DESIGN.md,
     "Retention and gaps"): the events then start at the floor."""
-    return _read_after(stream, partition, after, limit, _events)
+    query = _read_after(stream, partition, after, limit, _events)
+    return Query(query.name, query.params, lambda result: query.read(result)[1], query.translate)
 
 
 def read_after_raw(
     stream: str, partition: int, after: int, limit: int
-) -> Query[list[RawEvent | Tombstone]]:
-    """`read_after`, with each event's data and metadata as their JSON text."""
+) -> Query[tuple[int, list[RawEvent | Tombstone]]]:
+    """The stream's epoch and `read_after`'s items, read in one snapshot, with each
+    event's data and metadata as their JSON text: the epoch says which stream of the
+    name the items are of (one deleted and created again has a new epoch), even when
+    there are none."""
     return _read_after(stream, partition, after, limit, _raw_events)
 
 
@@ -88,15 +92,15 @@ def _read_after(
     after: int,
     limit: int,
     events: Callable[[list[Any]], Sequence[E]],
-) -> Query[list[E | Tombstone]]:
+) -> Query[tuple[int, list[E | Tombstone]]]:
     validate_stream_name(stream)
     validate_whole_number(after, "after", 0, BIGINT_MAX)
     validate_whole_number(partition, "partition", -INTEGER_MAX, INTEGER_MAX)
 
-    def read(result: Result) -> list[E | Tombstone]:
+    def read(result: Result) -> tuple[int, list[E | Tombstone]]:
         if not result.rows:
             raise StreamNotFound(stream)
-        partitions, floor, head, aged_through, capped_through = result.rows[0][:5]
+        epoch, partitions, floor, head, aged_through, capped_through = result.rows[0][:6]
         if not 0 <= partition < partitions:
             raise PartitionNotFound(stream, partition, partitions)
         if floor is None:  # its partitions are gone first: `stream delete` is under way
@@ -105,8 +109,8 @@ def _read_after(
         if after < floor - 1:
             reason = gap_reason(after + 1, aged_through, capped_through)
             items.append(Tombstone(stream, partition, after + 1, floor - 1, floor, reason, head))
-        items.extend(events([row[5:] for row in result.rows]))
-        return items
+        items.extend(events([row[6:] for row in result.rows]))
+        return epoch, items
 
     params = {"stream": stream, "partition": partition, "after": after, "limit": _limit(limit)}
     return Query("read_after", params, read)

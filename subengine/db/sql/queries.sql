@@ -215,13 +215,14 @@ VALUES (%(name)s, %(stream)s, %(partition)s, %(generation)s, %(gap_from)s, %(gap
 
 -- name: read_after
 -- Up to `limit` events of one partition after a position, in position order, with the
--- stream's partition count (a stream with no such row does not exist) and the
+-- stream's epoch and partition count (a stream with no such row does not exist) and the
 -- partition's floor, read in the same snapshot as the events: positions below it are no
--- longer stored, and a read from before it meets their gap. Data and metadata come as
--- JSON text: the gateway relays them as they are, and the engine decodes them when they
--- are read.
-SELECT s.partitions, p.floor, p.head, p.aged_through, p.capped_through, e.id, e.stream,
-       e.partition, e.position, e.key, e.key_version, e.type, e.data::text,
+-- longer stored, and a read from before it meets their gap; the epoch says which stream
+-- of the name the events are of. With no event after the position, one row of the
+-- stream alone. Data and metadata come as JSON text: the gateway relays them as they
+-- are, and the engine decodes them when they are read.
+SELECT s.epoch, s.partitions, p.floor, p.head, p.aged_through, p.capped_through, e.id,
+       e.stream, e.partition, e.position, e.key, e.key_version, e.type, e.data::text,
        e.metadata::text, e.occurred_at, e.recorded_at
   FROM {schema}.streams s
   LEFT JOIN {schema}.partitions p ON p.stream = s.name AND p.partition = %(partition)s

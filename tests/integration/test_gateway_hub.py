@@ -1,0 +1,109 @@
+"""The gateway's hub on a real PostgreSQL, in process: what a reader woken by an append
+costs in statements. Every statement goes through the SQL layer (`SQL.run_async`), so
+recording there counts them all; the hub's head poll, a timer of its own, is left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import subengine
+from subengine.db._sql import SQL, Query
+from subengine.gateway._hub import Hub, Watcher
+from subengine.gateway._reading import Reader, Selection
+from subengine.model._gateway_cursor import StreamPosition
+
+HEAD_POLL = "subengine-gateway-head-poll"
+
+
+class Recorded:
+    """The names of the statements a SQL layer runs, outside the hub's head poll."""
+
+    def __init__(self, sql: SQL) -> None:
+        self.names: list[str] = []
+        self.on = False
+        run = sql.run_async
+
+        async def recording(conn: Any, query: Query[Any]) -> Any:
+            task = asyncio.current_task()
+            if self.on and (task is None or task.get_name() != HEAD_POLL):
+                self.names.append(query.name)
+            return await run(conn, query)
+
+        sql.run_async = recording  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def runner() -> Iterator[asyncio.Runner]:
+    with asyncio.Runner() as runner:
+        yield runner
+
+
+async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[list[str], list[Any]]:
+    """A reader at the head of 'orders', woken by an append, reads what moved (`live`:
+    "long-poll" or "sse"): the statements that cost, and the events' data it got."""
+    listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
+    await listen_engine.open()
+    await read_engine.open()
+    hub = Hub(listen_engine, read_engine, poll_interval=3600.0)
+    try:
+        recorded = Recorded(read_engine.sql)
+        engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
+        epoch, heads = (await read_engine.epochs_and_heads(["orders"]))["orders"]
+        assert heads is not None
+        start = {"orders": StreamPosition(epoch, tuple(heads))}
+        reader = Reader(hub, {"orders": Selection("orders")}, start)
+        watcher = Watcher({"orders": None})
+        hub.add(watcher)
+        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
+        watcher.take()
+        recorded.on = True
+        engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
+        await asyncio.wait_for(watcher.event.wait(), 30)
+        changed, _ = watcher.take()
+        partitions = [partition for _, partition in changed]
+        if live == "long-poll":
+            taken = await reader.live_page("orders", partitions, None, limit=100)
+            events = [json.loads(text) for text in taken.events]
+        else:
+            for partition in partitions:
+                await reader.live_frames("orders", partition)
+            frames = [json.loads(f.data) for f in reader.take_frames() if f.kind == "events"]
+            events = [event for frame in frames for event in frame["events"]]
+        return recorded.names, [event["data"] for event in events]
+    finally:
+        await hub.close()
+        await read_engine.close()
+        await listen_engine.close()
+
+
+@pytest.mark.parametrize("live", ["long-poll", "sse"])
+def test_a_woken_reader_reads_events_and_their_epoch_in_one_statement(
+    engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner, live: str
+) -> None:
+    """The shared read says which stream of the name its events are of (a stream deleted
+    and created again has a new epoch and sends no notification): its one statement
+    reads the epoch with the events, and no second one asks for it."""
+    statements, events = runner.run(woken(engine, dsn, live))
+    assert statements == ["read_after"]
+    assert events == [{"n": 1}]
+
+
+def test_a_read_with_no_event_after_the_position_still_says_the_epoch(
+    engine: subengine.Engine, dsn: str, runner: asyncio.Runner
+) -> None:
+    engine.create_stream("again", partitions=1)
+    engine.delete_stream("again")
+    engine.create_stream("again", partitions=1)
+    epoch = engine.stream("again").epoch
+
+    async def read() -> tuple[int, list[Any]]:
+        async with subengine.AsyncEngine(dsn) as read_engine:
+            return await read_engine.read_json("again", 0, 0, 10)
+
+    assert runner.run(read()) == (epoch, [])
