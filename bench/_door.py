@@ -250,29 +250,9 @@ class Door:
         raise NotImplementedError
 
 
-class ReferenceDoor(Door):
-    """The Durable Streams reference server: one stream per URL under /door/, JSON mode
-    (a POST of an array appends each element as a message; a GET answers an array)."""
-
-    def __init__(self, package: Path, mode: str, data: Path, logs: Path) -> None:
-        node = shutil.which("node") or "node"
-        command = [node, str(LAUNCHER), str(package), mode, str(data)]
-        super().__init__(Child(f"reference-{mode}", command, dict(os.environ), logs))
-        self.name = f"reference, {mode}"
-
-    def started(self) -> Door:
-        """Once it printed "ready" (it has no health endpoint: every path is a stream)."""
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.child.process.poll() is not None:
-                raise fail(f"the {self.name} server exited:\n{self.child.output()}")
-            if "ready http" in self.child.output():
-                return self
-            time.sleep(0.05)
-        raise fail(f"the {self.name} server did not start:\n{self.child.output()}")
-
-    def url(self, stream: str) -> str:
-        return f"{self.child.url}/door/{stream}"
+class DurableStreamsDoor(Door):
+    """A server of the Durable Streams protocol, JSON mode: a PUT creates a stream, a POST
+    of an array appends each element as a message, a GET answers an array."""
 
     def create(self, stream: str) -> None:
         answer = httpx.put(self.url(stream), headers=JSON, timeout=HTTP_TIMEOUT)
@@ -323,6 +303,45 @@ class ReferenceDoor(Door):
                 raise fail(f"{self.name}: a long-poll answered {answer.status_code}")
             offset = answer.headers["Stream-Next-Offset"]
             cursor = answer.headers.get("Stream-Cursor", "")
+
+
+class ReferenceDoor(DurableStreamsDoor):
+    """The Durable Streams reference server: one stream per URL under /door/."""
+
+    def __init__(self, package: Path, mode: str, data: Path, logs: Path) -> None:
+        node = shutil.which("node") or "node"
+        command = [node, str(LAUNCHER), str(package), mode, str(data)]
+        super().__init__(Child(f"reference-{mode}", command, dict(os.environ), logs))
+        self.name = f"reference, {mode}"
+
+    def started(self) -> Door:
+        """Once it printed "ready" (it has no health endpoint: every path is a stream)."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.child.process.poll() is not None:
+                raise fail(f"the {self.name} server exited:\n{self.child.output()}")
+            if "ready http" in self.child.output():
+                return self
+            time.sleep(0.05)
+        raise fail(f"the {self.name} server did not start:\n{self.child.output()}")
+
+    def url(self, stream: str) -> str:
+        return f"{self.child.url}/door/{stream}"
+
+
+class GatewayDsDoor(DurableStreamsDoor):
+    """`subengine serve --durable-streams` on the benchmark's database: the reference's
+    protocol, with the same client code, requests and bodies."""
+
+    name = "subengine, DS"
+
+    def __init__(self, database: Database, logs: Path) -> None:
+        env = {**os.environ, "SUBENGINE_DSN": database.dsn, "SUBENGINE_SCHEMA": SCHEMA}
+        command = bench.subengine_serve("--durable-streams")
+        super().__init__(Child("gateway-ds", command, env, logs))
+
+    def url(self, stream: str) -> str:
+        return f"{self.child.url}/ds/door/{stream}"
 
 
 class GatewayDoor(Door):

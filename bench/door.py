@@ -9,6 +9,10 @@ httpx client, loopback; every run must deliver every event once and in order, or
 3. append -> one SSE reader, and -> one long-poll reader, at 100 appends/s: p50 and p99.
    Goal: gateway <= the reference file-backed.
 
+subengine runs twice: its own API (/v1, pages of events with their envelope) and its
+Durable Streams surface (`--durable-streams`), which the same client code as the
+reference's reads and writes with the same requests and bodies; each gets the goals.
+
     .venv/bin/python bench/door.py            # 50,000 events, 3 rounds: a few minutes
     .venv/bin/python bench/door.py --quick    # a smoke test
     .venv/bin/python bench/door.py --dsn postgresql://...   # or SUBENGINE_DSN; else embedded
@@ -45,6 +49,7 @@ from _door import (
     Door,
     Failed,
     GatewayDoor,
+    GatewayDsDoor,
     Meter,
     Received,
     ReferenceDoor,
@@ -169,6 +174,11 @@ def read_once(door: Door | None, conn: Connection, stream: str, expected: int) -
     return meter
 
 
+def gateway_of(doors: list[Door]) -> Door:
+    """The native gateway, the one --py-spy samples."""
+    return next(door for door in doors if isinstance(door, GatewayDoor))
+
+
 def catch_up(config: Config, doors: list[Door], conn: Connection, work: Workload) -> Figure:
     stream = "door-catch-up"
     for each in doors:
@@ -179,7 +189,7 @@ def catch_up(config: Config, doors: list[Door], conn: Connection, work: Workload
     for door in by_name.values():  # warm-up: caches, pools, plans, the JIT
         read_once(door, conn, stream, config.events)
     figure = Figure()
-    with profiled(doors[-1], config.py_spy, "catch-up"):
+    with profiled(gateway_of(doors), config.py_spy, "catch-up"):
         for number, name in bench.rotating(list(by_name), config.rounds):
             meter = read_once(by_name[name], conn, stream, config.events)
             figure.add(name, config.events / meter.seconds, meter.cpu)
@@ -221,7 +231,7 @@ def append(config: Config, doors: list[Door], conn: Connection, work: Workload) 
     for door in by_name.values():
         append_once(door, conn, warm_config, warm, "door-append-warm-up")
     figure = Figure()
-    with profiled(doors[-1], config.py_spy, "append"):
+    with profiled(gateway_of(doors), config.py_spy, "append"):
         for number, name in bench.rotating(list(by_name), config.rounds):
             meter = append_once(by_name[name], conn, config, work, f"door-append-{number}")
             figure.add(name, config.events / meter.seconds, meter.cpu)
@@ -302,7 +312,12 @@ def latency(config: Config, doors: list[Door], work: Workload) -> dict[str, Figu
 
 # output
 
-MEMORY, FILE, GATEWAY = "reference, memory", "reference, file", "subengine gateway"
+MEMORY, FILE, GATEWAY, DS = (
+    "reference, memory",
+    "reference, file",
+    "subengine gateway",
+    "subengine, DS",
+)
 
 
 def throughput(title: str, figure: Figure, config: Config) -> None:
@@ -331,7 +346,7 @@ def report(config: Config, results: dict[str, Any], work: Workload, facts: str) 
         f" {config.rounds} rounds in rotating order. The machine is shared: the figures are"
         " indicative."
     )
-    table = [("figure", MEMORY, FILE, "plain PostgreSQL", GATEWAY)]
+    table: list[tuple[str, ...]] = [("figure", MEMORY, FILE, "plain PostgreSQL", GATEWAY, DS)]
     goals: list[tuple[str, float, float, str, float]] = []  # name, ours, theirs, sense, goal
     for name, plain, title in (
         ("catch-up", SQL, f"catch-up read of {config.events:,} events"),
@@ -343,17 +358,30 @@ def report(config: Config, results: dict[str, Any], work: Workload, facts: str) 
         print()
         throughput(title, figure, config)
         medians = {variant: figure.spread(variant).median for variant in figure.values}
-        cells = [short(medians[v]) for v in (MEMORY, FILE, plain, GATEWAY)]
-        table.append((f"{title}, events/s", cells[0], cells[1], f"{cells[2]} ({plain})", cells[3]))
-        ours = medians[GATEWAY]
-        if name == "catch-up":
-            goals.append(
-                ("catch-up vs reference, file", ours, medians[FILE], ">=", CATCH_UP_VS_FILE)
-            )
-            goals.append(("catch-up vs one SQL read", ours, medians[SQL], ">=", CATCH_UP_VS_SQL))
-        else:
-            goals.append(("append vs COPY", ours, medians[COPY], ">=", APPEND_VS_COPY))
-            goals.append(("append vs reference, file", ours, medians[FILE], ">=", APPEND_VS_FILE))
+        cells = [short(medians[v]) for v in (MEMORY, FILE, plain, GATEWAY, DS)]
+        table.append(
+            (f"{title}, events/s", cells[0], cells[1], f"{cells[2]} ({plain})", *cells[3:])
+        )
+        for door, tag in ((GATEWAY, ""), (DS, " (DS)")):
+            ours = medians[door]
+            if name == "catch-up":
+                goals.append(
+                    (
+                        f"catch-up{tag} vs reference, file",
+                        ours,
+                        medians[FILE],
+                        ">=",
+                        CATCH_UP_VS_FILE,
+                    )
+                )
+                goals.append(
+                    (f"catch-up{tag} vs one SQL read", ours, medians[SQL], ">=", CATCH_UP_VS_SQL)
+                )
+            else:
+                goals.append((f"append{tag} vs COPY", ours, medians[COPY], ">=", APPEND_VS_COPY))
+                goals.append(
+                    (f"append{tag} vs reference, file", ours, medians[FILE], ">=", APPEND_VS_FILE)
+                )
     if "latency" in results:
         print()
         print(
@@ -363,7 +391,7 @@ def report(config: Config, results: dict[str, Any], work: Workload, facts: str) 
         )
         for mode, figure in results["latency"].items():
             cells = []
-            for door in (MEMORY, FILE, GATEWAY):
+            for door in (MEMORY, FILE, GATEWAY, DS):
                 p50, p99 = figure.spread(f"{door} p50"), figure.spread(f"{door} p99")
                 rate = figure.spread(f"{door} rate").median
                 print(
@@ -372,13 +400,20 @@ def report(config: Config, results: dict[str, Any], work: Workload, facts: str) 
                 )
                 cells.append(f"{p50.median:.1f} / {p99.median:.1f}")
             table.append(
-                (f"append -> {mode} reader, p50 / p99 ms", cells[0], cells[1], "-", cells[2])
+                (f"append -> {mode} reader, p50 / p99 ms", cells[0], cells[1], "-", *cells[2:])
             )
-            for what in ("p50", "p99"):
-                ours, theirs = (figure.spread(f"{door} {what}").median for door in (GATEWAY, FILE))
-                goals.append(
-                    (f"{mode} {what} vs reference, file", ours, theirs, "<=", LATENCY_VS_FILE)
-                )
+            for door, tag in ((GATEWAY, ""), (DS, " (DS)")):
+                for what in ("p50", "p99"):
+                    ours, theirs = (figure.spread(f"{d} {what}").median for d in (door, FILE))
+                    goals.append(
+                        (
+                            f"{mode}{tag} {what} vs reference, file",
+                            ours,
+                            theirs,
+                            "<=",
+                            LATENCY_VS_FILE,
+                        )
+                    )
     print()
     for row in table:
         print("| " + " | ".join(row) + " |")
@@ -390,7 +425,7 @@ def report(config: Config, results: dict[str, Any], work: Workload, facts: str) 
         ratio = ours / theirs
         ok = ratio >= goal if sense == ">=" else ratio <= goal
         print(
-            f"  {name:<30} {ours:>12,.2f} {theirs:>12,.2f} {ratio:>6.2f}x"
+            f"  {name:<36} {ours:>12,.2f} {theirs:>12,.2f} {ratio:>6.2f}x"
             f"  goal {sense} {goal:g}x  {verdict(ok)}"
         )
 
@@ -448,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ReferenceDoor(package, "memory", logs / "memory", logs),
                 ReferenceDoor(package, "file", logs / "file", logs),
                 GatewayDoor(db, engine, config.partitions, logs),
+                GatewayDsDoor(db, logs),
             ]
             results: dict[str, Any] = {}
             try:
