@@ -351,3 +351,31 @@ def _waiting_readers(ds: GatewayProcess) -> int:
         if line.startswith("subengine_gateway_connections{") and 'kind="long_poll"' in line:
             return int(float(line.rsplit(" ", 1)[1]))
     return 0
+
+
+def test_a_catch_up_page_holds_5000_small_messages_or_about_1_mib(ds: GatewayProcess) -> None:
+    json_type = {"Content-Type": "application/json"}
+    small, big = f"{ds.url}/ds/pages/small", f"{ds.url}/ds/pages/big"
+    assert httpx.put(small, headers=json_type).status_code == 201
+    assert httpx.put(big, headers=json_type).status_code == 201
+    for first in range(0, 12_000, 3_000):
+        body = "[" + ",".join(f'{{"n":{n}}}' for n in range(first, first + 3_000)) + "]"
+        assert httpx.post(small, headers=json_type, content=body).status_code == 204
+    for first in range(0, 300, 100):  # 5 KB a message that does not compress: 1.5 MB
+        pads = [os.urandom(2_500).hex() for _ in range(100)]
+        body = "[" + ",".join(f'{{"n":{first + n},"pad":"{pad}"}}' for n, pad in enumerate(pads))
+        assert httpx.post(big, headers=json_type, content=body + "]").status_code == 204
+
+    def pages(url: str) -> list[int]:
+        sizes, offset = [], "-1"
+        while True:
+            read = httpx.get(url, params={"offset": offset}, timeout=30)
+            read.raise_for_status()
+            sizes.append(len(read.json()))
+            offset = read.headers["Stream-Next-Offset"]
+            if read.headers.get("Stream-Up-To-Date") == "true":
+                return sizes
+
+    assert pages(small) == [5_000, 5_000, 2_000]
+    big_pages = pages(big)
+    assert sum(big_pages) == 300 and len(big_pages) > 1, big_pages

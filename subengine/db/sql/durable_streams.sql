@@ -129,8 +129,9 @@ SELECT page.position, page.body
 -- name: ds_read_json
 -- The messages of a JSON stream after a position, up to its tail, in position order, as
 -- JSON text: as many as fit in about %(max_bytes)s (their stored size), and at least one.
-SELECT page.position, page.data
-  FROM (SELECT e.position, e.data::text AS data,
+-- Only the rows kept are written as text (the inner query reads up to `limit` rows).
+SELECT page.position, page.data::text
+  FROM (SELECT e.position, e.data,
                sum(pg_column_size(e.data)) OVER (ORDER BY e.position)
                  - pg_column_size(e.data) AS before
           FROM {schema}.events e
