@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,13 @@ log = logging.getLogger("subengine.gateway")
 
 # seconds between two runs of the sweeper (expired streams, deleted streams' events)
 SWEEP_SECONDS = 1.0
+# A catch-up reader given a page short of the tail asks for the next one as soon as it
+# has taken this one in: the gateway reads that page meanwhile, keeps it this long for
+# the request, and holds at most this many such pages (reading or read) at a time.
+READ_AHEAD_SECONDS = 5.0
+READ_AHEAD_PAGES = 8
+
+Page = list[tuple[int, Any]]
 
 
 @dataclass(eq=False)
@@ -32,6 +40,8 @@ class DurableStreamsState:
         self.store = DurableStreams(self.gateway.engine, self.max_page_bytes)
         self._poke = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        # (engine stream, epoch, position) -> (when it is dropped, the page's read)
+        self._ahead: dict[tuple[str, int, int], tuple[float, asyncio.Task[Page]]] = {}
 
     def start(self) -> None:
         self._sweeper = asyncio.get_running_loop().create_task(
@@ -49,11 +59,44 @@ class DurableStreamsState:
             self.poke()  # it may have expired just now
         return found
 
-    async def read(self, found: CatalogStream, after: int) -> list[tuple[int, Any]]:
-        """The messages of `found` after position `after`: a page bounded by bytes."""
+    async def read(self, found: CatalogStream, after: int) -> Page:
+        """The messages of `found` after position `after`: a page bounded by bytes (the
+        one read ahead for it, if any)."""
         if found.view:
             return await read_view(self.gateway.read_engine, found, after, self.max_page_bytes)
+        ahead = self._ahead.pop((found.stream, found.epoch, after), None)
+        if ahead is not None:
+            try:
+                page = await asyncio.shield(ahead[1])
+            except Exception:  # read it again here, where a failure reaches the client
+                pass
+            else:
+                self.gateway.metrics.pages_read_ahead.labels("used").inc()
+                return page
         return await self.store.read(found, after)
+
+    def read_ahead(self, found: CatalogStream, after: int) -> None:
+        """Start reading the page of `found` after `after`, which the reader of the page
+        that ends there will ask for next. The page is of the stream as it is now: the
+        request that takes it gets messages up to this tail, the same page it would have
+        read a moment earlier, and reads on from its end."""
+        if found.view or found.inherited or after >= found.tail:
+            return
+        now = time.monotonic()
+        for key, (deadline, task) in list(self._ahead.items()):
+            if deadline <= now:
+                del self._ahead[key]
+                self._drop(task)
+        key = (found.stream, found.epoch, after)
+        if key in self._ahead or len(self._ahead) >= READ_AHEAD_PAGES:
+            return
+        task = asyncio.ensure_future(self.store.read(found, after))
+        task.add_done_callback(_retrieved)
+        self._ahead[key] = (now + READ_AHEAD_SECONDS, task)
+
+    def _drop(self, task: asyncio.Task[Page]) -> None:
+        task.cancel()
+        self.gateway.metrics.pages_read_ahead.labels("unused").inc()
 
     def poke(self) -> None:
         """Sweep soon (a stream was deleted or found expired)."""
@@ -72,6 +115,18 @@ class DurableStreamsState:
                 log.warning("durable streams: the sweep failed: %s", error)
 
     async def close(self) -> None:
+        tasks: list[asyncio.Task[Any]] = [task for _, task in self._ahead.values()]
+        self._ahead.clear()
+        for task in tasks:
+            task.cancel()
         if self._sweeper is not None:
             self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+            tasks.append(self._sweeper)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _retrieved(task: asyncio.Task[Page]) -> None:
+    """A page read ahead that failed fails again when asked for, or is dropped: its
+    error is not the event loop's to report."""
+    if not task.cancelled():
+        task.exception()

@@ -169,6 +169,15 @@ class GatewayMetrics:
         )
         for kind in KINDS:
             self.bytes_sent.labels(kind)
+        self.pages_read_ahead = Counter(
+            "subengine_gateway_pages_read_ahead",
+            "Durable Streams catch-up pages read ahead, while the reader took in the page "
+            "before, by outcome: used by the next request, or unused (dropped unasked).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("used", "unused"):
+            self.pages_read_ahead.labels(outcome)
         self.long_polls_waiting = Gauge(
             "subengine_gateway_long_polls_waiting",
             "Long-polls up to date and waiting for an append (or their timeout).",

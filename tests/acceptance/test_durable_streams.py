@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from helpers import GatewayProcess, Running, record, run_subengine, wait_for
+from helpers import GatewayProcess, Running, record, run_subengine, scrape, value, wait_for
 
 import subengine
 from subengine import NewEvent, Retention
@@ -379,3 +379,37 @@ def test_a_catch_up_page_holds_5000_small_messages_or_about_1_mib(ds: GatewayPro
     assert pages(small) == [5_000, 5_000, 2_000]
     big_pages = pages(big)
     assert sum(big_pages) == 300 and len(big_pages) > 1, big_pages
+
+
+def test_the_next_catch_up_page_is_read_while_the_reader_takes_in_this_one(
+    ds: GatewayProcess,
+) -> None:
+    json_type = {"Content-Type": "application/json"}
+    url = f"{ds.url}/ds/pages/ahead"
+    assert httpx.put(url, headers=json_type).status_code == 201
+
+    def append(first: int, count: int) -> None:
+        body = "[" + ",".join(f'{{"n":{n}}}' for n in range(first, first + count)) + "]"
+        assert httpx.post(url, headers=json_type, content=body).status_code == 204
+
+    def page(offset: str) -> tuple[list[int], str, bool]:
+        read = httpx.get(url, params={"offset": offset}, timeout=30)
+        read.raise_for_status()
+        up_to_date = read.headers.get("Stream-Up-To-Date") == "true"
+        return [m["n"] for m in read.json()], read.headers["Stream-Next-Offset"], up_to_date
+
+    def read_ahead(outcome: str) -> float | None:
+        return value(scrape(ds.port), "subengine_gateway_pages_read_ahead_total", outcome=outcome)
+
+    append(0, 6_000)
+    append(6_000, 6_000)
+    first, offset, done = page("-1")
+    assert (len(first), done) == (5_000, False)
+    append(12_000, 10)  # after the second page was read ahead: the third has them
+    second, offset, done = page(offset)
+    assert (len(second), done) == (5_000, False)
+    third, offset, done = page(offset)
+    assert (len(third), done) == (2_010, True)
+    assert first + second + third == list(range(12_010))
+    assert read_ahead("used") == 2
+    assert read_ahead("unused") == 0
