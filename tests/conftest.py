@@ -23,6 +23,7 @@ import fcntl
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import warnings
@@ -68,6 +69,14 @@ if TYPE_CHECKING:
 
 TESTS = Path(__file__).parent
 _embedded_server: Any = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A non-interactive shell starts a command run in the background (`./scripts/test &`)
+    # with SIGINT ignored, and every process it starts inherits that: the tests that stop
+    # a command with SIGINT, as Ctrl-C does, would wait for it until they time out.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
