@@ -166,7 +166,7 @@ async def _page(
     headers[NEXT_OFFSET] = found.offset_at(last)
     if up_to_date:
         headers[UP_TO_DATE] = "true"
-    else:
+    elif messages:
         state.read_ahead(found, last)
     at_end = up_to_date and found.closed
     if at_end:

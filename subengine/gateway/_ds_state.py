@@ -20,9 +20,10 @@ log = logging.getLogger("subengine.gateway")
 SWEEP_SECONDS = 1.0
 # A catch-up reader given a page short of the tail asks for the next one as soon as it
 # has taken this one in: the gateway reads that page meanwhile, keeps it this long for
-# the request, and holds at most this many such pages (reading or read) at a time.
+# the request, and holds at most this many such pages (reading or read) at a time, so
+# that reads ahead take few of the pool's connections (10 by default).
 READ_AHEAD_SECONDS = 5.0
-READ_AHEAD_PAGES = 8
+READ_AHEAD_PAGES = 4
 
 Page = list[tuple[int, Any]]
 
@@ -42,6 +43,8 @@ class DurableStreamsState:
         self._sweeper: asyncio.Task[None] | None = None
         # (engine stream, epoch, position) -> (when it is dropped, the page's read)
         self._ahead: dict[tuple[str, int, int], tuple[float, asyncio.Task[Page]]] = {}
+        # every read ahead not finished, taken or not: cancelled at close
+        self._reading: set[asyncio.Task[Page]] = set()
 
     def start(self) -> None:
         self._sweeper = asyncio.get_running_loop().create_task(
@@ -64,6 +67,7 @@ class DurableStreamsState:
         one read ahead for it, if any)."""
         if found.view:
             return await read_view(self.gateway.read_engine, found, after, self.max_page_bytes)
+        self._expire()
         ahead = self._ahead.pop((found.stream, found.epoch, after), None)
         if ahead is not None:
             try:
@@ -82,21 +86,30 @@ class DurableStreamsState:
         read a moment earlier, and reads on from its end."""
         if found.view or found.inherited or after >= found.tail:
             return
-        now = time.monotonic()
-        for key, (deadline, task) in list(self._ahead.items()):
-            if deadline <= now:
-                del self._ahead[key]
-                self._drop(task)
+        self._expire()
         key = (found.stream, found.epoch, after)
         if key in self._ahead or len(self._ahead) >= READ_AHEAD_PAGES:
             return
         task = asyncio.ensure_future(self.store.read(found, after))
-        task.add_done_callback(_retrieved)
-        self._ahead[key] = (now + READ_AHEAD_SECONDS, task)
+        self._reading.add(task)
+        task.add_done_callback(self._finished)
+        self._ahead[key] = (time.monotonic() + READ_AHEAD_SECONDS, task)
 
-    def _drop(self, task: asyncio.Task[Page]) -> None:
-        task.cancel()
-        self.gateway.metrics.pages_read_ahead.labels("unused").inc()
+    def _expire(self) -> None:
+        """Drop the pages read ahead that nobody asked for in time."""
+        now = time.monotonic()
+        for key, (deadline, task) in list(self._ahead.items()):
+            if deadline <= now:
+                del self._ahead[key]
+                task.cancel()
+                self.gateway.metrics.pages_read_ahead.labels("unused").inc()
+
+    def _finished(self, task: asyncio.Task[Page]) -> None:
+        """A read ahead ended. One that failed fails again when asked for (the request
+        reads anew), or is dropped: its error is not the event loop's to report."""
+        self._reading.discard(task)
+        if not task.cancelled():
+            task.exception()
 
     def poke(self) -> None:
         """Sweep soon (a stream was deleted or found expired)."""
@@ -109,13 +122,14 @@ class DurableStreamsState:
             except TimeoutError:
                 pass
             self._poke.clear()
+            self._expire()
             try:
                 await self.store.sweep()
             except Exception as error:  # the next run tries again
                 log.warning("durable streams: the sweep failed: %s", error)
 
     async def close(self) -> None:
-        tasks: list[asyncio.Task[Any]] = [task for _, task in self._ahead.values()]
+        tasks: list[asyncio.Task[Any]] = list(self._reading)
         self._ahead.clear()
         for task in tasks:
             task.cancel()
@@ -123,10 +137,3 @@ class DurableStreamsState:
             self._sweeper.cancel()
             tasks.append(self._sweeper)
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _retrieved(task: asyncio.Task[Page]) -> None:
-    """A page read ahead that failed fails again when asked for, or is dropped: its
-    error is not the event loop's to report."""
-    if not task.cancelled():
-        task.exception()

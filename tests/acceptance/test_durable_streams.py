@@ -413,3 +413,32 @@ def test_the_next_catch_up_page_is_read_while_the_reader_takes_in_this_one(
     assert first + second + third == list(range(12_010))
     assert read_ahead("used") == 2
     assert read_ahead("unused") == 0
+
+
+def test_a_page_read_ahead_serves_no_other_stream_at_its_path_and_is_dropped_unasked(
+    ds: GatewayProcess,
+) -> None:
+    json_type = {"Content-Type": "application/json"}
+    url = f"{ds.url}/ds/pages/again"
+
+    def create(label: str) -> None:
+        assert httpx.put(url, headers=json_type).status_code == 201
+        for first in range(0, 6_000, 3_000):
+            body = ",".join(f'{{"n":{n},"of":"{label}"}}' for n in range(first, first + 3_000))
+            assert httpx.post(url, headers=json_type, content=f"[{body}]").status_code == 204
+
+    def read_ahead(outcome: str) -> float | None:
+        return value(scrape(ds.port), "subengine_gateway_pages_read_ahead_total", outcome=outcome)
+
+    create("old")
+    first = httpx.get(url, params={"offset": "-1"}, timeout=30)
+    assert len(first.json()) == 5_000  # and the rest is read ahead
+    assert httpx.delete(url).status_code == 204
+    create("new")
+    stale = httpx.get(url, params={"offset": first.headers["Stream-Next-Offset"]}, timeout=30)
+    assert stale.status_code == 410, stale.text
+    fresh = httpx.get(url, params={"offset": "-1"}, timeout=30)
+    assert {m["of"] for m in fresh.json()} == {"new"}
+    assert read_ahead("used") == 0
+    # the old stream's page and the new one's (read ahead after `fresh`) go unasked
+    wait_for(lambda: read_ahead("unused") == 2, "the unasked pages dropped", timeout=30)
