@@ -332,7 +332,10 @@ def test_actions_need_an_admin_key_and_change_the_database(
     admin_setup(fast_engine, sql)
     _, admin = fast_engine.create_api_key(["admin"], ["*"], name="ops")
     _, reader = fast_engine.create_api_key(["read"], ["*"], name="dashboard")
-    env = dict(cli_env, PYTHONPATH=str(APPS))
+    # the apps before, not instead of, the path that finds this checkout's subengine
+    env = dict(
+        cli_env, PYTHONPATH=os.pathsep.join(filter(None, [str(APPS), cli_env.get("PYTHONPATH")]))
+    )
     shots = Shots(tmp_path)
     billing_url_part = "#/subscriptions/billing"
     with GatewayProcess(env, "--app", "status_app:app", "--access-log", tmp=tmp_path) as gateway:
@@ -445,6 +448,38 @@ def test_actions_need_an_admin_key_and_change_the_database(
     for secret in (admin, reader, "sek_"):
         assert secret not in log
     assert "POST /ui/api/actions" in log  # the log is on, and says nothing secret
+
+
+def test_a_confirmation_opened_as_the_last_one_closes_is_answered_by_its_own_button(
+    browser: Browser, fast_engine: subengine.Engine, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    fast_engine.ensure_subscription(effects_app().subscriptions["effects"])
+    with GatewayProcess(cli_env, "--no-deliver", tmp=tmp_path) as gateway:
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        go(page, f"{gateway.url}/ui#/subscriptions/effects")
+        pause = '[data-focus="pause:effects"]'
+        page.wait_for_selector(pause)
+        page.click(pause)
+        page.wait_for_selector("dialog#confirm[open]")
+        # the browser fires a dialog's `close` event a moment after it closes, and input
+        # may come first (Cancel, then Enter on the button the focus went back to): here
+        # Pause opens the dialog again before the Cancel's event comes
+        page.evaluate(
+            """async (pause) => {
+                const dialog = document.getElementById("confirm");
+                const cancelled = new Promise((resolve) =>
+                    dialog.addEventListener("close", resolve, {once: true}));
+                dialog.querySelector("button[value=cancel]").click();
+                document.querySelector(pause).click();
+                await cancelled;
+            }""",
+            pause,
+        )
+        assert page.locator("dialog#confirm[open]").count() == 1
+        page.click("#confirm-button")
+        page.wait_for_selector("#notice p")
+        assert page.inner_text("#notice p") == "paused subscription 'effects'"
+        assert stored("effects", fast_engine).paused
 
 
 def stored(name: str, engine: subengine.Engine) -> subengine.StoredSubscription:

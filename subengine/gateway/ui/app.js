@@ -100,14 +100,28 @@
   }
 
   // ---- actions ----
+  // The browser fires the dialog's `close` event a moment after the dialog closes, and
+  // input may come first: an Enter on the button the focus went back to can open the
+  // dialog again before the last close's event comes. So the event answers only the
+  // confirmation that is open when it closes, and a new one settles the last at once.
+  let answerConfirmation = null;
+  function settleConfirmation() {
+    const answer = answerConfirmation;
+    answerConfirmation = null;
+    if (answer) answer(dialog.returnValue === "confirm");
+  }
+  dialog.addEventListener("close", () => {
+    if (!dialog.open) settleConfirmation();
+  });
   function confirmAction(title, text, label) {
+    settleConfirmation();
     document.getElementById("confirm-title").textContent = title;
     document.getElementById("confirm-text").textContent = text;
     document.getElementById("confirm-button").textContent = label;
     dialog.returnValue = "cancel";
     dialog.showModal();
     return new Promise((resolve) => {
-      dialog.addEventListener("close", () => resolve(dialog.returnValue === "confirm"), { once: true });
+      answerConfirmation = resolve;
     });
   }
   function say(text, ok) {
