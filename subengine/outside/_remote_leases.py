@@ -17,7 +17,6 @@ releases or nacks it. Remote and local workers compete on the same position rows
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -510,8 +509,9 @@ def nack(
                 f"retry_after must be a number of seconds from 0 to 86400, "
                 f"not {shown_value(retry_after)}"
             )
-        delay = max(float(retry_after), 0.001)  # the settings take no zero
-        settings = dataclasses.replace(settings, retry_delay=delay, retry_delay_max=delay)
+        delay = delay_max = float(retry_after)
+    else:
+        delay, delay_max = settings.retry_delay, settings.retry_delay_max
     with db.transaction():
         lease, stream = _live(db, name, lease_id)
         failing = _failing(db, stream, lease, position)
@@ -530,4 +530,6 @@ def nack(
             lease.partition,
             False,
         )
-        return record_failure(db, subscription.declaration(), lease.partition, failed, settings)
+        return record_failure(
+            db, subscription.declaration(), lease.partition, failed, delay, delay_max
+        )

@@ -15,7 +15,6 @@ import psycopg
 from subengine.db._sql import Db, Query, first_row, nothing
 from subengine.model._declarations import Subscription
 from subengine.model._errors import PositionsMissing, RetryLater
-from subengine.model._settings import Settings
 
 _MAX_ERROR_LENGTH = 4000
 
@@ -133,11 +132,14 @@ def record_failure(
     subscription: Subscription,
     partition: int,
     failed: BatchFailed,
-    settings: Settings,
+    delay: float,
+    delay_max: float,
 ) -> Failure:
     """Count a failed attempt of the event after the position and apply the error policy
-    at the last one. Call it for a batch of that one event only (a failed batch of several
-    is first handled one event at a time, to find the failing one).
+    at the last one; before the last, the event is tried again after `delay` seconds,
+    doubled for every earlier attempt, at most `delay_max` (0: at once). Call it for a
+    batch of that one event only (a failed batch of several is first handled one event
+    at a time, to find the failing one).
 
     Every write is fenced like the position (invariant 3): when a reset or another worker
     moved the position since the batch read it, nothing is recorded, so a failure is never
@@ -157,8 +159,8 @@ def record_failure(
                 {
                     **where,
                     "error": text,
-                    "delay": settings.retry_delay,
-                    "delay_max": settings.retry_delay_max,
+                    "delay": delay,
+                    "delay_max": delay_max,
                 },
                 first_row,
             )

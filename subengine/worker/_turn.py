@@ -190,6 +190,13 @@ class Turns:
             if failed.shared or failed.events > 1:
                 self._report.batch_split(subscription, failed)
                 return failed
-            failure = record_failure(db, subscription, partition, failed, self._state.settings)
+            failure = record_failure(
+                db,
+                subscription,
+                partition,
+                failed,
+                self._state.settings.retry_delay,
+                self._state.settings.retry_delay_max,
+            )
             self._report.batch_failed(subscription, partition, failure, failed.error)
             return None
