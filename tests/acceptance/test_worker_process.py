@@ -237,17 +237,31 @@ def test_a_busy_partition_never_starves_an_older_event_of_another(
 # signals
 
 
+def _sigterm_mid_batch(
+    engine: subengine.Engine,
+    app_env: dict[str, str],
+    workers: WorkerProcesses,
+    *,
+    events: int,
+    sleep: str,
+) -> subprocess.Popen[bytes]:
+    """A worker over `events` events of one partition in batches of 10 (each handler
+    sleeping `sleep` seconds), sent SIGTERM once its first batch started."""
+    engine.create_stream("orders", partitions=1)
+    engine.append("orders", [NewEvent("k", "T", {}) for _ in range(events)])
+    worker = workers.start(WORKER_APP_BATCH="10", WORKER_APP_SLEEP=sleep)
+    wait_for(lambda: marks(app_env), what="a batch to start")
+    worker.send_signal(signal.SIGTERM)
+    return worker
+
+
 def test_sigterm_finishes_the_current_batch_releases_locks_and_exits_0(
     app_env: dict[str, str],
     engine_of: subengine.Engine,
     sql: psycopg.Connection[Any],
     workers: WorkerProcesses,
 ) -> None:
-    engine_of.create_stream("orders", partitions=1)
-    engine_of.append("orders", [NewEvent("k", "T", {}) for _ in range(60)])
-    worker = workers.start(WORKER_APP_BATCH="10", WORKER_APP_SLEEP="0.1")
-    wait_for(lambda: marks(app_env), what="a batch to start")
-    worker.send_signal(signal.SIGTERM)
+    worker = _sigterm_mid_batch(engine_of, app_env, workers, events=60, sleep="0.1")
     assert worker.wait(timeout=60) == 0
     assert "finishing the current batches" in workers.log(worker)
     # the batch that was running when the signal came committed whole, and no other began
@@ -281,11 +295,7 @@ def test_a_batch_that_fails_while_the_worker_stops_is_said_and_left_to_the_next_
     # The batch running when SIGTERM came meets a database error (its statement
     # cancelled, its connection ended): a stopping worker tries nothing again, but it
     # says that the batch rolled back (it once ended such a batch without a word).
-    engine_of.create_stream("orders", partitions=1)
-    engine_of.append("orders", [NewEvent("k", "T", {}) for _ in range(20)])
-    worker = workers.start(WORKER_APP_BATCH="10", WORKER_APP_SLEEP="3")
-    wait_for(lambda: marks(app_env), what="a batch to start")
-    worker.send_signal(signal.SIGTERM)
+    worker = _sigterm_mid_batch(engine_of, app_env, workers, events=20, sleep="3")
     wait_for(lambda: "finishing the current batches" in workers.log(worker), what="the signal")
     ended = psycopg.sql.SQL(
         "SELECT count({}(pid)) FROM pg_stat_activity"
