@@ -33,6 +33,7 @@ from subengine.model._names import (
 from subengine.model._settings import Settings
 
 E = TypeVar("E", Event, "RawEvent")
+R = TypeVar("R")
 
 
 def _limit(limit: int) -> int:
@@ -72,8 +73,7 @@ def read_after(
     """Up to `limit` events of one partition after position `after`, in position order;
     first a tombstone when retention removed positions after `after` (DESIGN.md,
     "Retention and gaps"): the events then start at the floor."""
-    query = _read_after(stream, partition, after, limit, _events)
-    return Query(query.name, query.params, lambda result: query.read(result)[1], query.translate)
+    return _read_after(stream, partition, after, limit, _events, lambda _epoch, items: items)
 
 
 def read_after_raw(
@@ -83,7 +83,9 @@ def read_after_raw(
     event's data and metadata as their JSON text: the epoch says which stream of the
     name the items are of (one deleted and created again has a new epoch), even when
     there are none."""
-    return _read_after(stream, partition, after, limit, _raw_events)
+    return _read_after(
+        stream, partition, after, limit, _raw_events, lambda epoch, items: (epoch, items)
+    )
 
 
 def _read_after(
@@ -92,12 +94,15 @@ def _read_after(
     after: int,
     limit: int,
     events: Callable[[list[Any]], Sequence[E]],
-) -> Query[tuple[int, list[E | Tombstone]]]:
+    shape: Callable[[int, list[E | Tombstone]], R],
+) -> Query[R]:
+    """The query of `read_after`: `shape` makes its value of the stream's epoch and the
+    items, `events` the items of the rows."""
     validate_stream_name(stream)
     validate_whole_number(after, "after", 0, BIGINT_MAX)
     validate_whole_number(partition, "partition", -INTEGER_MAX, INTEGER_MAX)
 
-    def read(result: Result) -> tuple[int, list[E | Tombstone]]:
+    def read(result: Result) -> R:
         if not result.rows:
             raise StreamNotFound(stream)
         epoch, partitions, floor, head, aged_through, capped_through = result.rows[0][:6]
@@ -110,7 +115,7 @@ def _read_after(
             reason = gap_reason(after + 1, aged_through, capped_through)
             items.append(Tombstone(stream, partition, after + 1, floor - 1, floor, reason, head))
         items.extend(events([row[6:] for row in result.rows]))
-        return epoch, items
+        return shape(epoch, items)
 
     params = {"stream": stream, "partition": partition, "after": after, "limit": _limit(limit)}
     return Query("read_after", params, read)
