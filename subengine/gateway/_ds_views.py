@@ -73,8 +73,17 @@ async def read_view(
     engine: AsyncEngine, found: CatalogStream, after: int, max_bytes: int
 ) -> list[tuple[int, str]]:
     """The events of the view after `after`, up to its tail, as JSON text: as many as
-    fit in `max_bytes`, at least one. Retention having removed the next ones is 410."""
-    _, items = await engine.read_json(found.stream, found.partition, after, _VIEW_ROWS)
+    fit in `max_bytes`, at least one. Retention having removed the next ones is 410, and
+    so is a stream deleted and created again since `found` was looked up: its events
+    are not of the stream the offsets name (they carry `found.epoch`)."""
+    try:
+        epoch, items = await engine.read_json(found.stream, found.partition, after, _VIEW_ROWS)
+    except StreamNotFound:
+        raise DsError(404, f"the engine stream {found.stream!r} was deleted") from None
+    if epoch != found.epoch:
+        raise DsError(
+            410, f"the engine stream {found.stream!r} was deleted and created again: read anew"
+        )
     messages: list[tuple[int, str]] = []
     size = 0
     for item in items:
