@@ -9,6 +9,7 @@ never waits on them.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import ipaddress
 import json
 import os
@@ -42,9 +43,17 @@ def app_from_environment() -> Starlette:
         networks = tuple(ipaddress.ip_network(text) for text in policy.pop("allow"))
         given["callback_policy"] = CallbackPolicy(allow=networks, **policy)
     config = GatewayConfig(**{**given, "cors_origins": tuple(given.get("cors_origins", ()))})
-    return create_app(
+    app = create_app(
         config, end_streams_on_signals=True, settings=Settings.from_env(), read_dsn=read_dsn
     )
+    # What the process holds by now (modules, the application: some 56,000 objects) lives
+    # as long as it does, yet each full collection walks it all again: 10 ms, about once
+    # per 45 appends of 500 events (each makes some 3,000 objects), 0.4 ms of the 1.6 ms
+    # of Python such an append takes (issue 26). Frozen, the collector walks only what
+    # requests make. The process is the server's alone: an application that mounts
+    # `create_app` in its own keeps its own collector's settings.
+    gc.freeze()
+    return app
 
 
 def serve(
