@@ -27,6 +27,7 @@ from subengine.engine._async_engine import AsyncEngine
 from subengine.engine._ds_forks import ForkOf, ForkRefused, fork_expiry, plan_fork, same_fork
 from subengine.model._errors import InvalidInput, StreamNotFound
 from subengine.model._events import NewEvent
+from subengine.model._json import fast_loads
 from subengine.outside import _durable_stream_forks as forks
 from subengine.outside import _durable_streams as catalog
 from subengine.outside._durable_streams import (
@@ -38,6 +39,7 @@ from subengine.outside._durable_streams import (
     ProducerCheck,
 )
 from subengine.streams._append import append_events, prepare
+from subengine.streams._append_json import append_json, prepare_json
 from subengine.streams._streams import create_stream
 
 log = logging.getLogger("subengine.gateway")
@@ -107,9 +109,12 @@ def json_messages(body: bytes, *, allow_empty: bool) -> list[Any]:
     """The messages of a JSON body: the elements of a top-level array (one level is
     flattened), or the value itself. Raises BadMessage."""
     try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise BadMessage("the body is not valid JSON") from None
+        value = fast_loads(body)
+    except ValueError:  # perhaps decoded otherwise, or refused, by json.loads: it decides
+        try:
+            value = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise BadMessage("the body is not valid JSON") from None
     if isinstance(value, list):
         if not value and not allow_empty:
             raise BadMessage("an empty JSON array appends nothing")
@@ -385,17 +390,26 @@ class DurableStreams:
     ) -> int:
         """Append `messages` (and the close marker) as events; the new tail (the
         position of the last message)."""
-        events = [
-            NewEvent(MESSAGE_KEY, MESSAGE_TYPE, m if is_json else {"bytes": len(m)})
+        events: list[dict[str, Any]] = [
+            {"key": MESSAGE_KEY, "type": MESSAGE_TYPE, "data": m if is_json else {"bytes": len(m)}}
             for m in messages
         ]
         if close:
-            events.append(NewEvent(MESSAGE_KEY, CLOSED_TYPE, {}))
+            events.append({"key": MESSAGE_KEY, "type": CLOSED_TYPE, "data": {}})
         if not events:
             return tail
-        stored = await self._run(
-            conn, append_events(prepare(stream, events, None, self.engine.settings))
-        )
+        # as the gateway's own appends: the messages go to PostgreSQL as one JSON array,
+        # without an event object or a JSON text of their own each (issue 26: 2.4 ms of
+        # the gateway's CPU per 500 messages, against 4.6 through NewEvent and prepare);
+        # what prepare_json does not vouch for takes that general path, as before
+        params = prepare_json(stream, events, None, self.engine.settings)
+        if params is not None:
+            stored = await self._run(conn, append_json(params))
+        else:
+            general = [NewEvent(e["key"], e["type"], e["data"]) for e in events]
+            stored = await self._run(
+                conn, append_events(prepare(stream, general, None, self.engine.settings))
+            )
         positions = [a.position for a in stored[: len(messages)]]
         if messages and not is_json:
             await self._run(conn, catalog.insert_bytes(stream, positions, messages))

@@ -6,6 +6,7 @@ ranges are 410, expired streams are swept, and API keys are bearer tokens."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -67,6 +68,34 @@ def test_messages_appended_through_ds_are_engine_events_a_worker_handles_once(
         assert more.status_code == 409  # closed: nothing more to handle
     handled = sql.execute("SELECT count(DISTINCT event_id), count(*) FROM effects").fetchone()
     assert handled == (4, 4)
+
+
+def test_json_messages_are_stored_as_the_body_holds_them_on_either_append_path(
+    ds: GatewayProcess, fast_engine: subengine.Engine, sql: psycopg.Connection[Any]
+) -> None:
+    # The first append goes to PostgreSQL as one JSON array (the gateway's fast path);
+    # the second holds an integer beyond 64 bits, which only json.loads decodes exactly,
+    # so it takes the general path. Both store what the body says.
+    url = f"{ds.url}/ds/prices"
+    json_type = {"Content-Type": "application/json"}
+    assert httpx.put(url, headers=json_type).status_code == 201
+    bodies = [
+        b'[{"price": 1e-05, "name": "caf\\u00e9", "tags": [1, [2, {"x": null}]]}, "text", null]',
+        b'[{"n": 123456789012345678901234567890}, 0.1, {"deep": {"er": [true, false]}}]',
+    ]
+    for body in bodies:
+        assert httpx.post(url, headers=json_type, content=body).status_code == 204
+    stream = engine_stream(sql, "/prices")
+
+    events = [e for e in fast_engine.read(stream, 0) if isinstance(e, subengine.Event)]
+    expected = [message for body in bodies for message in json.loads(body)]
+    assert [e.data for e in events] == expected
+    assert {e.type for e in events} == {"durable-streams.message"}
+    assert [e.position for e in events] == list(range(1, len(expected) + 1))
+    stored = sql.execute(
+        "SELECT data::text FROM subengine.events WHERE stream = %s ORDER BY position", (stream,)
+    )
+    assert [row[0] for row in stored][3] == '{"n": 123456789012345678901234567890}'
 
 
 def _count(sql: psycopg.Connection[Any]) -> int:
