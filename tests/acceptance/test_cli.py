@@ -1,4 +1,4 @@
-"""The `subengine` command, run as a process against the test database."""
+"""The `subengine` command against the test database, run in the test's process (`invoke`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import run_ok as run
+from helpers import invoke_ok as run
 from helpers import stored_events
 
 import subengine

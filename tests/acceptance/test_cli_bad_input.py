@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from helpers import run_subengine as run
-from helpers import snapshot
+from helpers import invoke, run_subengine, snapshot
 
 import subengine
 
@@ -34,7 +33,7 @@ def test_cli_bad_input_exits_non_zero_with_the_reason(
         (["stream", "create", "fresh", "--partitions", "0"], "partition count"),
     ]
     for args, message in cases:
-        result = run(cli_env, *args)
+        result = invoke(cli_env, *args)
         assert result.returncode != 0, args
         assert message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
@@ -62,7 +61,7 @@ def test_cli_malformed_jsonl_line_names_the_line_and_appends_nothing(
     for name, (content, message) in files.items():
         path = tmp_path / name
         path.write_text(content)
-        result = run(cli_env, "append", "orders", "--file", str(path))
+        result = invoke(cli_env, "append", "orders", "--file", str(path))
         assert result.returncode == 1, (name, result.stderr)
         assert message in result.stderr, (name, result.stderr)
     assert snapshot(sql) == before
@@ -76,7 +75,7 @@ def test_cli_reports_an_unreachable_database_in_one_line(tmp_path: Path) -> None
         "SUBENGINE_HOME": str(tmp_path),
     }
     for args in (["migrate"], ["stream", "list"]):
-        result = run(env, *args)
+        result = invoke(env, *args)
         assert result.returncode == 1, result.stderr
         assert "Traceback" not in result.stderr
         assert "error:" in result.stderr and "127.0.0.1" in result.stderr
@@ -86,7 +85,7 @@ def test_serve_refuses_a_durable_streams_prefix_over_the_gateways_own_paths(
     cli_env: dict[str, str],
 ) -> None:
     for prefix in ("/ui", "/ui/streams", "/metrics", "/healthz", "/v1", "/v1/ds", "ds", "/a{b}"):
-        result = run(
+        result = run_subengine(
             cli_env, "serve", "--durable-streams", "--durable-streams-prefix", prefix, timeout=20
         )
         assert result.returncode == 2, (prefix, result.stderr)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from helpers import run_ok as run
+from helpers import invoke_ok as run
 
 import subengine
 from subengine import NewEvent, Retention

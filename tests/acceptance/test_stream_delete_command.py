@@ -1,4 +1,4 @@
-"""`subengine stream delete`, run as a process against the test database."""
+"""`subengine stream delete` against the test database, run in the test's process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import psycopg
-from helpers import run_ok as run
+from helpers import invoke_ok as run
 
 
 def test_stream_delete_is_refused_with_subscriptions_then_forced(
