@@ -1,8 +1,8 @@
 """Hostile input, generated: every input to the command line and to the Python API either
 works or is refused with one line, and a refused one changes nothing.
 
-The command line runs in-process (click's CliRunner) for the many generated examples; the
-inputs of the original report also run as real processes.
+The command line runs in the test's process (`invoke`) for the many generated examples and
+the fixed cases; the inputs of the original report also run as real processes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from click.testing import CliRunner
-from helpers import run_subengine, snapshot, stored_events
+from helpers import invoke, run_subengine, snapshot, stored_events
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from subengine.cli.main import cli  # type: ignore[import-not-found]
 
 import subengine
 from subengine import NewEvent
@@ -187,15 +185,12 @@ def test_every_command_line_input_works_or_is_refused_in_one_line(
 ) -> None:
     args, stdin = command
     before = state(sql)
-    result = CliRunner().invoke(
-        cli, args, input=stdin, env={"SUBENGINE_DSN": dsn, "SUBENGINE_SCHEMA": None}
-    )
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception  # what a user would have seen as a traceback
-    event(f"{args[0]} exit status {result.exit_code}")
-    if result.exit_code == 0:
+    result = invoke({"SUBENGINE_DSN": dsn}, *args, stdin=stdin)
+    assert "Traceback" not in result.stderr, result.stderr
+    event(f"{args[0]} exit status {result.returncode}")
+    if result.returncode == 0:
         return
-    assert result.exit_code in (1, 2), result.exit_code
+    assert result.returncode in (1, 2), result.returncode
     assert result.stderr.startswith("error: "), result.stderr[:300]
     assert_one_line(result.stderr)
     assert state(sql) == before
@@ -338,9 +333,9 @@ def test_a_raw_line_separator_inside_a_jsonl_string_is_data(
     assert separator in line
     path = tmp_path / "events.jsonl"
     path.write_text(f"{line}\n{line}\n", encoding="utf-8")
-    from_file = run_subengine(cli_env, "append", "orders", "--file", str(path))
+    from_file = invoke(cli_env, "append", "orders", "--file", str(path))
     assert from_file.returncode == 0, from_file.stderr
-    from_stdin = run_subengine(cli_env, "append", "orders", "--file", "-", stdin=f"{line}\n")
+    from_stdin = invoke(cli_env, "append", "orders", "--file", "-", stdin=f"{line}\n")
     assert from_stdin.returncode == 0, from_stdin.stderr
     stored = stored_events(billing.read("orders", subengine.partition_for("k", 4)))
     assert [event.data for event in stored if event.key == "k"] == [{"text": text}] * 3
@@ -353,9 +348,9 @@ def test_a_jsonl_file_is_split_on_newlines_only(
     lines = [json.dumps({"key": "k", "type": "T", "data": n}) for n in range(3)]
     path = tmp_path / "events.jsonl"
     path.write_bytes(("\r\n".join(lines) + "\r\n").encode())
-    assert run_subengine(cli_env, "append", "orders", "--file", str(path)).returncode == 0
+    assert invoke(cli_env, "append", "orders", "--file", str(path)).returncode == 0
     path.write_bytes("\r".join(lines).encode())
-    refused = run_subengine(cli_env, "append", "orders", "--file", str(path))
+    refused = invoke(cli_env, "append", "orders", "--file", str(path))
     assert refused.returncode == 1 and "line 1: Extra data" in refused.stderr
 
 
@@ -365,7 +360,7 @@ def test_a_jsonl_line_that_is_not_utf8_is_named(
     before = state(sql)
     path = tmp_path / "events.jsonl"
     path.write_bytes(b'{"key": "k", "type": "T", "data": 1}\n{"key": "k", "data": "\xff"}\n')
-    result = run_subengine(cli_env, "append", "orders", "--file", str(path))
+    result = invoke(cli_env, "append", "orders", "--file", str(path))
     assert result.returncode == 1
     assert f"error: {path} line 2: not UTF-8" in result.stderr
     assert state(sql) == before
@@ -375,17 +370,17 @@ def test_append_options_are_named_in_their_errors(
     billing: subengine.Engine, sql: psycopg.Connection[Any], cli_env: dict[str, str]
 ) -> None:
     before = state(sql)
-    result = run_subengine(cli_env, "append", "orders", "--key", "", "--type", "T", "--data", "1")
+    result = invoke(cli_env, "append", "orders", "--key", "", "--type", "T", "--data", "1")
     assert result.returncode == 1
     assert result.stderr == ("error: invalid event key '': use 1 to 1000 printable characters\n")
-    metadata = run_subengine(
+    metadata = invoke(
         cli_env, "append", "orders", "--key", "k", "--type", "T", "--data", "1", "--metadata", "[]"
     )
     assert metadata.stderr == "error: metadata must be a JSON object (a dict)\n"
     assert state(sql) == before
     event_id = str(uuid.uuid4())
     args = ["append", "orders", "--key", "k", "--type", "T", "--data", "1", "--id", event_id]
-    assert run_subengine(cli_env, *args).returncode == 0
+    assert invoke(cli_env, *args).returncode == 0
 
 
 def _nested_value(depth: int, in_objects: bool, inner: Any) -> Any:
@@ -445,16 +440,15 @@ def test_data_as_deep_as_a_short_script_appends_is_read_by_the_command_line(
 def _last_event_is_read_by_the_command_line(engine: subengine.Engine, dsn: str) -> None:
     """`subengine read` shows the last event of key 'deep' as the engine reads it."""
     partition = str(subengine.partition_for("deep", 4))
-    env = {"SUBENGINE_DSN": dsn, "SUBENGINE_SCHEMA": None}
+    env = {"SUBENGINE_DSN": dsn}
     for args in (
         ["read", "orders", "--partition", partition],
         ["read", "orders", "--partition", partition, "--json"],
         ["read", "orders", "--since", "2000-01-01T00:00:00Z", "--json"],
     ):
-        result = CliRunner().invoke(cli, args, env=env)
-        if result.exception is not None and not isinstance(result.exception, SystemExit):
-            raise result.exception
-        assert result.exit_code == 0, result.stderr[:300]
+        result = invoke(env, *args)
+        assert "Traceback" not in result.stderr, result.stderr
+        assert result.returncode == 0, result.stderr[:300]
     # the last line is the last event: the one just stored, as the engine reads it
     stored = stored_events(engine.read("orders", int(partition)))[-1]
     shown = deep_json.loads(result.stdout.rstrip("\n").split("\n")[-1])
