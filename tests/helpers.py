@@ -290,6 +290,10 @@ def invoke(
     from subengine.cli import _running  # type: ignore[import-not-found]
     from subengine.cli.main import cli  # type: ignore[import-not-found]
 
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "invoke changes os.environ and signal handlers: call it from the main thread"
+        )
     overrides: dict[str, str | None] = {name: None for name in os.environ if name not in env}
     overrides.update(env)
     root = logging.getLogger()

@@ -21,6 +21,7 @@ from helpers import (
     GatewayProcess,
     Receiver,
     echo_and_accept,
+    invoke,
     run_subengine,
     wait_for,
 )
@@ -34,7 +35,7 @@ KEY = "one-key"  # every event in one partition
 
 def create(cli_env: dict[str, str], webhook_id: str, receiver: Receiver, *args: str) -> Any:
     """`subengine webhook create` of stream orders, with loopback allowed; its JSON."""
-    made = run_subengine(
+    made = invoke(
         cli_env, "webhook", "create", webhook_id, "--callback", receiver.url,
         "--stream", "orders", "--callback-allow", "127.0.0.0/8", "--json", *args,
     )  # fmt: skip
@@ -73,16 +74,16 @@ def test_create_subscribes_like_the_put_and_shows_the_secret_once(
     [batch] = batches(receiver, made["secret"])
     assert [e["type"] for e in batch["events"]] == ["Wanted"] and batch["after"] == 0
     # never shown again: not by show, not when the same definition renews the lease
-    shown = run_subengine(cli_env, "webhook", "show", "made-here")
+    shown = invoke(cli_env, "webhook", "show", "made-here")
     assert made["secret"] not in shown.stdout and "paused: False" in shown.stdout
-    again = run_subengine(
+    again = invoke(
         cli_env, "webhook", "create", "made-here", "--callback", receiver.url, "--stream",
         "orders", "--type", "Wanted", "--max-events", "5", "--callback-allow", "127.0.0.0/8",
     )  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert "renewed" in again.stdout and "secret" not in again.stdout
     # another definition under the id: refused, in one line
-    other = run_subengine(
+    other = invoke(
         cli_env, "webhook", "create", "made-here", "--callback", receiver.url,
         "--stream", "orders", "--callback-allow", "127.0.0.0/8",
     )  # fmt: skip
@@ -92,13 +93,13 @@ def test_create_subscribes_like_the_put_and_shows_the_secret_once(
 def test_create_refuses_a_callback_it_may_not_reach_and_stores_nothing(
     engine: subengine.Engine, orders: str, receiver: Receiver, cli_env: dict[str, str]
 ) -> None:
-    refused = run_subengine(
+    refused = invoke(
         cli_env, "webhook", "create", "internal", "--callback", receiver.url, "--stream", "orders"
     )
     assert refused.returncode != 0
     [line] = refused.stderr.strip().splitlines()
     assert "loopback" in line and "--callback-allow 127.0.0.1/32" in line
-    unknown = run_subengine(
+    unknown = invoke(
         cli_env, "webhook", "create", "nowhere", "--callback", receiver.url,
         "--stream", "no-such-stream", "--callback-allow", "127.0.0.0/8",
     )  # fmt: skip
@@ -117,7 +118,7 @@ def test_a_paused_webhook_delivers_nothing_and_resumes_where_it_stood(
     active(engine, "pausable")
     engine.append("orders", [NewEvent(KEY, "T", {}) for _ in range(2)])
     wait_for(lambda: engine.webhook("pausable").lag == 0, "the first events delivered")
-    paused = run_subengine(cli_env, "webhook", "pause", "pausable")
+    paused = invoke(cli_env, "webhook", "pause", "pausable")
     assert paused.returncode == 0, paused.stderr
     sent = len(receiver.of_type("events"))
     engine.append("orders", [NewEvent(KEY, "T", {}) for _ in range(3)])
@@ -125,9 +126,9 @@ def test_a_paused_webhook_delivers_nothing_and_resumes_where_it_stood(
     assert len(receiver.of_type("events")) == sent
     hook = engine.webhook("pausable")
     assert hook.paused and hook.lag == 3 and hook.state == "active"
-    listed = run_subengine(cli_env, "webhook", "list", "--json")
+    listed = invoke(cli_env, "webhook", "list", "--json")
     assert json.loads(listed.stdout)["paused"] is True
-    resumed = run_subengine(cli_env, "webhook", "resume", "pausable")
+    resumed = invoke(cli_env, "webhook", "resume", "pausable")
     assert resumed.returncode == 0, resumed.stderr
     wait_for(lambda: engine.webhook("pausable").lag == 0, "the rest delivered")
     delivered = [p for batch in batches(receiver, secret) for p in positions(batch)]
@@ -152,7 +153,7 @@ def test_replay_delivers_again_from_a_cursor_or_a_time_in_a_new_generation(
     wait_for(lambda: engine.webhook("replayed").lag == 0, "every event delivered")
     sent = len(receiver.of_type("events"))
 
-    replayed = run_subengine(cli_env, "webhook", "replay", "replayed", "--after", cursor)
+    replayed = invoke(cli_env, "webhook", "replay", "replayed", "--after", cursor)
     assert replayed.returncode == 0, replayed.stderr
     wait_for(lambda: engine.webhook("replayed").lag == 0, "delivered again")
     again = batches(receiver, secret)[sent:]
@@ -160,7 +161,7 @@ def test_replay_delivers_again_from_a_cursor_or_a_time_in_a_new_generation(
     assert {b["generation"] for b in again} == {2} and again[0]["after"] == 0
     sent = len(receiver.of_type("events"))
 
-    by_time = run_subengine(
+    by_time = invoke(
         cli_env, "webhook", "replay", "replayed", "--since", middle.isoformat(), "--json"
     )
     assert by_time.returncode == 0, by_time.stderr
@@ -171,9 +172,9 @@ def test_replay_delivers_again_from_a_cursor_or_a_time_in_a_new_generation(
     assert {b["generation"] for b in again} == {3}
 
     for bad in (["--since", "yesterday"], [], ["--after", "not-a-cursor"]):
-        refused = run_subengine(cli_env, "webhook", "replay", "replayed", *bad)
+        refused = invoke(cli_env, "webhook", "replay", "replayed", *bad)
         assert refused.returncode != 0 and refused.stderr.strip().count("\n") <= 1, bad
-    missing = run_subengine(cli_env, "webhook", "replay", "nobody", "--since", middle.isoformat())
+    missing = invoke(cli_env, "webhook", "replay", "nobody", "--since", middle.isoformat())
     assert missing.returncode != 0 and "no webhook subscription 'nobody'" in missing.stderr
 
 
@@ -192,6 +193,7 @@ def test_a_batch_in_flight_across_a_replay_commits_nothing(
     def replay_while_in_flight(delivery: Delivery) -> tuple[int, bytes, dict[str, str]]:
         if delivery.json()["type"] == "events" and not replayed.is_set():
             replayed.set()
+            # a process: this runs in the receiver's thread, beside the test's
             done = run_subengine(cli_env, "webhook", "replay", "fenced", "--after", cursor)
             assert done.returncode == 0, done.stderr
         return echo_and_accept(delivery)  # a success, for a generation that is gone
@@ -215,7 +217,7 @@ def test_create_for_an_api_key_makes_it_that_keys_alone(
     owner, mine = engine.create_api_key(["read"], ["orders"], name="mine")
     _, theirs = engine.create_api_key(["read"], ["orders"], name="theirs")
     create(cli_env, "owned", receiver, "--api-key", owner.id)
-    unknown = run_subengine(
+    unknown = invoke(
         cli_env, "webhook", "create", "stray", "--callback", receiver.url, "--stream", "orders",
         "--callback-allow", "127.0.0.0/8", "--api-key", "no-such-key",
     )  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,19 @@ def test_logging_and_the_signal_handlers_are_put_back(tmp_path: Path) -> None:
     assert done.returncode == 0
     assert (root.handlers, root.level) == (handlers, level)
     assert {s: signal.getsignal(s) for s in signals} == signals
+
+
+def test_it_refuses_to_run_outside_the_main_thread(tmp_path: Path) -> None:
+    # os.environ, the directory and signal handlers belong to the whole process
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            invoke({"SUBENGINE_HOME": str(tmp_path)}, "db", "stop")
+        except RuntimeError as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert len(raised) == 1 and "main thread" in str(raised[0])
