@@ -1,6 +1,6 @@
-"""`subengine gateway key create|list|revoke` as processes: the token printed once and
-nowhere else, keys listed without secrets, revocation, and one-line errors that change
-nothing and never echo a token."""
+"""`subengine gateway key create|list|revoke`, run in the test's process (docs/gateway.md's
+commands as processes): the token printed once and nowhere else, keys listed without
+secrets, revocation, and one-line errors that change nothing and never echo a token."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import ROOT, run_subengine
-from helpers import run_ok as run
+from helpers import ROOT, invoke, invoke_ok, run_ok
 
 import subengine
 
@@ -31,7 +30,7 @@ def created_token(output: str) -> str:
 def test_create_prints_the_token_once_and_says_it_cannot_be_shown_again(
     cli_env: dict[str, str], engine: subengine.Engine
 ) -> None:
-    result = run(
+    result = invoke_ok(
         cli_env, "gateway", "key", "create", "--scopes", "read,append",
         "--streams", "orders*", "--streams", "payments", "--name", "billing",
     )  # fmt: skip
@@ -50,7 +49,7 @@ def test_create_prints_the_token_once_and_says_it_cannot_be_shown_again(
 def test_create_json_gives_the_key_and_its_token(
     cli_env: dict[str, str], engine: subengine.Engine
 ) -> None:
-    result = run(cli_env, "gateway", "key", "create", "--scopes", "admin", "--streams", "*",
+    result = invoke_ok(cli_env, "gateway", "key", "create", "--scopes", "admin", "--streams", "*",
                  "--json")  # fmt: skip
     [shown] = [json.loads(line) for line in result.stdout.splitlines()]
     assert set(shown) == {"id", "name", "scopes", "streams", "created_at", "revoked_at", "token"}
@@ -63,15 +62,15 @@ def test_list_shows_the_keys_but_never_a_token_or_hash(
     cli_env: dict[str, str], sql: psycopg.Connection[Any]
 ) -> None:
     tokens = [
-        created_token(run(cli_env, "gateway", "key", "create", "--scopes", "read",
+        created_token(invoke_ok(cli_env, "gateway", "key", "create", "--scopes", "read",
                           "--streams", stream, "--name", f"for {stream}").stdout)
         for stream in ("orders", "payments*")
     ]  # fmt: skip
     hashes = [
         bytes(h).hex() for (h,) in sql.execute("SELECT secret_hash FROM subengine.gateway_keys")
     ]
-    table = run(cli_env, "gateway", "key", "list").stdout
-    as_json = run(cli_env, "gateway", "key", "list", "--json").stdout
+    table = invoke_ok(cli_env, "gateway", "key", "list").stdout
+    as_json = invoke_ok(cli_env, "gateway", "key", "list", "--json").stdout
     for output in (table, as_json):
         for secret in [*tokens, *(token[17:] for token in tokens), *hashes]:
             assert secret not in output
@@ -90,11 +89,11 @@ def test_list_shows_the_keys_but_never_a_token_or_hash(
 def test_list_without_keys_says_the_gateway_is_open_on_loopback_only(
     cli_env: dict[str, str],
 ) -> None:
-    assert run(cli_env, "gateway", "key", "list").stdout == (
+    assert invoke_ok(cli_env, "gateway", "key", "list").stdout == (
         "no API keys: the gateway then needs no key, and `subengine serve` listens on "
         "loopback addresses only\n"
     )
-    assert run(cli_env, "gateway", "key", "list", "--json").stdout == ""
+    assert invoke_ok(cli_env, "gateway", "key", "list", "--json").stdout == ""
 
 
 def test_revoke_refuses_the_token_from_then_on(
@@ -102,7 +101,7 @@ def test_revoke_refuses_the_token_from_then_on(
 ) -> None:
     kept, kept_token = engine.create_api_key(["read"], ["orders"], name="kept")
     gone, gone_token = engine.create_api_key(["read"], ["orders"], name="gone")
-    result = run(cli_env, "gateway", "key", "revoke", gone.id)
+    result = invoke_ok(cli_env, "gateway", "key", "revoke", gone.id)
     assert re.fullmatch(
         rf"API key {gone.id} 'gone' is revoked \(since [0-9T:.+-]+\); its token is refused\n",
         result.stdout,
@@ -111,11 +110,11 @@ def test_revoke_refuses_the_token_from_then_on(
     assert engine.authenticate(kept_token) == kept
     [revoked] = [
         json.loads(line)
-        for line in run(cli_env, "gateway", "key", "list", "--json").stdout.splitlines()
+        for line in invoke_ok(cli_env, "gateway", "key", "list", "--json").stdout.splitlines()
         if json.loads(line)["id"] == gone.id
     ]
     assert revoked["revoked_at"] is not None
-    again = run(cli_env, "gateway", "key", "revoke", gone.id, "--json").stdout
+    again = invoke_ok(cli_env, "gateway", "key", "revoke", gone.id, "--json").stdout
     assert json.loads(again)["revoked_at"] == revoked["revoked_at"]
 
 
@@ -123,7 +122,7 @@ def test_revoking_the_last_active_key_says_the_gateway_is_open_again(
     cli_env: dict[str, str], engine: subengine.Engine
 ) -> None:
     key, _ = engine.create_api_key(["read"], ["*"])
-    [_, open_again] = run(cli_env, "gateway", "key", "revoke", key.id).stdout.splitlines()
+    [_, open_again] = invoke_ok(cli_env, "gateway", "key", "revoke", key.id).stdout.splitlines()
     assert open_again.startswith("no API key is active any more: the gateway then needs no key")
 
 
@@ -152,7 +151,7 @@ def test_bad_input_is_one_line_and_changes_nothing(
 ) -> None:
     engine.create_api_key(["read"], ["orders"])
     before = keys_table(sql)
-    result = run_subengine(cli_env, "gateway", "key", *args)
+    result = invoke(cli_env, "gateway", "key", *args)
     assert result.returncode == status, result.stderr
     [line] = result.stderr.splitlines()
     assert line.startswith("error: ") and message in line, line
@@ -178,7 +177,7 @@ def test_no_error_echoes_a_token(
         ["create", f"--{token}"],
     ]
     for args in misuses:
-        result = run_subengine(cli_env, "gateway", "key", *args)
+        result = invoke(cli_env, "gateway", "key", *args)
         assert result.returncode != 0, args
         assert token[17:] not in result.stderr + result.stdout, args
         assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
@@ -201,7 +200,7 @@ def test_every_command_of_the_keys_page_runs(
     for command in commands:
         if command[1:4] == ["gateway", "key", "revoke"]:
             command[-1] = engine.api_keys()[0].id
-        run(cli_env, *command[1:])
+        run_ok(cli_env, *command[1:])  # as a process, as a reader of the page runs it
     keys = engine.api_keys()
     assert [(key.name, key.revoked) for key in keys] == [
         ("dashboard", True),

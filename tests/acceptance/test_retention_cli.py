@@ -1,5 +1,6 @@
 """Retention from the command line: `stream create`/`alter` with a policy, the policy and
-epoch in `stream show`/`list`, and `retention run`, as processes against PostgreSQL."""
+epoch in `stream show`/`list`, and `retention run`, against PostgreSQL: in the test's
+process, and as a process on a terminal for the progress bar."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import run_ok as run
+from helpers import invoke_ok as run
 from helpers import subengine_command
 
 import subengine
