@@ -25,13 +25,14 @@ import time
 import traceback
 import urllib.parse
 import urllib.request
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, Self
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, NamedTuple, Self, TextIO
 from urllib.parse import urlsplit
 
 import psycopg
@@ -271,10 +272,79 @@ def run_ok(
     return result
 
 
+class _InvokeTimedOut(BaseException):
+    """Raised by the alarm of `invoke`'s timeout: a BaseException, so that no `except
+    Exception` of the command takes it for an error of its own."""
+
+
+def _on_alarm(signum: int, frame: FrameType | None) -> None:
+    raise _InvokeTimedOut
+
+
+def _print_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+@contextmanager
+def _fresh_process_state(cwd: Path | None, timeout: float) -> Iterator[None]:
+    """The state a new interpreter starts with, where a command could see the test's: no
+    handler on the root logger and level WARNING (so a warning logged reaches stderr
+    through logging's last resort, and --log-level's basicConfig takes effect), Python's
+    default warning filters printing to stderr (pytest records warnings instead), the
+    directory `cwd`; and an alarm after `timeout`. All put back on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "invoke changes os.environ and signal handlers: call it from the main thread"
+        )
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    saved_signals = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGINT)}
+    saved_alarm = signal.signal(signal.SIGALRM, _on_alarm)
+    saved_cwd = os.getcwd()
+    root.handlers[:] = []
+    root.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+            for category in (
+                DeprecationWarning,
+                PendingDeprecationWarning,
+                ImportWarning,
+                ResourceWarning,
+            ):
+                warnings.simplefilter("ignore", category, append=True)
+            warnings.showwarning = _print_warning
+            if cwd is not None:
+                os.chdir(cwd)
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+            try:
+                yield
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        for handler in root.handlers:
+            handler.close()  # the command's own (--log-level), on its captured stderr
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        signal.signal(signal.SIGALRM, saved_alarm)
+        for signum, previous in saved_signals.items():
+            signal.signal(signum, previous)
+        os.chdir(saved_cwd)
+
+
 def invoke(
     env: dict[str, str],
     *args: str,
     stdin: str | None = None,
+    timeout: float = 120,
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run a one-shot `subengine` command in this process, as `run_subengine` runs it as
@@ -282,61 +352,47 @@ def invoke(
     `env` as os.environ, `stdin`, `cwd`, and what it prints on stdout and stderr, apart.
     The exit status is the process's: SystemExit's code, 0 for StoppedBeforeStart (as
     `main()` maps it), and for any other exception its traceback on stderr and 1, as an
-    interpreter crashing would. Logging, the stop signals' handlers, the environment and
-    the directory are put back after. It saves a process's start and imports (a quarter
-    of a second of CPU a command); what only a process shows (signals, `serve`, `worker`,
-    the console script, the embedded server) stays with `run_subengine`."""
+    interpreter crashing would; after `timeout` seconds it raises TimeoutExpired, as
+    subprocess.run does. The state a process would start afresh is set for the call and
+    put back after (`_fresh_process_state`). It saves a process's start and imports (a
+    quarter of a second of CPU a command); what only a process shows (signals, `serve`,
+    `worker`, the console script, the embedded server) stays with `run_subengine`."""
     from click.testing import CliRunner
     from subengine.cli import _running  # type: ignore[import-not-found]
     from subengine.cli.main import cli  # type: ignore[import-not-found]
 
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError(
-            "invoke changes os.environ and signal handlers: call it from the main thread"
-        )
     overrides: dict[str, str | None] = {name: None for name in os.environ if name not in env}
     overrides.update(env)
-    root = logging.getLogger()
-    saved_handlers, saved_level = root.handlers[:], root.level
-    saved_signals = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGINT)}
-    saved_cwd = os.getcwd()
-    # the interpreter's state when a process starts: no handler on the root logger (so
-    # warnings reach stderr through logging's last resort, and --log-level's basicConfig
-    # takes effect), level WARNING
-    root.handlers[:] = []
-    root.setLevel(logging.WARNING)
-    try:
-        if cwd is not None:
-            os.chdir(cwd)
-        with CliRunner().isolation(input=stdin, env=overrides) as (out, err, _):
-            try:
-                cli.main(list(args), prog_name="subengine")
-                returncode = 0
-            except SystemExit as exit_:
-                code = exit_.code
-                if code is None or isinstance(code, int):
-                    returncode = code or 0
-                else:
-                    print(code, file=sys.stderr)
-                    returncode = 1
-            except _running.StoppedBeforeStart as stopped:
-                print(stopped, file=sys.stderr)
-                returncode = 0
-            except Exception:
-                traceback.print_exc()
+    timed_out = False
+    with (
+        _fresh_process_state(cwd, timeout),
+        CliRunner().isolation(input=stdin, env=overrides) as (out, err, _),
+    ):
+        try:
+            cli.main(list(args), prog_name="subengine")
+            returncode = 0
+        except SystemExit as exit_:
+            code = exit_.code
+            if code is None or isinstance(code, int):
+                returncode = code or 0
+            else:
+                print(code, file=sys.stderr)
                 returncode = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-            stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
-    finally:
-        for handler in root.handlers:
-            handler.close()  # the command's own (--log-level), on its captured stderr
-        root.handlers[:] = saved_handlers
-        root.setLevel(saved_level)
-        for signum, previous in saved_signals.items():
-            signal.signal(signum, previous)
-        os.chdir(saved_cwd)
-    return subprocess.CompletedProcess(["subengine", *args], returncode, stdout, stderr)
+        except _running.StoppedBeforeStart as stopped:
+            print(stopped, file=sys.stderr)
+            returncode = 0
+        except _InvokeTimedOut:
+            timed_out, returncode = True, -signal.SIGALRM
+        except Exception:
+            traceback.print_exc()
+            returncode = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    command = ["subengine", *args]
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(command, returncode, stdout, stderr)
 
 
 def invoke_ok(

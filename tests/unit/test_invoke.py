@@ -7,7 +7,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import threading
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -83,3 +86,33 @@ def test_it_refuses_to_run_outside_the_main_thread(tmp_path: Path) -> None:
     thread.start()
     thread.join()
     assert len(raised) == 1 and "main thread" in str(raised[0])
+
+
+def test_a_warning_is_printed_on_stderr_as_a_process_prints_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from_env = subengine.Settings.from_env
+
+    def warn_then_read(**options: object) -> subengine.Settings:
+        warnings.warn("a warning of the command", UserWarning, stacklevel=1)
+        return from_env(**options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subengine.Settings, "from_env", warn_then_read)
+    for _ in range(2):  # each call is a new process: shown again
+        done = invoke({"SUBENGINE_HOME": str(tmp_path)}, "db", "stop")
+        assert done.returncode == 0
+        assert "UserWarning: a warning of the command\n" in done.stderr
+
+
+def test_a_command_that_outlasts_its_timeout_raises_timeout_expired(tmp_path: Path) -> None:
+    alarm = signal.getsignal(signal.SIGALRM)
+    fifo = tmp_path / "events.jsonl"
+    os.mkfifo(fifo)  # opening it for reading waits for a writer, which never comes
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        invoke(
+            {"SUBENGINE_HOME": str(tmp_path)}, "append", "orders", "--file", str(fifo), timeout=1
+        )
+    assert time.monotonic() - started < 30
+    assert signal.getsignal(signal.SIGALRM) == alarm
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
