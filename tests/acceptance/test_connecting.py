@@ -15,7 +15,15 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy.exc
-from helpers import APPS, PASSWORD, Proxy, run_subengine, stored_events, subengine_command
+from helpers import (
+    APPS,
+    PASSWORD,
+    Proxy,
+    invoke,
+    run_subengine,
+    stored_events,
+    subengine_command,
+)
 from helpers import free_port as refused_port
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.sql import SQL, Identifier, Literal
@@ -62,8 +70,8 @@ def test_a_malformed_dsn_is_refused_without_quoting_its_password(dsn: str) -> No
 def test_the_command_never_prints_the_password_of_a_malformed_dsn(
     cli_env: dict[str, str], dsn: str
 ) -> None:
-    by_option = run_subengine(cli_env, "--dsn", dsn, "stream", "list", timeout=60)
-    by_environment = run_subengine(dict(cli_env, SUBENGINE_DSN=dsn), "stream", "list", timeout=60)
+    by_option = invoke(cli_env, "--dsn", dsn, "stream", "list", timeout=60)
+    by_environment = invoke(dict(cli_env, SUBENGINE_DSN=dsn), "stream", "list", timeout=60)
     for result in (by_option, by_environment):
         assert result.returncode == 1
         [line] = result.stderr.strip().splitlines()
@@ -95,7 +103,7 @@ def test_no_password_when_a_well_formed_dsn_fails_to_connect(
                 engine.streams()
         assert_no_password(str(raised.value), repr(raised.value))
         env = dict(cli_env, SUBENGINE_DSN=wrong_dsn, SUBENGINE_CONNECT_TIMEOUT="1")
-        result = run_subengine(env, "stream", "list", timeout=60)
+        result = invoke(env, "stream", "list", timeout=60)
         assert result.returncode == 1, what
         assert_no_password(result.stdout, result.stderr)
         worker = run_worker(env)
@@ -188,7 +196,7 @@ def test_an_unknown_database_fails_at_once_with_one_line(dsn: str, cli_env: dict
         SUBENGINE_DSN=make_conninfo(dsn, dbname="no_such_database"),
         SUBENGINE_CONNECT_TIMEOUT=LONG_WAIT,
     )
-    result = run_subengine(env, "stream", "list", timeout=60)
+    result = invoke(env, "stream", "list", timeout=60)
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("error: cannot connect to PostgreSQL: ")
@@ -203,7 +211,7 @@ def test_an_unknown_host_name_fails_at_once(cli_env: dict[str, str]) -> None:
         SUBENGINE_DSN=f"postgresql://app:{PASSWORD}@no-such-host.invalid/db",
         SUBENGINE_CONNECT_TIMEOUT=LONG_WAIT,
     )
-    result = run_subengine(env, "stream", "list", timeout=60)
+    result = invoke(env, "stream", "list", timeout=60)
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert "no-such-host.invalid" in line
@@ -343,7 +351,7 @@ def test_a_wrong_password_fails_at_once_and_is_never_printed(
         SUBENGINE_DSN=with_password(password_dsn),
         SUBENGINE_CONNECT_TIMEOUT=LONG_WAIT,
     )
-    result = run_subengine(env, "stream", "list", timeout=60)
+    result = invoke(env, "stream", "list", timeout=60)
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("error: cannot connect to PostgreSQL: ")
