@@ -19,6 +19,7 @@ Every test under acceptance/ is marked `slow`. Plain helpers live in helpers.py.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import pwd
@@ -233,6 +234,22 @@ def blank_dsn(
 def engine(dsn: str) -> Iterator[subengine.Engine]:
     with subengine.Engine(dsn) as engine:
         yield engine
+
+
+@pytest.fixture
+def runner() -> Iterator[asyncio.Runner]:
+    """An event loop for a synchronous test that runs async code, closed after it."""
+    with asyncio.Runner() as runner:
+        yield runner
+
+
+@pytest.fixture
+def async_engine(dsn: str, runner: asyncio.Runner) -> Iterator[subengine.AsyncEngine]:
+    """An opened AsyncEngine on the test's database, on `runner`'s loop."""
+    engine = subengine.AsyncEngine(dsn)
+    runner.run(engine.open())
+    yield engine
+    runner.run(engine.close())
 
 
 @pytest.fixture

@@ -27,20 +27,6 @@ def events(*keys: str, type: str = "Happened") -> list[NewEvent]:
     return [NewEvent(key, type, {"n": n}) for n, key in enumerate(keys)]
 
 
-@pytest.fixture
-def runner() -> Iterator[asyncio.Runner]:
-    with asyncio.Runner() as runner:
-        yield runner
-
-
-@pytest.fixture
-def async_engine(dsn: str, runner: asyncio.Runner) -> Iterator[subengine.AsyncEngine]:
-    engine = subengine.AsyncEngine(dsn)
-    runner.run(engine.open())
-    yield engine
-    runner.run(engine.close())
-
-
 # the async engine reads what the sync one reads
 
 

@@ -5,7 +5,6 @@ serves another stream's events under the offsets of the one looked up."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,50 +15,36 @@ from subengine.gateway._ds_views import VIEWS, read_view, view_stream
 PATH = f"{VIEWS}orders/0"
 
 
-@pytest.fixture
-def runner() -> Iterator[asyncio.Runner]:
-    with asyncio.Runner() as runner:
-        yield runner
-
-
-@pytest.fixture
-def read_engine(dsn: str, runner: asyncio.Runner) -> Iterator[subengine.AsyncEngine]:
-    engine = subengine.AsyncEngine(dsn)
-    runner.run(engine.open())
-    yield engine
-    runner.run(engine.close())
-
-
 def test_a_view_read_serves_the_stream_it_looked_up(
-    engine: subengine.Engine, read_engine: subengine.AsyncEngine, runner: asyncio.Runner
+    engine: subengine.Engine, async_engine: subengine.AsyncEngine, runner: asyncio.Runner
 ) -> None:
     engine.create_stream("orders", partitions=1)
     engine.append("orders", [subengine.NewEvent("a", "T", {"n": n}) for n in range(3)])
-    found = runner.run(view_stream(read_engine, PATH, "orders", 0))
-    messages = runner.run(read_view(read_engine, found, 1, 1 << 20))
+    found = runner.run(view_stream(async_engine, PATH, "orders", 0))
+    messages = runner.run(read_view(async_engine, found, 1, 1 << 20))
     assert [position for position, _ in messages] == [2, 3]
 
 
 def test_a_view_read_after_its_stream_was_created_again_is_410_not_the_new_events(
-    engine: subengine.Engine, read_engine: subengine.AsyncEngine, runner: asyncio.Runner
+    engine: subengine.Engine, async_engine: subengine.AsyncEngine, runner: asyncio.Runner
 ) -> None:
     engine.create_stream("orders", partitions=1)
     engine.append("orders", [subengine.NewEvent("a", "T", {"n": n}) for n in range(3)])
-    found = runner.run(view_stream(read_engine, PATH, "orders", 0))
+    found = runner.run(view_stream(async_engine, PATH, "orders", 0))
     engine.delete_stream("orders")
     engine.create_stream("orders", partitions=1)
     engine.append("orders", [subengine.NewEvent("b", "T", {"n": n}) for n in range(3)])
     with pytest.raises(DsError) as raised:
-        runner.run(read_view(read_engine, found, 1, 1 << 20))
+        runner.run(read_view(async_engine, found, 1, 1 << 20))
     assert raised.value.status == 410
 
 
 def test_a_view_read_after_its_stream_was_deleted_is_404(
-    engine: subengine.Engine, read_engine: subengine.AsyncEngine, runner: asyncio.Runner
+    engine: subengine.Engine, async_engine: subengine.AsyncEngine, runner: asyncio.Runner
 ) -> None:
     engine.create_stream("orders", partitions=1)
-    found = runner.run(view_stream(read_engine, PATH, "orders", 0))
+    found = runner.run(view_stream(async_engine, PATH, "orders", 0))
     engine.delete_stream("orders")
     with pytest.raises(DsError) as raised:
-        runner.run(read_view(read_engine, found, 0, 1 << 20))
+        runner.run(read_view(async_engine, found, 0, 1 << 20))
     assert raised.value.status == 404

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,12 +35,6 @@ class Recorded:
             return await run(conn, query)
 
         sql.run_async = recording  # type: ignore[method-assign]
-
-
-@pytest.fixture
-def runner() -> Iterator[asyncio.Runner]:
-    with asyncio.Runner() as runner:
-        yield runner
 
 
 async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[list[str], list[Any]]:
