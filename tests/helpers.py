@@ -35,6 +35,7 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, Self, TextIO
 from urllib.parse import urlsplit
 
+import forked
 import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -239,6 +240,13 @@ def subengine_command() -> str:
     return str(Path(sys.executable).parent / "subengine")
 
 
+def start_subengine(*args: str, **popen: Any) -> subprocess.Popen[Any]:
+    """`subengine ARGS...` as a process, `popen` as subprocess.Popen takes it: forked by
+    the fork server (forked.py: a real process whose imports are done already), or
+    exec'd with SUBENGINE_TEST_FORK=0."""
+    return forked.popen([subengine_command(), *args], **popen)
+
+
 def run_subengine(
     env: dict[str, str],
     *args: str,
@@ -246,16 +254,23 @@ def run_subengine(
     timeout: float = 120,
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the `subengine` command as a process and capture what it prints."""
-    return subprocess.run(
-        [subengine_command(), *args],
+    """Run the `subengine` command as a process and capture what it prints (as
+    subprocess.run does: killed when it outlives `timeout`)."""
+    with start_subengine(
+        *args,
         env=env,
         cwd=cwd,
-        input=stdin,
-        capture_output=True,
+        stdin=subprocess.PIPE if stdin is not None else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+    ) as process:
+        try:
+            out, err = process.communicate(stdin, timeout=timeout)
+        except BaseException:
+            process.kill()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def run_ok(
@@ -418,13 +433,8 @@ def run_subengine_until(
 ) -> subprocess.CompletedProcess[str]:
     """Start the `subengine` command, call `ready()` (it waits for whatever the command
     should have done), then send it `signum` and collect what it printed."""
-    process = subprocess.Popen(
-        [subengine_command(), *args],
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    process = start_subengine(
+        *args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         ready()
@@ -827,8 +837,11 @@ class GatewayProcess:
             # ready, then die on the taken port, and the first would never be stopped
             raise AssertionError(f"the gateway on port {self.port} is running already")
         with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                [subengine_command(), "serve", "--port", str(self.port), *self._args],
+            self.process = start_subengine(
+                "serve",
+                "--port",
+                str(self.port),
+                *self._args,
                 env=self._env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -1201,8 +1214,8 @@ class WorkerProcesses:
     def start(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
         """One more worker with the command's `args`, its environment plus `env`."""
         with open(self.log_dir / f"worker-{len(self.processes)}.log", "wb") as log:
-            process = subprocess.Popen(
-                [subengine_command(), "worker", "--app", self.app, *args],
+            process = start_subengine(
+                "worker", "--app", self.app, *args,
                 cwd=APPS, env=dict(self.env, **env), stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.processes.append(process)

@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import APPS, run_subengine, subengine_command
+from helpers import APPS, run_subengine, start_subengine
 
 import subengine
 from subengine import NewEvent
@@ -61,9 +61,8 @@ def test_exactly_once_in_key_order_while_async_workers_are_killed_mid_batch(
     log = open(tmp_path / "workers.log", "ab")
 
     def start() -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(
-            [subengine_command(), "worker", "--app", "async_worker_app:app",
-             "--concurrency", "2"],
+        process = start_subengine(
+            "worker", "--app", "async_worker_app:app", "--concurrency", "2",
             cwd=APPS, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         processes.append(process)

@@ -21,8 +21,8 @@ from helpers import (
     Proxy,
     invoke,
     run_subengine,
+    start_subengine,
     stored_events,
-    subengine_command,
 )
 from helpers import free_port as refused_port
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -237,8 +237,9 @@ def test_a_refused_port_is_waited_for_and_said_so_while_it_runs(cli_env: dict[st
         SUBENGINE_DSN=f"postgresql://app:{PASSWORD}@127.0.0.1:{refused_port()}/db",
         SUBENGINE_CONNECT_TIMEOUT=LONG_WAIT,
     )
-    process = subprocess.Popen(
-        [subengine_command(), "stream", "list"],
+    process = start_subengine(
+        "stream",
+        "list",
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import subengine_command, tables
+from helpers import run_subengine, start_subengine, tables
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
@@ -18,8 +19,8 @@ from subengine.db import _migrate
 def test_four_processes_migrating_at_once_all_succeed(blank_dsn: str, tmp_path: Path) -> None:
     env = {"SUBENGINE_DSN": blank_dsn, "PATH": "/usr/bin:/bin", "SUBENGINE_HOME": str(tmp_path)}
     processes = [
-        subprocess.Popen(
-            [subengine_command(), "migrate"],
+        start_subengine(
+            "migrate",
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -40,13 +41,8 @@ def test_four_processes_migrating_at_once_all_succeed(blank_dsn: str, tmp_path: 
 
 
 def test_migrate_sql_prints_the_ddl_without_touching_the_database(blank_dsn: str) -> None:
-    result = subprocess.run(
-        [subengine_command(), "--dsn", blank_dsn, "migrate", "--sql"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    result = run_subengine(dict(os.environ), "--dsn", blank_dsn, "migrate", "--sql")
+    assert result.returncode == 0, result.stderr
     assert "CREATE TABLE events" in result.stdout
     assert "CREATE FUNCTION append_events" in result.stdout
     assert "%%" not in result.stdout  # printed SQL is runnable as it is
@@ -56,13 +52,7 @@ def test_migrate_sql_prints_the_ddl_without_touching_the_database(blank_dsn: str
 
 def run_migrate(dsn: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {"SUBENGINE_DSN": dsn, "PATH": "/usr/bin:/bin", "SUBENGINE_HOME": str(tmp_path)}
-    return subprocess.run(
-        [subengine_command(), *args, "migrate"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_subengine(env, *args, "migrate")
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], message: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import APPS, ROOT, Running, subengine_command, wait_for
+from helpers import APPS, ROOT, Running, start_subengine, wait_for
 from helpers import run_ok as run
 from psycopg.conninfo import make_conninfo
 
@@ -72,8 +72,11 @@ def test_status_watch_redraws_until_interrupted(
 ) -> None:
     fast_engine.append("orders", [NewEvent("k", "T", {})])
     fast_engine.ensure_subscription(subengine.App().subscription("billing", stream="orders"))
-    watcher = subprocess.Popen(
-        [subengine_command(), "status", "--watch", "--interval", "0.2"],
+    watcher = start_subengine(
+        "status",
+        "--watch",
+        "--interval",
+        "0.2",
         env=cli_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import APPS, WorkerProcesses, run_subengine, subengine_command, wait_for
+from helpers import APPS, WorkerProcesses, run_subengine, start_subengine, wait_for
 
 import subengine
 from subengine import NewEvent
@@ -187,8 +187,10 @@ def test_parked_list_show_retry_and_discard(
     engine_of.append("orders", [NewEvent("p", "T", {"poison": True})])
     engine_of.append("orders", [NewEvent("p", "T", {})])
     subprocess_env = dict(worker_app_env)
-    worker = subprocess.Popen(
-        [subengine_command(), "worker", "--app", "parking_app:app"],
+    worker = start_subengine(
+        "worker",
+        "--app",
+        "parking_app:app",
         cwd=APPS,
         env=subprocess_env,
         stdout=subprocess.DEVNULL,

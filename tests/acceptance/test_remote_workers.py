@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from helpers import APPS, ROOT, GatewayProcess, run_subengine, subengine_command, wait_for
+from helpers import APPS, ROOT, GatewayProcess, run_subengine, start_subengine, wait_for
 
 import subengine
 from subengine import NewEvent, Subscription
@@ -282,11 +282,15 @@ class Processes:
         self.started: list[subprocess.Popen[bytes]] = []
 
     def start(self, *command: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """`command` as a process; `subengine ...` through `start_subengine`."""
         with open(self.log_dir / f"process-{len(self.started)}.log", "wb") as log:
-            process = subprocess.Popen(
-                list(command), cwd=APPS, env=env or self.env, stdout=log,
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
+            options: dict[str, Any] = {
+                "cwd": APPS, "env": env or self.env, "stdout": log, "stderr": subprocess.STDOUT
+            }  # fmt: skip
+            if command[0] == "subengine":
+                process = start_subengine(*command[1:], **options)
+            else:
+                process = subprocess.Popen(list(command), **options)
         self.started.append(process)
         return process
 
@@ -334,7 +338,7 @@ def test_two_remote_workers_and_a_local_one_share_the_partitions_in_order(
     processes.remote(gateway.url, "remote-a", **env)
     processes.remote(gateway.url, "remote-b", **env)
     local_env = {**processes.env, "WORKER_APP_BATCH": "10", "WORKER_APP_SLEEP": "0.002"}
-    processes.start(subengine_command(), "worker", "--app", "worker_app:app", env=local_env)
+    processes.start("subengine", "worker", "--app", "worker_app:app", env=local_env)
     more = engine.append("orders", [NewEvent(keys[n % 40], "T", {"n": n}) for n in range(400)])
     heads = engine.heads("orders")
     wait_for(lambda: _positions(engine) == heads, "every event acknowledged", timeout=120)

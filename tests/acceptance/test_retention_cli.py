@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 from helpers import invoke_ok as run
-from helpers import subengine_command
+from helpers import start_subengine
 
 import subengine
 from subengine import NewEvent
@@ -299,8 +299,11 @@ def test_the_progress_bar_is_drawn_on_stderr_when_it_is_a_terminal(
     pruned: str, cli_env: dict[str, str]
 ) -> None:
     leader, follower = pty.openpty()
-    process = subprocess.Popen(
-        [subengine_command(), "retention", "run", "--batch", "1"],
+    process = start_subengine(
+        "retention",
+        "run",
+        "--batch",
+        "1",
         env=dict(cli_env, TERM="xterm-256color", COLUMNS="100"),
         stdout=subprocess.PIPE,
         stderr=follower,

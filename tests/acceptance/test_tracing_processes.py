@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import APPS, GatewayProcess, Receiver, subengine_command, wait_for
+from helpers import APPS, GatewayProcess, Receiver, start_subengine, wait_for
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -40,8 +40,10 @@ def worker(cli_env: dict[str, str], tmp_path: Path) -> Iterator[Path]:
     spans.touch()
     env = dict(cli_env, TRACED_APP_SPANS=str(spans), SUBENGINE_POLL_INTERVAL="0.5")
     with open(tmp_path / "worker.log", "wb") as log:
-        process = subprocess.Popen(
-            [subengine_command(), "worker", "--app", "traced_app:app"],
+        process = start_subengine(
+            "worker",
+            "--app",
+            "traced_app:app",
             cwd=APPS,
             env=env,
             stdout=log,

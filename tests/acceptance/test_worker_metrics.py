@@ -14,7 +14,7 @@ from helpers import (
     free_port,
     lag_gauges,
     scrape,
-    subengine_command,
+    start_subengine,
     value,
     wait_for,
 )
@@ -29,19 +29,16 @@ def test_the_worker_command_serves_metrics_and_logs_json_lines(
     engine.create_stream("orders", partitions=4)
     engine.append("orders", [NewEvent(f"k{n}", "T", {}) for n in range(30)])
     port = free_port()
-    worker = subprocess.Popen(
-        [
-            subengine_command(),
-            "worker",
-            "--app",
-            "worker_app:app",
-            "--metrics-port",
-            str(port),
-            "--log-format",
-            "json",
-            "--log-level",
-            "debug",
-        ],
+    worker = start_subengine(
+        "worker",
+        "--app",
+        "worker_app:app",
+        "--metrics-port",
+        str(port),
+        "--log-format",
+        "json",
+        "--log-level",
+        "debug",
         cwd=APPS,
         env=worker_app_env,
         stderr=subprocess.PIPE,

@@ -25,7 +25,7 @@ from helpers import (
     assert_each_effect_once_in_key_order,
     free_port,
     run_subengine,
-    subengine_command,
+    start_subengine,
     wait_for,
     write_readme_app,
 )
@@ -471,8 +471,8 @@ def test_the_readme_example_app_runs_as_written(
         "orders", [NewEvent(f"order-{n}", "OrderPlaced", {"total": n}) for n in range(50)]
     )
     engine_of.append("orders", [NewEvent(f"order-{n}", "OrderPaid", {}) for n in range(50)])
-    worker = subprocess.Popen(
-        [subengine_command(), *command.split()[1:]],
+    worker = start_subengine(
+        *command.split()[1:],
         cwd=tmp_path,
         env=dict(cli_env, SUBENGINE_POLL_INTERVAL="0.5"),
         stderr=subprocess.PIPE,
