@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import io
 import json
 import locale
 import os
@@ -190,10 +191,28 @@ class ForkedPopen(subprocess.Popen[Any]):
         return self.returncode
 
 
+# What the interpreter reads from the environment as it starts and a forked child can
+# still apply: the import path, the standard streams' buffering, writing bytecode, the
+# locale. Any other PYTHON* variable (the hash seed, warnings, the development mode...)
+# shaped the fork server itself, so a command whose environment sets it otherwise is
+# exec'd.
+APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONCOERCECLOCALE")
+
+
+def forkable(env: dict[str, str] | None) -> bool:
+    """Whether a command with environment `env` (None: this process's) can be forked: it
+    sets every start-up variable the fork server cannot apply as the server's has it."""
+    if env is None:
+        return True
+    names = {n for n in (*env, *os.environ) if n.startswith("PYTHON") and n not in APPLIED}
+    return all(env.get(name) == os.environ.get(name) for name in names)
+
+
 def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
     """`subprocess.Popen(args, **kwargs)` for the `subengine` command `args` (its first
-    item the console script): forked by the fork server unless SUBENGINE_TEST_FORK=0."""
-    if not enabled():
+    item the console script): forked by the fork server, unless SUBENGINE_TEST_FORK=0 or
+    its environment needs a fresh interpreter."""
+    if not enabled() or not forkable(kwargs.get("env")):
         return subprocess.Popen(args, **kwargs)
     return ForkedPopen(args, **kwargs)
 
@@ -356,6 +375,33 @@ def _start_as_python_does() -> None:
     except locale.Error:
         pass
     time.tzset()
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    _standard_streams(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
+
+
+# the fork server's own stream objects: they close their file descriptor when collected
+_replaced: list[Any] = []
+
+
+def _standard_streams(unbuffered: bool) -> None:
+    """sys.stdin, stdout and stderr over file descriptors 0-2 as the interpreter makes
+    them: buffered unless PYTHONUNBUFFERED, stderr and a terminal line by line."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        old = getattr(sys, name)
+        _replaced.append(old)
+        raw = io.FileIO(fd, mode, closefd=False)
+        buffered: Any = raw
+        if not (unbuffered and mode == "w"):
+            buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+        stream = io.TextIOWrapper(
+            buffered,
+            encoding=old.encoding,
+            errors=old.errors,
+            line_buffering=not unbuffered and mode == "w" and (fd == 2 or raw.isatty()),
+            write_through=unbuffered,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
 
 
 def _exit_code(code: object) -> int:

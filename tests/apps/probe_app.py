@@ -3,11 +3,13 @@ the fork server (tests/unit/test_forked.py). `subengine worker --app probe_app:a
 imports it before anything else it does; PROBE says what to do there."""
 
 import atexit
+import io
 import json
 import os
 import sys
 import threading
 import time
+from typing import cast
 
 probe = os.environ.get("PROBE", "facts")
 if probe == "facts":
@@ -22,6 +24,19 @@ if probe == "facts":
                 "session": os.getsid(0) == os.getpid(),
                 "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
                 "tz": time.strftime("%Z"),
+                "stdio": [
+                    [
+                        type(stream.buffer).__name__,
+                        stream.line_buffering,
+                        stream.write_through,
+                        stream.encoding,
+                        stream.errors,
+                    ]
+                    for stream in cast(
+                        "list[io.TextIOWrapper]", [sys.stdin, sys.stdout, sys.stderr]
+                    )
+                ],
+                "bytecode": not sys.dont_write_bytecode,
             }
         )
     )

@@ -23,10 +23,16 @@ WORKER = ("--dsn", DSN, "worker", "--app", "probe_app:app")
 
 
 def both(
-    probe: str, stdin: str | None = None, cwd: Path = APPS, **popen: Any
+    probe: str,
+    stdin: str | None = None,
+    cwd: Path = APPS,
+    python: dict[str, str] | None = None,
+    **popen: Any,
 ) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
-    """The probe run exec'd, then forked: (exec'd, forked)."""
+    """The probe run exec'd, then forked: (exec'd, forked). `python`: start-up variables
+    of the environment (PYTHON*), none by default."""
     env = {"PATH": "/usr/bin:/bin", "PROBE": probe, "TZ": "Pacific/Auckland", "ZZ_ONLY": "x"}
+    env.update(python or {})
     results = []
     for start in (subprocess.Popen, forked.ForkedPopen):
         with start(
@@ -64,6 +70,31 @@ def test_the_process_gets_exactly_its_environment_arguments_directory_and_input(
     assert seen["tz"] == expected["tz"]
     assert seen["session"] is expected["session"] is False
     assert fork.stderr == execd.stderr == "to stderr\n"
+
+
+@pytest.mark.parametrize(
+    "python",
+    [{}, {"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}, {"LC_ALL": "C"}],
+    ids=["none", "unbuffered", "c-locale"],
+)
+def test_the_standard_streams_and_bytecode_follow_the_environment(
+    python: dict[str, str],
+) -> None:
+    # whatever the fork server's own environment said when it started
+    execd, fork = both("facts", python=python)
+    seen, expected = facts(fork), facts(execd)
+    assert seen["stdio"] == expected["stdio"]
+    assert seen["bytecode"] is expected["bytecode"]
+    assert seen["env"] == expected["env"]
+
+
+def test_an_environment_that_shapes_the_interpreter_otherwise_is_exec_d() -> None:
+    assert forked.forkable(None)
+    assert forked.forkable(dict(os.environ, PYTHONUNBUFFERED="", PYTHONPATH="elsewhere"))
+    assert not forked.forkable(dict(os.environ, PYTHONHASHSEED="7"))
+    execd = forked.popen([subengine_command(), "--help"], env={"PYTHONHASHSEED": "7"})
+    assert type(execd) is subprocess.Popen
+    execd.wait(timeout=60)
 
 
 def test_a_new_session_is_one() -> None:
