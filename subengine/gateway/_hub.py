@@ -7,6 +7,11 @@ each then reads after its own cursor. Reads go through `read`, which runs one qu
 once for all of them. A head poll of every watched stream, every `poll_interval` seconds
 and whenever the listener (re)connects, is the safety net for lost notifications.
 
+What the hub knows of a stream (its epoch and heads) outlives the stream's last watcher
+by `FEED_LINGER_SECONDS`: a long-poll client comes back right after each answer, and its
+next long-poll then starts from known heads, with no head poll and no second page read
+for the first one's sake.
+
 A watcher holds no events: only which partitions changed since it last looked. A slow
 client therefore never makes the hub queue anything for it; it reads more at once when
 it gets round to it (coalescing).
@@ -38,6 +43,9 @@ READ_LIMIT = 200
 # for how long.
 _CACHED_READS = 512
 _CACHED_SECONDS = 2.0
+# How long the hub keeps following a stream after its last watcher left (longer than a
+# long-poll client takes to send its next request).
+FEED_LINGER_SECONDS = 5.0
 
 
 def event_json(event: RawEvent, include_data: bool) -> str:
@@ -185,6 +193,8 @@ class _Feed:
     epoch: int | None = None
     heads: list[int] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
+    # the timer that stops following the stream, while it has no watcher
+    drop: asyncio.TimerHandle | None = None
 
 
 class Hub:
@@ -199,10 +209,12 @@ class Hub:
         listen_engine: AsyncEngine,
         read_engine: AsyncEngine,
         poll_interval: float,
+        linger: float = FEED_LINGER_SECONDS,
     ) -> None:
         self.listen_engine = listen_engine
         self.read_engine = read_engine
         self.poll_interval = poll_interval
+        self.linger = linger
         self._feeds: dict[str, _Feed] = {}
         self._reads: OrderedDict[tuple[str, int, int], asyncio.Future[SharedRead]] = OrderedDict()
         self._poller: asyncio.Task[None] | None = None
@@ -225,6 +237,9 @@ class Hub:
                 feed.task = asyncio.get_running_loop().create_task(
                     self._follow(feed), name=f"subengine-gateway-feed-{stream}"
                 )
+            elif feed.drop is not None:
+                feed.drop.cancel()
+                feed.drop = None
             feed.watchers.add(watcher)
             if feed.epoch is None:
                 self._poll_now.set()
@@ -234,16 +249,25 @@ class Hub:
             )
 
     def remove(self, watcher: Watcher) -> None:
+        """Stop waking `watcher`. A stream left without watchers is still followed for
+        `linger` seconds, for the next one."""
         for stream in watcher.partitions:
             feed = self._feeds.get(stream)
             if feed is None:
                 continue
             feed.watchers.discard(watcher)
-            if not feed.watchers:
-                del self._feeds[stream]
-                self.listen_engine.listener.unregister(feed.inbox)
-                if feed.task is not None:
-                    feed.task.cancel()
+            if not feed.watchers and feed.drop is None:
+                feed.drop = asyncio.get_running_loop().call_later(self.linger, self._drop, feed)
+
+    def _drop(self, feed: _Feed) -> None:
+        """Stop following a stream that has had no watcher for `linger` seconds."""
+        feed.drop = None
+        if feed.watchers or self._feeds.get(feed.stream) is not feed:
+            return
+        del self._feeds[feed.stream]
+        self.listen_engine.listener.unregister(feed.inbox)
+        if feed.task is not None:
+            feed.task.cancel()
 
     def head(self, stream: str, partition: int) -> int:
         """The highest head of the partition the hub has heard of (0: none yet)."""
@@ -383,6 +407,8 @@ class Hub:
         self._closed = True
         tasks = [feed.task for feed in self._feeds.values() if feed.task is not None]
         for feed in list(self._feeds.values()):
+            if feed.drop is not None:
+                feed.drop.cancel()
             for watcher in list(feed.watchers):
                 watcher.wake_all()
             self.listen_engine.listener.unregister(feed.inbox)

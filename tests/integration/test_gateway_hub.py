@@ -100,3 +100,44 @@ def test_a_read_with_no_event_after_the_position_still_says_the_epoch(
             return await read_engine.read_json("again", 0, 0, 10)
 
     assert runner.run(read()) == (epoch, [])
+
+
+async def next_watcher(engine: subengine.Engine, dsn: str, linger: float) -> dict[str, Any]:
+    """A watcher of 'orders' leaves and another comes: what the hub knows of the stream
+    right when the second one arrives, and once `linger` seconds passed with none."""
+    listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
+    await listen_engine.open()
+    await read_engine.open()
+    hub = Hub(listen_engine, read_engine, poll_interval=3600.0, linger=linger)
+    try:
+        engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
+        (partition,) = [p for p, head in engine.heads("orders").items() if head]
+        first = Watcher({"orders": None})
+        hub.add(first)
+        await asyncio.wait_for(first.event.wait(), 30)  # the first head poll
+        hub.remove(first)
+        second = Watcher({"orders": None})
+        hub.add(second)
+        seen = {"head for the next watcher": hub.head("orders", partition)}
+        hub.remove(second)
+        for _ in range(200):
+            if hub.head("orders", partition) == 0:
+                break
+            await asyncio.sleep(0.05)
+        seen["head once no watcher came"] = hub.head("orders", partition)
+        return seen
+    finally:
+        await hub.close()
+        await read_engine.close()
+        await listen_engine.close()
+
+
+def test_the_next_watcher_of_a_stream_starts_from_the_heads_the_hub_knows(
+    engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner
+) -> None:
+    """A long-poll client comes back right after each answer: what the hub knew of the
+    stream outlives its last watcher for a while, so the next long-poll neither waits
+    for a head poll nor reads its page twice (once more when the poll wakes it); a
+    stream nobody comes back to is then no longer followed."""
+    seen = runner.run(next_watcher(engine, dsn, linger=0.2))
+    assert seen == {"head for the next watcher": 1, "head once no watcher came": 0}
