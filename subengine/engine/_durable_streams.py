@@ -200,6 +200,27 @@ class DurableStreams:
             rows: list[tuple[int, Any]] = await self._run(conn, query)
         return rows
 
+    async def stream_and_read(
+        self, path: str, known: CatalogStream, after: int
+    ) -> tuple[CatalogStream | None, list[tuple[int, Any]] | None]:
+        """`stream(path)` and `read` of what it finds after position `after`, in one
+        statement for `known` a JSON stream of the catalog that is no fork (a live reader
+        woken by an append); messages None for another kind, which `read` reads. No
+        message when the path is now another stream than `known`."""
+        if known.inherited or not known.json:
+            return await self.stream(path), None
+        query = catalog.get_stream_and_json(
+            path, known.stream, after, self.max_page_bytes, PAGE_ROWS
+        )
+        # one statement, one snapshot: no transaction around it (two round trips less)
+        async with self.engine.connection(autocommit=True) as conn:
+            found, messages = await self._run(conn, query)
+        if found is not None and found.expired:
+            if await self._expire(found.path, found.stream):
+                return replace(found, deleted=True, expired=False), []
+            return None, []
+        return found, messages
+
     # writing
 
     async def create(self, path: str, new: NewStream) -> Created:

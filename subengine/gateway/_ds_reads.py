@@ -4,7 +4,8 @@ and server-sent events.
 Live reads wait on the gateway's hub (DESIGN.md, the gateway's first principle: push
 only wakes, the database is the truth): a watcher of the stream's engine partition wakes
 when an append, or a close (an event too), moves its head, or when the stream is
-deleted; the reader then reads the catalog and the messages after its offset again.
+deleted; the reader then reads the catalog and the messages after its offset again, in
+one statement for a JSON stream that is no fork.
 """
 
 from __future__ import annotations
@@ -89,14 +90,37 @@ async def _read(
     was looked up. A catalog stream's messages have dense positions, so a page that
     does not start right after `after` says to look at the floor again."""
     messages = await state.read(found, after)
-    if found.view or found.inherited or after >= found.tail:
-        return messages  # a view reads tombstones; a fork's sources are held
-    if messages and messages[0][0] == after + 1:
+    if _dense(found, after, messages):
         return messages
     fresh = await state.lookup(path)
     if fresh is not None and not _replaced(found, fresh):
         _check_floor(fresh, after)
     return messages
+
+
+def _dense(found: CatalogStream, after: int, messages: list[tuple[int, Any]]) -> bool:
+    """Whether `messages`, read after `after` up to `found`'s tail, need no look at the
+    floor: they start right after `after`, or are of a view (which reads tombstones), a
+    fork (whose sources are held), or a read at the tail."""
+    if found.view or found.inherited or after >= found.tail:
+        return True
+    return bool(messages) and messages[0][0] == after + 1
+
+
+async def _look_again(
+    state: DurableStreamsState, path: str, found: CatalogStream, after: int
+) -> tuple[CatalogStream, list[tuple[int, Any]]]:
+    """After a wake-up: the stream at `path` again and its messages after `after` (one
+    statement for a JSON stream that is no fork); 404 when it was deleted since, 410
+    when retention removed messages right after `after`."""
+    again, messages = await state.lookup_and_read(path, found, after)
+    if again is None or _replaced(found, again):
+        raise DsError(404, f"the stream at {path!r} was deleted")
+    if messages is None:
+        return again, await _read(state, path, again, after)
+    if not _dense(again, after, messages):
+        _check_floor(again, after)  # the catalog row is of the messages' snapshot
+    return again, messages
 
 
 def _binary(found: CatalogStream) -> bool:
@@ -198,9 +222,9 @@ async def _long_poll(
     closing = asyncio.ensure_future(gateway.closing.wait())
     deadline = time.monotonic() + state.long_poll_timeout
     try:
+        watcher.take()
+        messages = await _read(state, path, found, after)
         while True:
-            watcher.take()
-            messages = await _read(state, path, found, after)
             if messages:
                 last = messages[-1][0]
                 headers = {
@@ -229,11 +253,13 @@ async def _long_poll(
                 )
             finally:
                 woken.cancel()
-            if watcher.event.is_set():
-                again = await state.lookup(path)
-                if again is None or _replaced(found, again):
-                    raise DsError(404, f"the stream at {path!r} was deleted")
-                found = again
+            woke = watcher.event.is_set()
+            # what moves from now on wakes the next wait
+            watcher.take()
+            if woke:
+                found, messages = await _look_again(state, path, found, after)
+            else:
+                messages = await _read(state, path, found, after)
     finally:
         gone.cancel()
         closing.cancel()
@@ -336,11 +362,11 @@ class DsEventStream:
         ends = time.monotonic() + SSE_LIFETIME
         first = True
         watcher.take()
+        try:
+            messages = await _read(self.state, self.path, found, after)
+        except DsError:
+            return  # retention passed the reader: reconnecting from its offset says 410
         while True:
-            try:
-                messages = await _read(self.state, self.path, found, after)
-            except DsError:
-                return  # retention passed the reader: reconnecting from its offset says 410
             data = ""
             if messages:
                 after = messages[-1][0]
@@ -359,14 +385,17 @@ class DsEventStream:
                 if up_to_date:
                     control["upToDate"] = True
                 await stream.write(data + _control(control))
-            if not up_to_date:
-                continue
-            if not await self._wait(stream, watcher, ends):
+            try:
+                if up_to_date:
+                    if not await self._wait(stream, watcher, ends):
+                        return
+                    found, messages = await _look_again(self.state, self.path, found, after)
+                else:
+                    messages = await _read(self.state, self.path, found, after)
+            except DsError:
+                # deleted (or expired), or retention passed the reader: reconnecting
+                # from its offset says 404 or 410
                 return
-            again = await self.state.lookup(self.path)
-            if again is None or _replaced(found, again):
-                return  # deleted (or expired): a new read will say 404 or 410
-            found = again
 
     async def _wait(self, stream: EventStream, watcher: Watcher, ends: float) -> bool:
         """Wait for the stream's partition to move, with a heartbeat comment after each

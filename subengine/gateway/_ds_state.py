@@ -62,6 +62,19 @@ class DurableStreamsState:
             self.poke()  # it may have expired just now
         return found
 
+    async def lookup_and_read(
+        self, path: str, found: CatalogStream, after: int
+    ) -> tuple[CatalogStream | None, Page | None]:
+        """`lookup(path)` and, for `found` a JSON stream of the catalog that is no fork,
+        the messages after `after` up to the tail it finds, in one statement (a live
+        reader woken by an append); messages None otherwise, for `read` to read."""
+        if found.view:
+            return await self.lookup(path), None
+        again, messages = await self.store.stream_and_read(path, found, after)
+        if again is None:
+            self.poke()  # it may have expired just now
+        return again, messages
+
     async def read(self, found: CatalogStream, after: int) -> Page:
         """The messages of `found` after position `after`: a page bounded by bytes (the
         one read ahead for it, if any)."""

@@ -330,6 +330,25 @@ def read_json(
     return Query("ds_read_json", {**params, "limit": limit}, _messages)
 
 
+def get_stream_and_json(
+    path: str, stream: str, after: int, max_bytes: int, limit: int
+) -> Query[tuple[CatalogStream | None, list[tuple[int, str]]]]:
+    """`get_stream` (not touching it) and, read in the same snapshot, what `read_json`
+    reads of JSON engine stream `stream` after `after` up to the tail found: a live
+    reader's look after a wake-up, in one statement. No message when the path is now
+    another engine stream."""
+
+    def read(result: Result) -> tuple[CatalogStream | None, list[tuple[int, str]]]:
+        row = first_row(result)
+        if row is None:
+            return None, []
+        positions, texts = row[_FORK_COLUMNS + 6 :]
+        return _stream(row), list(zip(positions or (), texts or (), strict=True))
+
+    params = {"path": path, "stream": stream, "after": after, "max_bytes": max_bytes}
+    return Query("ds_stream_and_json", {**params, "limit": limit}, read)
+
+
 def delete_stream(path: str, stream: str | None = None) -> Query[str | None]:
     """Remove the stream at `path` (only if it is engine stream `stream`, when given)
     from the catalog, leaving its engine stream to delete; that engine stream, or None."""

@@ -67,6 +67,47 @@ SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline
  WHERE d.path = %(path)s
    FOR UPDATE OF d
 
+-- name: ds_stream_and_json
+-- ds_stream (without touching it) and, in the same snapshot, what ds_read_json reads
+-- of the JSON engine stream %(stream)s after %(after)s, up to the tail found: a live
+-- reader's look after a wake-up, in one statement. The messages come as two arrays,
+-- positions and JSON texts (NULL: none, or the path is another engine stream now).
+SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline, d.tail,
+       d.closed, d.closed_by_producer, d.closed_by_epoch, d.closed_by_seq, d.last_seq,
+       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired,
+       d.deleted_at IS NOT NULL AS deleted, d.source, d.forked_from, d.fork_offset,
+       d.fork_sub_offset, d.fork_point, inherited.streams, inherited.epochs,
+       inherited.afters, inherited.uptos, inherited.cuts, inherited.floors,
+       messages.positions, messages.texts
+  FROM {schema}.durable_streams d
+  JOIN {schema}.streams s ON s.name = d.stream
+  JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
+  LEFT JOIN LATERAL (
+      SELECT array_agg(i.source ORDER BY i.upto) AS streams,
+             array_agg(si.epoch ORDER BY i.upto) AS epochs,
+             array_agg(i.after ORDER BY i.upto) AS afters,
+             array_agg(i.upto ORDER BY i.upto) AS uptos,
+             array_agg(i.cut ORDER BY i.upto) AS cuts,
+             array_agg(pi.floor ORDER BY i.upto) AS floors
+        FROM {schema}.durable_stream_inherited i
+        LEFT JOIN {schema}.streams si ON si.name = i.source
+        LEFT JOIN {schema}.partitions pi ON pi.stream = i.source AND pi.partition = 0
+       WHERE i.stream = d.stream AND d.source IS NOT NULL) AS inherited ON true
+  -- ds_read_json's page, bounded by the tail of this snapshot
+  LEFT JOIN LATERAL (
+      SELECT array_agg(page.position ORDER BY page.position) AS positions,
+             array_agg(page.data::text ORDER BY page.position) AS texts
+        FROM (SELECT e.position, e.data,
+                     sum(pg_column_size(e.data)) OVER (ORDER BY e.position)
+                       - pg_column_size(e.data) AS before
+                FROM {schema}.events e
+               WHERE e.stream = %(stream)s AND d.stream = %(stream)s AND e.partition = 0
+                 AND e.position > %(after)s AND e.position <= d.tail
+               ORDER BY e.position
+               LIMIT %(limit)s) AS page
+       WHERE page.before < %(max_bytes)s) AS messages ON true
+ WHERE d.path = %(path)s
+
 -- name: ds_insert_stream
 -- Add a stream to the catalog; returns nothing when the path is taken.
 INSERT INTO {schema}.durable_streams (path, stream, content_type, ttl_seconds, expires_at,
