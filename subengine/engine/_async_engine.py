@@ -288,7 +288,7 @@ class AsyncEngine:
         query = _read.read_after_raw(
             stream, partition, after, self.settings.read_limit if limit is None else limit
         )
-        async with self.connection() as conn:
+        async with self.connection(autocommit=True) as conn:  # one statement: one snapshot
             return await self.sql.run_async(conn, query)
 
     async def read_since(
@@ -338,7 +338,7 @@ class AsyncEngine:
             max_bytes=max_bytes,
             oversize=oversize,
         )
-        async with self.connection() as conn:
+        async with self.connection(autocommit=True) as conn:  # one statement: one snapshot
             return await self.sql.run_async(conn, query)
 
     async def positions_since(self, stream: str, since: datetime) -> tuple[int, list[int]]:
@@ -354,7 +354,7 @@ class AsyncEngine:
         """The epoch and heads of each of `streams` that exists (heads None while it is
         being deleted)."""
         query = _read.epochs_and_heads(streams)
-        async with self.connection() as conn:
+        async with self.connection(autocommit=True) as conn:  # one statement: one snapshot
             return await self.sql.run_async(conn, query)
 
     async def partitions(self, stream: str) -> list[PartitionState]:

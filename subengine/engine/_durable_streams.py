@@ -143,7 +143,7 @@ class DurableStreams:
         """The stream at `path`, or None (none, or it has just expired: then it is
         removed, or deleted softly when forks read it). `touch` resets a TTL stream's
         countdown (reads do). A stream deleted softly comes back `deleted`."""
-        async with self.engine.connection() as conn:
+        async with self.engine.connection(autocommit=True) as conn:  # one statement
             found: CatalogStream | None = await self._run(
                 conn, catalog.get_stream(path, touch=touch)
             )
@@ -196,7 +196,7 @@ class DurableStreams:
             query = catalog.read_bytes(
                 found.stream, after, found.tail, self.max_page_bytes, PAGE_ROWS
             )
-        async with self.engine.connection() as conn:
+        async with self.engine.connection(autocommit=True) as conn:  # one statement
             rows: list[tuple[int, Any]] = await self._run(conn, query)
         return rows
 
@@ -212,8 +212,7 @@ class DurableStreams:
         query = catalog.get_stream_and_json(
             path, known.stream, after, self.max_page_bytes, PAGE_ROWS
         )
-        # one statement, one snapshot: no transaction around it (two round trips less)
-        async with self.engine.connection(autocommit=True) as conn:
+        async with self.engine.connection(autocommit=True) as conn:  # one statement
             found, messages = await self._run(conn, query)
         if found is not None and found.expired:
             if await self._expire(found.path, found.stream):

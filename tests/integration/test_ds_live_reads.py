@@ -21,13 +21,14 @@ from subengine.gateway._ds_state import DurableStreamsState
 JSON = "application/json"
 
 
-def recording(engine: subengine.AsyncEngine) -> list[str]:
-    """The names of the statements `engine` runs from now on."""
-    names: list[str] = []
+def recording(engine: subengine.AsyncEngine) -> list[tuple[str, bool]]:
+    """The names of the statements `engine` runs from now on, and whether each ran on
+    its own (autocommit: no BEGIN and COMMIT round trips)."""
+    names: list[tuple[str, bool]] = []
     run = engine.sql.run_async
 
     async def recorded(conn: Any, query: Query[Any]) -> Any:
-        names.append(query.name)
+        names.append((query.name, conn.autocommit))
         return await run(conn, query)
 
     engine.sql.run_async = recorded  # type: ignore[method-assign]
@@ -50,7 +51,7 @@ def test_a_woken_reader_looks_up_and_reads_in_one_statement(
     state = state_of(async_engine)
     store = state.store
 
-    async def woken() -> tuple[list[str], Any, Any, Any]:
+    async def woken() -> tuple[list[tuple[str, bool]], Any, Any, Any]:
         await store.create("/a", NewStream(JSON, None, None, False))
         await append(store, "/a", {"n": 1})
         known = await store.stream("/a")
@@ -64,7 +65,7 @@ def test_a_woken_reader_looks_up_and_reads_in_one_statement(
         return statements, (found, messages), looked, await store.read(looked, known.tail)
 
     names, woke, looked, read = runner.run(woken())
-    assert names == ["ds_stream_and_json"]
+    assert names == [("ds_stream_and_json", True)]
     assert woke == (looked, read)
     assert [json.loads(text) for _, text in read] == [{"n": 2}, {"n": 3}]
 
@@ -101,8 +102,10 @@ def test_a_woken_reader_of_a_byte_stream_reads_as_before(
         known = await store.stream("/b")
         assert known is not None
         await store.append("/b", "text/plain", b"hello", close=False, seq=None, producer=None)
-        return await _look_again(state, "/b", known, 0)
+        names = recording(async_engine)
+        return names, await _look_again(state, "/b", known, 0)
 
-    found, messages = runner.run(woken())
+    names, (found, messages) = runner.run(woken())
+    assert names == [("ds_stream", True), ("ds_read_bytes", True)]
     assert found.tail == 1
     assert [(position, bytes(body)) for position, body in messages] == [(1, b"hello")]

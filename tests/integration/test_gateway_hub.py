@@ -21,10 +21,12 @@ HEAD_POLL = "subengine-gateway-head-poll"
 
 
 class Recorded:
-    """The names of the statements a SQL layer runs, outside the hub's head poll."""
+    """The names of the statements a SQL layer runs, outside the hub's head poll, and
+    whether each ran on its own (autocommit: no BEGIN and COMMIT round trips)."""
 
     def __init__(self, sql: SQL) -> None:
         self.names: list[str] = []
+        self.alone: list[bool] = []
         self.on = False
         run = sql.run_async
 
@@ -32,12 +34,13 @@ class Recorded:
             task = asyncio.current_task()
             if self.on and (task is None or task.get_name() != HEAD_POLL):
                 self.names.append(query.name)
+                self.alone.append(conn.autocommit)
             return await run(conn, query)
 
         sql.run_async = recording  # type: ignore[method-assign]
 
 
-async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[list[str], list[Any]]:
+async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[Recorded, list[Any]]:
     """A reader at the head of 'orders', woken by an append, reads what moved (`live`:
     "long-poll" or "sse"): the statements that cost, and the events' data it got."""
     listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
@@ -68,7 +71,7 @@ async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[list[str
                 await reader.live_frames("orders", partition)
             frames = [json.loads(f.data) for f in reader.take_frames() if f.kind == "events"]
             events = [event for frame in frames for event in frame["events"]]
-        return recorded.names, [event["data"] for event in events]
+        return recorded, [event["data"] for event in events]
     finally:
         await hub.close()
         await read_engine.close()
@@ -82,9 +85,19 @@ def test_a_woken_reader_reads_events_and_their_epoch_in_one_statement(
     """The shared read says which stream of the name its events are of (a stream deleted
     and created again has a new epoch and sends no notification): its one statement
     reads the epoch with the events, and no second one asks for it."""
-    statements, events = runner.run(woken(engine, dsn, live))
-    assert statements == ["read_after"]
+    recorded, events = runner.run(woken(engine, dsn, live))
+    assert recorded.names == ["read_after"]
     assert events == [{"n": 1}]
+
+
+@pytest.mark.parametrize("live", ["long-poll", "sse"])
+def test_a_woken_reader_reads_in_one_round_trip(
+    engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner, live: str
+) -> None:
+    """Its one statement is a snapshot of its own: no BEGIN and COMMIT around it, each a
+    round trip to PostgreSQL between the notification and the frame."""
+    recorded, _ = runner.run(woken(engine, dsn, live))
+    assert recorded.alone == [True]
 
 
 def test_a_read_with_no_event_after_the_position_still_says_the_epoch(
