@@ -276,6 +276,14 @@ class Hub:
             return 0
         return feed.heads[partition]
 
+    def known(self, stream: str) -> tuple[int, list[int]] | None:
+        """The epoch and the heads of every partition of `stream`, as the hub knows them
+        while it follows it; None before its first head poll, or once it stopped."""
+        feed = self._feeds.get(stream)
+        if feed is None or feed.epoch is None or not feed.heads:
+            return None
+        return feed.epoch, feed.heads
+
     def watched(self) -> int:
         return sum(len(feed.watchers) for feed in self._feeds.values())
 

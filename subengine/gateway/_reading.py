@@ -301,6 +301,21 @@ class Reader:
 
     # live, through the hub
 
+    def at_known_heads(self, stream: str) -> bool:
+        """Whether the cursor stands at every head the hub knows of `stream`, in the
+        epoch it follows: nothing to read until the hub hears of more. Any later append
+        notifies a watcher added before this is asked."""
+        known = self.hub.known(stream)
+        if known is None:
+            return False
+        epoch, heads = known
+        marks = self.marks[stream]
+        return (
+            epoch == self.epochs[stream]
+            and len(marks) == len(heads)
+            and all(mark >= head for mark, head in zip(marks, heads, strict=True))
+        )
+
     def behind(self, changed: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
         """Of `changed`, the partitions whose head the hub knows is past the cursor."""
         return {

@@ -202,16 +202,23 @@ class Gateway:
         return _single(GatewayCursor.decode(after), stream)
 
     async def watcher(self, selections: dict[str, Selection]) -> Watcher:
-        """A watcher of the partitions the selections read (those of their keys, if any)."""
-        found = await self.read_engine.epochs_and_heads(list(selections))
+        """A watcher of the partitions the selections read (those of their keys, if any),
+        counted from what the hub knows of the streams it follows, else read."""
+        counts: dict[str, int] = {}
         for name in selections:
-            if name not in found or found[name][1] is None:
-                raise StreamNotFound(name)
+            known = self.hub.known(name)
+            if known is not None:
+                counts[name] = len(known[1])
+        unknown = [name for name in selections if name not in counts]
+        if unknown:
+            found = await self.read_engine.epochs_and_heads(unknown)
+            for name in unknown:
+                heads = found[name][1] if name in found else None
+                if heads is None:
+                    raise StreamNotFound(name)
+                counts[name] = len(heads)
         return Watcher(
-            {
-                name: selection.partitions(len(found[name][1] or ()))
-                for name, selection in selections.items()
-            }
+            {name: selection.partitions(counts[name]) for name, selection in selections.items()}
         )
 
 

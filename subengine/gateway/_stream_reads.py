@@ -228,7 +228,11 @@ async def _long_poll(
     size = 0  # bytes of the events' JSON joined by commas
     tombstones: list[dict[str, Any]] = []
     up_to_date = True
-    live = False  # the last read found the stream up to date: read what moved, shared
+    # the last read found the stream up to date: read what moved, shared. A long-poll
+    # at every head the hub knows (sent again with the cursor of the last answer)
+    # starts so, without a page, when it waits at least a head poll's interval: what
+    # was committed before it is then notified, or found by that poll, in time
+    live = gathering.wait >= gateway.config.poll_interval and reader.at_known_heads(stream)
     try:
         while True:
             # what moves from now on wakes the wait below

@@ -202,3 +202,44 @@ def test_a_long_poll_woken_after_its_stream_was_created_again_gets_a_reset_and_e
     page = poll.result().json()
     assert [reset["stream"] for reset in page["resets"]] == ["again"]
     assert [event["data"]["n"] for event in page["events"]] == [10, 11, 12]
+
+
+def answered_next(
+    engine: subengine.Engine, gateway: GatewayProcess, wait: str
+) -> tuple[httpx.Response, float]:
+    """A long-poll answered by an append, then the next one, sent with its cursor and
+    `wait`, answered by another: that answer, and the pages the second one read."""
+    head = httpx.get(events_url(gateway), timeout=TIMEOUT).headers["Subengine-Cursor"]
+    first = Poll(events_url(gateway), after=head, wait="30")
+    wait_for(lambda: waiting(gateway) == 1, "the first long-poll waiting", timeout=20)
+    engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
+    cursor = first.result().headers["Subengine-Cursor"]
+    before = value(scrape(gateway.port), "subengine_gateway_page_reads_total") or 0
+    second = Poll(events_url(gateway), after=cursor, wait=wait)
+    wait_for(lambda: waiting(gateway) == 1, "the second long-poll waiting", timeout=20)
+    engine.append("orders", [subengine.NewEvent("a", "T", {"n": 2})])
+    answer = second.result()
+    after = value(scrape(gateway.port), "subengine_gateway_page_reads_total") or 0
+    return answer, after - before
+
+
+def test_a_long_poll_sent_again_with_the_last_cursor_waits_without_reading_a_page(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    """The hub knows the heads it answered at (it follows the stream a while after the
+    first long-poll left): the next one waits at once, and what wakes it is read through
+    the hub's shared read."""
+    answer, pages = answered_next(engine, gateway, wait="30")
+    assert [event["data"]["n"] for event in answer.json()["events"]] == [2]
+    assert pages == 0
+
+
+def test_a_long_poll_that_waits_less_than_a_head_poll_reads_its_page_first(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    """An append committed before it, whose notification the hub has yet to hear of,
+    might be found by no head poll before its wait ends: it reads a page, as a pull
+    does."""
+    answer, pages = answered_next(engine, gateway, wait="0.9")
+    assert answer.status_code in (200, 204)
+    assert pages >= 1
