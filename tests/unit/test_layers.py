@@ -9,6 +9,7 @@ failing on a small made-up package as well as passing on the real one."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -60,7 +61,9 @@ def layer(module: str) -> int:
     return FOLDERS[folder(module)]
 
 
-def package_modules() -> dict[str, ast.Module]:
+@functools.cache
+def package_modules() -> Mapping[str, ast.Module]:
+    """The package's modules, parsed once per process (each rule reads the same trees)."""
     return {
         module_name(path): ast.parse(path.read_text("utf-8"), str(path))
         for path in sorted(PACKAGE.rglob("*.py"))
