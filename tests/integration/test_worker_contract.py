@@ -288,7 +288,16 @@ def test_a_reset_during_a_failing_batch_charges_nothing_to_the_new_generation(
     )
     workers.handler(sub, body)
     with workers.running(app, fast_engine):
-        wait_for(lambda: count(sql, "subengine.dead_letters") >= 1 and count(sql) == 4 + 7)
+        try:
+            wait_for(lambda: count(sql, "subengine.dead_letters") >= 1 and count(sql) == 4 + 7)
+        except AssertionError:
+            # once, in a loaded full run, this never came: say what there was instead
+            effects = sql.execute("SELECT position FROM effects ORDER BY 1").fetchall()
+            letters = sql.execute("SELECT position, generation FROM subengine.dead_letters")
+            raise AssertionError(
+                f"effects at positions {[p for (p,) in effects]}, dead letters"
+                f" {letters.fetchall()}, positions {fast_engine.subscription_positions('billing')}"
+            ) from None
         resets[0].join()
     [row] = fast_engine.subscription_positions("billing")
     assert (row.generation, row.position) == (2, 8)
