@@ -46,6 +46,7 @@ from subengine.gateway._ds_http import (
 from subengine.gateway._ds_reads import read_stream
 from subengine.gateway._ds_state import DurableStreamsState
 from subengine.gateway._ds_views import read_only, view_of
+from subengine.gateway._request_bodies import BodyTooLarge, read_limited_body
 from subengine.gateway._state import Gateway
 from subengine.model._errors import DatabaseUnavailable, SchemaNotReady, StreamNotFound
 from subengine.outside._durable_streams import ENGINE_PREFIX, CatalogStream, Producer, engine_name
@@ -193,17 +194,10 @@ async def _head(state: DurableStreamsState, path: str) -> Response:
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdecimal() and int(declared) > limit:
-        raise DsError(413, f"the body is larger than {limit} bytes")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise DsError(413, f"the body is larger than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await read_limited_body(request, limit)
+    except BodyTooLarge as refused:
+        raise DsError(413, str(refused), refused.headers) from None
 
 
 def _expiry(request: Request) -> tuple[int | None, datetime | None]:

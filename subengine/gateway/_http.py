@@ -19,6 +19,7 @@ from subengine.gateway._auth import Denied
 from subengine.gateway._callbacks import CallbackRefused
 from subengine.gateway._connections import Busy
 from subengine.gateway._hub import dumps
+from subengine.gateway._request_bodies import BodyTooLarge, read_limited_body
 from subengine.model._errors import (
     DatabaseUnavailable,
     EventIdConflict,
@@ -192,24 +193,11 @@ def refuse_unknown_fields(body: Mapping[str, Any], known: Iterable[str]) -> None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused (413) as soon as it is over `limit` bytes: by its
-    Content-Length, or as it streams in."""
-    declared = request.headers.get("content-length")
-    if (
-        declared is not None
-        and declared.isascii()
-        and declared.isdecimal()
-        and int(declared) > limit
-    ):
-        raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "too_large", f"the body is larger than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """The request's body, or 413 if it is over `limit` bytes (`read_limited_body`)."""
+    try:
+        return await read_limited_body(request, limit)
+    except BodyTooLarge as refused:
+        raise ApiError(413, "too_large", str(refused), refused.headers) from None
 
 
 async def read_json_body(request: Request, limit: int) -> Any:

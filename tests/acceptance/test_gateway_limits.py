@@ -1,23 +1,40 @@
 """The gateway's limits on a real `subengine serve` process: open connections per key and
 event streams per process answered 429 with Retry-After, a place freed when a connection
-ends, and the limits on a watch's streams and a body's size answered 400 and 413."""
+ends, and the limits on a watch's streams and a body's size answered 400 and 413 (a body
+over the limit read to its end first, so that its client reads the 413)."""
 
 from __future__ import annotations
 
+import inspect
+import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from helpers import GatewayProcess, run_subengine, scrape, sse_frames, value, wait_for
 
 import subengine
 from subengine.gateway import GatewayConfig
+from subengine.gateway._request_bodies import DISCARDED_AT_MOST
 
 TIMEOUT = httpx.Timeout(30.0)
 RETRY_AFTER = GatewayConfig().retry_after
+BODY_LIMIT = 2048
+# longer than uvicorn's keep-alive timeout: a server that has answered counts its
+# connection idle from then on, and closes it under a client still to send its body
+SLOW_START = inspect.signature(uvicorn.Config).parameters["timeout_keep_alive"].default + 1
+OVERSIZED = 1 << 20
+CHUNK = 1 << 16
+SURFACES = {
+    "v1": ("/v1/streams/orders/events", "application/json"),
+    "ds": ("/ds/uploads", "application/octet-stream"),
+}
 
 
 @pytest.fixture
@@ -144,6 +161,93 @@ def test_a_body_over_the_limit_is_413(orders: str, small: GatewayProcess, path: 
     assert answer.headers["Cache-Control"] == "no-store"
     assert answer.json()["error"]["code"] == "too_large"
     assert "2048 bytes" in answer.json()["error"]["message"]
+
+
+@pytest.fixture
+def both_surfaces(cli_env: dict[str, str], tmp_path: Path) -> Iterator[GatewayProcess]:
+    """A gateway with its Durable Streams surface, whose bodies are limited to 2048 bytes."""
+    args = ["--durable-streams", "--max-body-bytes", str(BODY_LIMIT)]
+    with GatewayProcess(cli_env, *args, tmp=tmp_path) as process:
+        yield process
+
+
+def post_head(path: str, content_type: str, length: int, *extra: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Type: {content_type}"]
+    lines += [f"Content-Length: {length}", *extra, "", ""]
+    return "\r\n".join(lines).encode()
+
+
+def read_answer(client: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response with a Content-Length, read from a raw connection."""
+    data = b""
+    for _ in range(1000):
+        head, separator, rest = data.partition(b"\r\n\r\n")
+        if separator:
+            status_line, *lines = head.decode("latin-1").split("\r\n")
+            headers = dict(line.lower().split(": ", 1) for line in lines)
+            length = int(headers["content-length"])
+            if len(rest) >= length:
+                return int(status_line.split()[1]), headers, rest[:length]
+        received = client.recv(CHUNK)
+        assert received, f"the connection closed before a whole answer: {data[:200]!r}"
+        data += received
+    raise AssertionError(f"no whole answer in 1000 reads: {data[:200]!r}")
+
+
+def assert_refused_as_too_large(surface: str, answer: tuple[int, dict[str, str], bytes]) -> None:
+    status, headers, body = answer
+    assert status == 413, body
+    assert f"larger than {BODY_LIMIT} bytes" in body.decode()
+    if surface == "v1":
+        assert json.loads(body)["error"]["code"] == "too_large"
+    else:
+        assert headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+def test_a_client_that_sends_its_whole_oversized_body_before_reading_gets_the_413(
+    orders: str, both_surfaces: GatewayProcess, surface: str
+) -> None:
+    """However slowly the body comes, the gateway reads it to its end before it answers:
+    it does not leave the connection to be closed under a client still sending, which
+    would see a reset instead of the 413. The connection then serves the next request."""
+    path, content_type = SURFACES[surface]
+    if surface == "ds":
+        assert httpx.put(f"{both_surfaces.url}{path}", timeout=TIMEOUT).status_code == 201
+    with socket.create_connection(("127.0.0.1", both_surfaces.port), timeout=30) as client:
+        client.sendall(post_head(path, content_type, OVERSIZED))
+        time.sleep(SLOW_START)
+        for _ in range(OVERSIZED // CHUNK):
+            client.sendall(bytes(CHUNK))
+        assert_refused_as_too_large(surface, read_answer(client))
+        client.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert read_answer(client)[0] == 200
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+@pytest.mark.parametrize(
+    ("length", "extra"),
+    [
+        (BODY_LIMIT + DISCARDED_AT_MOST + 1, ()),
+        (OVERSIZED, ("Expect: 100-continue",)),
+    ],
+    ids=["beyond-what-is-read", "expecting-100-continue"],
+)
+def test_a_body_the_gateway_will_not_read_is_refused_at_once_and_the_connection_closed(
+    orders: str, both_surfaces: GatewayProcess, surface: str, length: int, extra: tuple[str]
+) -> None:
+    """Declared beyond what the gateway reads to throw away, or not sent yet (the client
+    waits for `100 Continue`): the 413 comes at once, without the body, and says that
+    the connection closes, since the rest of the body will not be read."""
+    path, content_type = SURFACES[surface]
+    if surface == "ds":
+        assert httpx.put(f"{both_surfaces.url}{path}", timeout=TIMEOUT).status_code == 201
+    with socket.create_connection(("127.0.0.1", both_surfaces.port), timeout=30) as client:
+        client.sendall(post_head(path, content_type, length, *extra))
+        answer = read_answer(client)
+        assert_refused_as_too_large(surface, answer)
+        assert answer[1]["connection"] == "close"
+        assert client.recv(CHUNK) == b""
 
 
 def test_serve_documents_each_limit_and_its_default(cli_env: dict[str, str]) -> None:
