@@ -155,6 +155,15 @@ async def read_stream(
     after = _start(found, at)
     cursor = params.get("cursor")
     if live == "sse":
+        if gateway.closing.is_set():
+            # Between the stop signal and the listener's close the server still takes
+            # requests. An event stream started now would end at once, which reads as a
+            # connection a proxy cuts short: the official TypeScript client gives up SSE
+            # after three in a row, and its fallback then ends the read as if the stream
+            # were done. A 503 it retries after Retry-After, on whatever answers then.
+            # Nothing yields from here until the response is among the open streams the
+            # shutdown ends: a stream is either refused here or ended by it.
+            raise DsError(503, "the gateway is shutting down", {"Retry-After": "1"})
         slot = gateway.connections.admit(SSE, principal.id)
         return DsEventStream(state, path, found, after, cursor, slot)
     if live == "long-poll":

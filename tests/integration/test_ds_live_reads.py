@@ -1,6 +1,8 @@
 """A Durable Streams live reader woken by an append, in process on a real PostgreSQL: it
 looks at the catalog and reads the messages after its offset in one statement, and gets
-what a lookup and a read would give, or 404 when the path is another stream now."""
+what a lookup and a read would give, or 404 when the path is another stream now. An event
+stream asked for while the gateway shuts down is a 503 to retry, not one that ends at
+once."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 import subengine
 from subengine.db._sql import Query
 from subengine.engine._durable_streams import DurableStreams, NewStream
+from subengine.gateway import GatewayConfig, close_all_streams, create_app
 from subengine.gateway._ds_http import DsError
 from subengine.gateway._ds_reads import _look_again
 from subengine.gateway._ds_state import DurableStreamsState
@@ -109,3 +113,32 @@ def test_a_woken_reader_of_a_byte_stream_reads_as_before(
     assert names == [("ds_stream", True), ("ds_read_bytes", True)]
     assert found.tail == 1
     assert [(position, bytes(body)) for position, body in messages] == [(1, b"hello")]
+
+
+def test_an_event_stream_asked_for_while_the_gateway_shuts_down_is_503(dsn: str) -> None:
+    """Between the stop signal (which ends the open streams) and the listener's close the
+    server still takes requests: an event stream it started then would end at once, and
+    the TypeScript client, after three such in a row, ends its read as if the stream were
+    done. It is a 503 with Retry-After instead, which the client retries."""
+    app = create_app(GatewayConfig(durable_streams=True), dsn=dsn)
+
+    async def asked() -> tuple[httpx.Response, httpx.Response]:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://127.0.0.1"
+            ) as client:
+                created = await client.put(
+                    "/ds/orders", headers={"Content-Type": JSON}, content=b'[{"n": 1}]'
+                )
+                assert created.status_code == 201
+                close_all_streams()  # what SIGTERM does first
+                sse = await client.get("/ds/orders", params={"offset": "-1", "live": "sse"})
+                page = await client.get("/ds/orders", params={"offset": "-1"})
+                return sse, page
+
+    sse, page = asyncio.run(asked())
+    assert sse.status_code == 503
+    assert sse.headers["Retry-After"] == "1"
+    assert not sse.headers["Content-Type"].startswith("text/event-stream")
+    assert (page.status_code, page.json()) == (200, [{"n": 1}])  # reads that end still work
