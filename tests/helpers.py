@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, Self, TextIO
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Self, TextIO
 from urllib.parse import urlsplit
 
 import forked
@@ -1087,12 +1087,14 @@ def echo_and_accept(delivery: Delivery) -> tuple[int, bytes, dict[str, str]]:
 
 
 @contextmanager
-def serving(app: Any, port: int) -> Iterator[str]:
-    """The ASGI `app` under uvicorn, in a thread of this process, on a loopback `port`;
-    yields its base URL."""
+def serving(app: Any, port: int, lifespan: Literal["on", "off"] = "off") -> Iterator[str]:
+    """The ASGI `app` under uvicorn, in a thread of this process, on a loopback `port`
+    (with its lifespan: "on"); yields its base URL."""
     import uvicorn
 
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -9,6 +9,7 @@ the fork."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import threading
@@ -19,7 +20,9 @@ import httpx
 import pytest
 from ds_suite import suite_folder
 from durable_streams import DurableStream
-from helpers import GatewayProcess, free_port
+from helpers import GatewayProcess, free_port, serving, wait_for
+
+from subengine.gateway import GatewayConfig, close_all_streams, create_app
 
 DS = ("--durable-streams", "--durable-streams-long-poll", "2")
 CLIENT_SECONDS = 60
@@ -69,13 +72,84 @@ def test_the_typescript_client_produces_follows_and_survives_a_restart(
             out, err = follower.communicate(timeout=CLIENT_SECONDS)
             assert follower.returncode == 0, err[-3000:]
             followed = json.loads(out.strip().splitlines()[-1])
-            assert followed["messages"] == [{"n": n} for n in (3, 4, 5, 6)]
+            # what the client warned of (its SSE fallback) says why a read ended early
+            assert followed["messages"] == [{"n": n} for n in (3, 4, 5, 6)], err[-3000:]
             everything = node(folder, "follow", url, "-1", "7", "long-poll")
             assert everything["messages"] == [{"n": n} for n in range(7)]
             assert everything["offset"] == end["offset"]
     finally:
         if first.process is not None and first.process.poll() is None:
             first.stop()
+
+
+class SseCounted:
+    """An ASGI application, counting the event streams asked of it; `loop` is the event
+    loop serving it (from its first request on)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.asked = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.loop = asyncio.get_running_loop()
+            if b"live=sse" in scope["query_string"]:
+                self.asked += 1
+        await self.app(scope, receive, send)
+
+
+def ds_gateway(dsn: str) -> SseCounted:
+    config = GatewayConfig(durable_streams=True, durable_streams_long_poll=2)
+    return SseCounted(create_app(config, dsn=dsn))
+
+
+def test_the_typescript_client_follows_on_through_a_gateway_held_stopping(dsn: str) -> None:
+    """A stopping gateway ends its event streams at the stop signal but takes requests
+    until its listener closes (a moment, longer on a busy machine). Held there: the SSE
+    follower's reconnections must not get event streams that end at once, which the
+    client counts as a proxy cutting it short; after three in a row it falls back to
+    long-poll, and that fallback ends its read as if the stream were done (the restart
+    test above then ended with [3, 4])."""
+    folder = suite_folder()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/ds/interop/held"
+    first = ds_gateway(dsn)
+    with serving(first, port, lifespan="on"):
+        start = node(folder, "produce", url, "0", "3")
+        follower = subprocess.Popen(
+            ["node", "interop.mjs", "follow", url, start["offset"], "4", "sse"],
+            cwd=folder,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            node(folder, "produce", url, "3", "2")
+            wait_for(lambda: first.asked >= 1, "the follower's event stream")
+            asked = first.asked
+            assert first.loop is not None
+            first.loop.call_soon_threadsafe(close_all_streams)  # what SIGTERM does first
+            # long enough for three reconnections in a row, or the client's giving up
+            wait_for(
+                lambda: follower.poll() is not None or first.asked >= asked + 4,
+                "the follower's reconnections to the stopping gateway",
+            )
+        except BaseException:
+            follower.kill()
+            follower.wait()
+            raise
+    with serving(ds_gateway(dsn), port, lifespan="on"):
+        try:
+            node(folder, "produce", url, "5", "2", "close")
+            out, err = follower.communicate(timeout=CLIENT_SECONDS)
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait()
+    assert follower.returncode == 0, err[-3000:]
+    followed = json.loads(out.strip().splitlines()[-1])
+    assert followed["messages"] == [{"n": n} for n in (3, 4, 5, 6)], err[-3000:]
 
 
 def test_the_typescript_client_forks_a_stream_and_reads_the_fork_stitched(
