@@ -35,7 +35,7 @@ def suite_folder() -> Path:
     with (folder / ".lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another pytest process may be installing
         for name in WRAPPER_FILES:
-            shutil.copyfile(WRAPPER / name, folder / name)
+            _put(WRAPPER / name, folder / name)
         installed = folder / "node_modules" / ".subengine-installed"
         if not installed.exists():
             done = subprocess.run(
@@ -49,3 +49,16 @@ def suite_folder() -> Path:
                 pytest.fail(f"npm install of the conformance suite failed:\n{done.stderr[-3000:]}")
             installed.touch()
     return folder
+
+
+def _put(source: Path, target: Path) -> None:
+    """Copy `source` to `target` unless it holds the same bytes already, by a rename: a
+    node process of another pytest session reading `target` meanwhile sees the old file
+    or the new one, never a truncated one (an empty script runs, prints nothing and
+    exits 0)."""
+    content = source.read_bytes()
+    if target.exists() and target.read_bytes() == content:
+        return
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    partial.write_bytes(content)
+    partial.replace(target)
