@@ -44,6 +44,18 @@ def node(folder: Path, *args: str) -> dict[str, Any]:
     return last
 
 
+def follow(folder: Path, url: str, offset: str, count: str, mode: str) -> subprocess.Popen[str]:
+    """The TypeScript client following `url` from `offset` until it has `count` messages
+    or the stream closes (`mode`: sse or long-poll), as a process; it prints what it read."""
+    return subprocess.Popen(
+        ["node", "interop.mjs", "follow", url, offset, count, mode],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def test_the_typescript_client_produces_follows_and_survives_a_restart(
     cli_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -55,13 +67,7 @@ def test_the_typescript_client_produces_follows_and_survives_a_restart(
         start = node(folder, "produce", url, "0", "3")
         assert start["closed"] is False
         # a follower from the saved offset, by SSE, across the restart below
-        follower = subprocess.Popen(
-            ["node", "interop.mjs", "follow", url, start["offset"], "4", "sse"],
-            cwd=folder,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        follower = follow(folder, url, start["offset"], "4", "sse")
         try:
             node(folder, "produce", url, "3", "2")  # a new epoch: messages 3 and 4
         finally:
@@ -117,13 +123,7 @@ def test_the_typescript_client_follows_on_through_a_gateway_held_stopping(dsn: s
     first = ds_gateway(dsn)
     with serving(first, port, lifespan="on"):
         start = node(folder, "produce", url, "0", "3")
-        follower = subprocess.Popen(
-            ["node", "interop.mjs", "follow", url, start["offset"], "4", "sse"],
-            cwd=folder,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        follower = follow(folder, url, start["offset"], "4", "sse")
         try:
             node(folder, "produce", url, "3", "2")
             wait_for(lambda: first.asked >= 1, "the follower's event stream")
@@ -170,13 +170,7 @@ def test_the_typescript_client_forks_a_stream_and_reads_the_fork_stitched(
         assert followed["messages"] == expected
         assert followed["offset"] == forked["offset"]
         # from the fork point, by long-poll: the fork's own only, never the source's
-        follower = subprocess.Popen(
-            ["node", "interop.mjs", "follow", fork, fork_point, "2", "long-poll"],
-            cwd=folder,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        follower = follow(folder, fork, fork_point, "2", "long-poll")
         try:
             node(folder, "produce", source, "5", "1")
             later = httpx.post(
