@@ -56,6 +56,20 @@ def follow(folder: Path, url: str, offset: str, count: str, mode: str) -> subpro
     )
 
 
+def what_it_read(follower: subprocess.Popen[str]) -> tuple[dict[str, Any], str]:
+    """What `follow`'s process read (its last line) and its stderr, once it exits; killed
+    if it does not within CLIENT_SECONDS, and a failure if it exits other than 0."""
+    try:
+        out, err = follower.communicate(timeout=CLIENT_SECONDS)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert follower.returncode == 0, err[-3000:]
+    last: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return last, err
+
+
 def test_the_typescript_client_produces_follows_and_survives_a_restart(
     cli_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -75,11 +89,9 @@ def test_the_typescript_client_produces_follows_and_survives_a_restart(
         with GatewayProcess(cli_env, *DS, tmp=tmp_path, port=port):
             end = node(folder, "produce", url, "5", "2", "close")  # 5, 6, then closed
             assert end["closed"] is True
-            out, err = follower.communicate(timeout=CLIENT_SECONDS)
-            assert follower.returncode == 0, err[-3000:]
-            followed = json.loads(out.strip().splitlines()[-1])
+            read, err = what_it_read(follower)
             # what the client warned of (its SSE fallback) says why a read ended early
-            assert followed["messages"] == [{"n": n} for n in (3, 4, 5, 6)], err[-3000:]
+            assert read["messages"] == [{"n": n} for n in (3, 4, 5, 6)], err[-3000:]
             everything = node(folder, "follow", url, "-1", "7", "long-poll")
             assert everything["messages"] == [{"n": n} for n in range(7)]
             assert everything["offset"] == end["offset"]
@@ -142,14 +154,12 @@ def test_the_typescript_client_follows_on_through_a_gateway_held_stopping(dsn: s
     with serving(ds_gateway(dsn), port, lifespan="on"):
         try:
             node(folder, "produce", url, "5", "2", "close")
-            out, err = follower.communicate(timeout=CLIENT_SECONDS)
-        finally:
-            if follower.poll() is None:
-                follower.kill()
-                follower.wait()
-    assert follower.returncode == 0, err[-3000:]
-    followed = json.loads(out.strip().splitlines()[-1])
-    assert followed["messages"] == [{"n": n} for n in (3, 4, 5, 6)], err[-3000:]
+        except BaseException:
+            follower.kill()
+            follower.wait()
+            raise
+        read, err = what_it_read(follower)
+    assert read["messages"] == [{"n": n} for n in (3, 4, 5, 6)], err[-3000:]
 
 
 def test_the_typescript_client_forks_a_stream_and_reads_the_fork_stitched(
@@ -177,13 +187,11 @@ def test_the_typescript_client_forks_a_stream_and_reads_the_fork_stitched(
                 fork, headers={"Content-Type": "application/json"}, content=b'"later"'
             )
             assert later.status_code == 204
-            out, err = follower.communicate(timeout=CLIENT_SECONDS)
-        finally:
-            if follower.poll() is None:
-                follower.kill()
-                follower.wait()
-        assert follower.returncode == 0, err[-3000:]
-        assert json.loads(out.strip().splitlines()[-1])["messages"] == [{"n": "fork"}, "later"]
+        except BaseException:
+            follower.kill()
+            follower.wait()
+            raise
+        assert what_it_read(follower)[0]["messages"] == [{"n": "fork"}, "later"]
 
         # at the source's tail, named by its whole URL path
         whole = node(folder, "fork", f"{gateway.url}/ds/interop/chat-all", "/ds/interop/chat")
