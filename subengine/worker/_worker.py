@@ -213,28 +213,41 @@ class Worker:
         """Apply the streams' retention policies every retention_interval, the first time
         one interval after start (DESIGN.md, "Retention and gaps"); one worker of the
         database at a time does (an advisory lock), and a stop ends a run between two of
-        its batches."""
+        its batches. Each batch commits on its own, so a run that a stop or an error ends
+        still says what its batches removed."""
+        # each partition's events removed so far by the run: progress hears every batch
+        removed: dict[tuple[str, int], int] = {}
 
-        def progress(cut: PartitionCut, removed: int) -> None:
+        def progress(cut: PartitionCut, count: int) -> None:
+            removed[(cut.stream, cut.partition)] = count
             if stop.is_set():
                 raise _Stopping
 
         while not stop.wait(self.settings.retention_interval):
+            removed.clear()
             try:
-                run = self.engine.run_retention(progress=progress)
+                self.engine.run_retention(progress=progress)
             except _Stopping:
+                self._pruned(removed, " before the worker stopped")
                 return
             except Exception as error:  # retention waits for the next run: never fatal
                 log.warning("pruning failed: %s", error_text(error), extra=self._state.fields())
+                self._pruned(removed, " before the run failed")
                 continue
-            self.metrics.pruned(run.removed)
-            if run.removed:
-                log.info(
-                    "retention removed %s event(s) from %s partition(s)",
-                    run.removed,
-                    len(run.partitions),
-                    extra=self._state.fields(events=run.removed, partitions=len(run.partitions)),
-                )
+            self._pruned(removed, "")
+
+    def _pruned(self, removed: dict[tuple[str, int], int], how: str) -> None:
+        events = sum(removed.values())
+        partitions = sum(1 for count in removed.values() if count)
+        self.metrics.pruned(events)
+        if events:
+            log.info(
+                "retention removed %s event(s) from %s partition(s)%s",
+                events,
+                partitions,
+                how,
+                extra=self._state.fields(events=events, partitions=partitions),
+            )
 
 
 class _Stopping(Exception):
