@@ -119,8 +119,10 @@ def scans(plan: str) -> set[tuple[str, str, str | None]]:
     }
 
 
-def test_the_look_takes_its_intended_plan_in_a_database_without_statistics(dsn: str) -> None:
-    # A fresh database at scale before any ANALYZE: the plan must not depend on
+def test_the_workers_queries_take_their_intended_plans_in_a_database_without_statistics(
+    dsn: str,
+) -> None:
+    # A fresh database at scale before any ANALYZE: the plans must not depend on
     # statistics. The look walks the index of rows with work, and reaches a suspect's
     # rows by their keys (an index or bitmap scan): never a scan of every position,
     # partition or event.
@@ -148,6 +150,18 @@ def test_the_look_takes_its_intended_plan_in_a_database_without_statistics(dsn: 
                 " AND (last_analyze IS NOT NULL OR last_autoanalyze IS NOT NULL)"
             ).fetchone()
             assert analysed == (0,), "the test needs a database without statistics"
+            # the worker's lag query (progress lines, gauges) asks which worker reports
+            # each subscription once a subscription, not once a partition row
+            with conn.transaction(force_rollback=True):
+                conn.execute(
+                    "INSERT INTO subengine.workers (id, host, pid, subscriptions,"
+                    " serves_metrics) VALUES (gen_random_uuid(), 'h', 1, %s, true)",
+                    (names,),
+                )
+                explained = b"EXPLAIN (ANALYZE, FORMAT JSON) " + engine.sql.text("subscription_lag")
+                row = conn.execute(explained, {"names": names, "worker": "w"}).fetchone()
+                assert row is not None
+                lag = json.dumps(row[0])
             suspects = [(name, n * 100) for n, name in enumerate(names[:5])]
             # a look after notifications, and a worker's first look (every partition)
             looks = [
@@ -172,6 +186,10 @@ def test_the_look_takes_its_intended_plan_in_a_database_without_statistics(dsn: 
         assert conditions, plan
         for condition in conditions:
             assert "stream =" in condition and "partition =" in condition, condition
+    reporters = [n for n in plan_nodes(lag) if n.get("Relation Name") == "workers"]
+    assert reporters, lag
+    for node in reporters:
+        assert node["Actual Loops"] <= SUBSCRIPTIONS, node
 
 
 def partition_lookups(plan: str) -> list[str]:
