@@ -139,14 +139,18 @@ def key_in(
 
 
 def wait_for(
-    condition: Callable[[], object], what: str = "the condition", timeout: float = 60.0
+    condition: Callable[[], object],
+    what: str = "the condition",
+    timeout: float = 60.0,
+    every: float = 0.05,
 ) -> None:
-    """Wait until `condition()` is true, at most `timeout` seconds."""
+    """Wait until `condition()` is true, at most `timeout` seconds, asking every `every`
+    seconds (more for a costly condition: one that asks twenty browser pages)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 def free_port() -> int:

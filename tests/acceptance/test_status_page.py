@@ -36,8 +36,8 @@ QUERIES = "subengine_gateway_status_page_queries_total"
 PAGES = "subengine_gateway_status_page_pages"
 
 
-def wait_for(condition: Any, what: str) -> None:
-    wait_for_condition(condition, what, WAIT)
+def wait_for(condition: Any, what: str, every: float = 0.05) -> None:
+    wait_for_condition(condition, what, WAIT, every)
 
 
 class Shots:
@@ -234,7 +234,8 @@ def test_twenty_open_pages_cost_one_status_query_per_refresh(
 ) -> None:
     with GatewayProcess(cli_env, tmp=tmp_path) as gateway:
         with pages(browser, f"{gateway.url}/ui", 20) as opened:
-            wait_for(lambda: all(version(p) >= 1 for p in opened), "a snapshot on every page")
+            # each look asks all twenty pages: twice a second is often enough
+            wait_for(lambda: all(version(p) >= 1 for p in opened), "a snapshot", every=0.5)
             wait_for(lambda: value(scrape_of(gateway), PAGES) == 20, "20 pages following")
             start = max(version(p) for p in opened)
             # a long-poll, the fallback for proxies that cut event streams, waits for the
@@ -245,7 +246,7 @@ def test_twenty_open_pages_cost_one_status_query_per_refresh(
                 timeout=20,
             )
             assert polled.status_code == 200 and polled.json()["version"] > start
-            wait_for(lambda: all(version(p) >= start + 5 for p in opened), "five more snapshots")
+            wait_for(lambda: all(version(p) >= start + 5 for p in opened), "5 more", every=0.5)
             end = min(version(p) for p in opened)
             queries = value(scrape_of(gateway), QUERIES)
             seen = [p.evaluate("window.seen") for p in opened]
