@@ -9,7 +9,9 @@ the same conversion, on an `AsyncConnection`. So the sync and the async engine s
 everything but the connection.
 
 Blocks are rendered once per schema, with the schema quoted by `psycopg.sql.Identifier`;
-values are always bound parameters, never formatted into the text.
+values are always bound parameters, never formatted into the text. A `-- part:` block is
+no statement: it is text that several statements share, placed where they write its name
+in braces, as they write `{schema}`.
 """
 
 from __future__ import annotations
@@ -30,37 +32,44 @@ T = TypeVar("T")
 
 Row = tuple[Any, ...]
 
-_BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
+_BLOCK = re.compile(r"^-- (name|part): (\w+)\n", re.MULTILINE)
 
 
 @functools.cache
-def _templates() -> dict[str, str]:
-    """Every named block of every `sql/*.sql` file; a name may appear only once."""
+def _blocks() -> tuple[dict[str, str], dict[str, str]]:
+    """Every named block and every part of every `sql/*.sql` file; a name may appear only
+    once."""
     blocks: dict[str, str] = {}
+    parts: dict[str, str] = {}
     folder = resources.files("subengine.db").joinpath("sql")
     for file in sorted(folder.iterdir(), key=lambda entry: entry.name):
         if not file.name.endswith(".sql"):
             continue
-        parts = _BLOCK.split(file.read_text("utf-8"))
-        for name, body in zip(parts[1::2], parts[2::2], strict=True):
-            if name in blocks:
-                raise RuntimeError(f"the query {name!r} is named twice in sql/*.sql")
+        pieces = _BLOCK.split(file.read_text("utf-8"))
+        for kind, name, body in zip(pieces[1::3], pieces[2::3], pieces[3::3], strict=True):
+            if name in blocks or name in parts:
+                raise RuntimeError(f"the block {name!r} is named twice in sql/*.sql")
+            if name == "schema":
+                raise RuntimeError("no block of sql/*.sql may be named 'schema'")
             # the comment under a name documents the block; the server needn't see it
             lines = body.strip().splitlines()
             while lines and lines[0].startswith("--"):
                 lines.pop(0)
-            blocks[name] = "\n".join(lines)
-    return blocks
+            (blocks if kind == "name" else parts)[name] = "\n".join(lines)
+    return blocks, parts
 
 
 def names() -> frozenset[str]:
     """The names of every query in `sql/*.sql`."""
-    return frozenset(_templates())
+    return frozenset(_blocks()[0])
 
 
 @functools.cache
 def _render(schema: str, name: str) -> bytes:
-    return sql.SQL(_templates()[name]).format(schema=sql.Identifier(schema)).as_bytes(None)
+    blocks, parts = _blocks()
+    quoted = sql.Identifier(schema)
+    shared = {part: sql.SQL(text).format(schema=quoted) for part, text in parts.items()}
+    return sql.SQL(blocks[name]).format(schema=quoted, **shared).as_bytes(None)
 
 
 @dataclass(frozen=True)

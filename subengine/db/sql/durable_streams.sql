@@ -1,6 +1,39 @@
 -- The gateway's Durable Streams surface (docs/durable-streams.md): its catalog, producers,
 -- the bytes of byte messages, and the engine streams left to delete. `{schema}` is
--- replaced by the configured schema, quoted as an identifier; values are bound.
+-- replaced by the configured schema, quoted as an identifier; values are bound. A part
+-- (`-- part: ds_row`) is text several statements share: it stands where they write its
+-- name in braces (`{ds_row}`).
+
+-- part: ds_row
+-- The columns of one Durable Streams stream (ds_stream, ds_lock_stream,
+-- ds_stream_and_json; read by _durable_streams._stream_or_none), from ds_row_from.
+SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline, d.tail,
+       d.closed, d.closed_by_producer, d.closed_by_epoch, d.closed_by_seq, d.last_seq,
+       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired,
+       d.deleted_at IS NOT NULL AS deleted, d.source, d.forked_from, d.fork_offset,
+       d.fork_sub_offset, d.fork_point, inherited.streams, inherited.epochs,
+       inherited.afters, inherited.uptos, inherited.cuts, inherited.floors
+
+-- part: ds_row_from
+-- A Durable Streams stream `d` with its engine stream `s`, partition `p` and, for a
+-- fork, what it inherits (`inherited`): the FROM of ds_row; the statement adds its
+-- WHERE.
+  FROM {schema}.durable_streams d
+  JOIN {schema}.streams s ON s.name = d.stream
+  JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
+  -- a fork's inherited ranges, oldest first, with their engine streams' epochs and
+  -- floors (NULL: that engine stream is gone)
+  LEFT JOIN LATERAL (
+      SELECT array_agg(i.source ORDER BY i.upto) AS streams,
+             array_agg(si.epoch ORDER BY i.upto) AS epochs,
+             array_agg(i.after ORDER BY i.upto) AS afters,
+             array_agg(i.upto ORDER BY i.upto) AS uptos,
+             array_agg(i.cut ORDER BY i.upto) AS cuts,
+             array_agg(pi.floor ORDER BY i.upto) AS floors
+        FROM {schema}.durable_stream_inherited i
+        LEFT JOIN {schema}.streams si ON si.name = i.source
+        LEFT JOIN {schema}.partitions pi ON pi.stream = i.source AND pi.partition = 0
+       WHERE i.stream = d.stream AND d.source IS NOT NULL) AS inherited ON true
 
 -- name: ds_stream
 -- One Durable Streams stream by path, with its engine stream's epoch and floor, whether
@@ -14,56 +47,16 @@ WITH touched AS (
      WHERE path = %(path)s AND %(touch)s AND ttl_seconds IS NOT NULL AND deadline > now()
        AND deleted_at IS NULL
 )
-SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline, d.tail,
-       d.closed, d.closed_by_producer, d.closed_by_epoch, d.closed_by_seq, d.last_seq,
-       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired,
-       d.deleted_at IS NOT NULL AS deleted, d.source, d.forked_from, d.fork_offset,
-       d.fork_sub_offset, d.fork_point, inherited.streams, inherited.epochs,
-       inherited.afters, inherited.uptos, inherited.cuts, inherited.floors
-  FROM {schema}.durable_streams d
-  JOIN {schema}.streams s ON s.name = d.stream
-  JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
-  -- a fork's inherited ranges, oldest first, with their engine streams' epochs and
-  -- floors (NULL: that engine stream is gone)
-  LEFT JOIN LATERAL (
-      SELECT array_agg(i.source ORDER BY i.upto) AS streams,
-             array_agg(si.epoch ORDER BY i.upto) AS epochs,
-             array_agg(i.after ORDER BY i.upto) AS afters,
-             array_agg(i.upto ORDER BY i.upto) AS uptos,
-             array_agg(i.cut ORDER BY i.upto) AS cuts,
-             array_agg(pi.floor ORDER BY i.upto) AS floors
-        FROM {schema}.durable_stream_inherited i
-        LEFT JOIN {schema}.streams si ON si.name = i.source
-        LEFT JOIN {schema}.partitions pi ON pi.stream = i.source AND pi.partition = 0
-       WHERE i.stream = d.stream AND d.source IS NOT NULL) AS inherited ON true
+{ds_row}
+{ds_row_from}
  WHERE d.path = %(path)s
 
 -- name: ds_lock_stream
 -- One Durable Streams stream by path, as ds_stream, its row locked until the transaction
 -- ends: every append, close, fork of it and delete takes it, so that they (and their
 -- producers' checks) are serialised.
-SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline, d.tail,
-       d.closed, d.closed_by_producer, d.closed_by_epoch, d.closed_by_seq, d.last_seq,
-       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired,
-       d.deleted_at IS NOT NULL AS deleted, d.source, d.forked_from, d.fork_offset,
-       d.fork_sub_offset, d.fork_point, inherited.streams, inherited.epochs,
-       inherited.afters, inherited.uptos, inherited.cuts, inherited.floors
-  FROM {schema}.durable_streams d
-  JOIN {schema}.streams s ON s.name = d.stream
-  JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
-  -- a fork's inherited ranges, oldest first, with their engine streams' epochs and
-  -- floors (NULL: that engine stream is gone)
-  LEFT JOIN LATERAL (
-      SELECT array_agg(i.source ORDER BY i.upto) AS streams,
-             array_agg(si.epoch ORDER BY i.upto) AS epochs,
-             array_agg(i.after ORDER BY i.upto) AS afters,
-             array_agg(i.upto ORDER BY i.upto) AS uptos,
-             array_agg(i.cut ORDER BY i.upto) AS cuts,
-             array_agg(pi.floor ORDER BY i.upto) AS floors
-        FROM {schema}.durable_stream_inherited i
-        LEFT JOIN {schema}.streams si ON si.name = i.source
-        LEFT JOIN {schema}.partitions pi ON pi.stream = i.source AND pi.partition = 0
-       WHERE i.stream = d.stream AND d.source IS NOT NULL) AS inherited ON true
+{ds_row}
+{ds_row_from}
  WHERE d.path = %(path)s
    FOR UPDATE OF d
 
@@ -72,27 +65,8 @@ SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline
 -- of the JSON engine stream %(stream)s after %(after)s, up to the tail found: a live
 -- reader's look after a wake-up, in one statement. The messages come as two arrays,
 -- positions and JSON texts (NULL: none, or the path is another engine stream now).
-SELECT d.path, d.stream, d.content_type, d.ttl_seconds, d.expires_at, d.deadline, d.tail,
-       d.closed, d.closed_by_producer, d.closed_by_epoch, d.closed_by_seq, d.last_seq,
-       s.epoch, p.floor, d.deadline IS NOT NULL AND d.deadline <= now() AS expired,
-       d.deleted_at IS NOT NULL AS deleted, d.source, d.forked_from, d.fork_offset,
-       d.fork_sub_offset, d.fork_point, inherited.streams, inherited.epochs,
-       inherited.afters, inherited.uptos, inherited.cuts, inherited.floors,
-       messages.positions, messages.texts
-  FROM {schema}.durable_streams d
-  JOIN {schema}.streams s ON s.name = d.stream
-  JOIN {schema}.partitions p ON p.stream = d.stream AND p.partition = 0
-  LEFT JOIN LATERAL (
-      SELECT array_agg(i.source ORDER BY i.upto) AS streams,
-             array_agg(si.epoch ORDER BY i.upto) AS epochs,
-             array_agg(i.after ORDER BY i.upto) AS afters,
-             array_agg(i.upto ORDER BY i.upto) AS uptos,
-             array_agg(i.cut ORDER BY i.upto) AS cuts,
-             array_agg(pi.floor ORDER BY i.upto) AS floors
-        FROM {schema}.durable_stream_inherited i
-        LEFT JOIN {schema}.streams si ON si.name = i.source
-        LEFT JOIN {schema}.partitions pi ON pi.stream = i.source AND pi.partition = 0
-       WHERE i.stream = d.stream AND d.source IS NOT NULL) AS inherited ON true
+{ds_row}, messages.positions, messages.texts
+{ds_row_from}
   -- ds_read_json's page, bounded by the tail of this snapshot
   LEFT JOIN LATERAL (
       SELECT array_agg(page.position ORDER BY page.position) AS positions,
