@@ -90,9 +90,22 @@ def retention_run(
             bar.advance(removed - done.get(where, 0), f"pruning {cut.stream}/{cut.partition}")
             done[where] = removed
 
-        run = context.engine().run_retention(
-            stream_name, dry_run=dry_run, batch=batch, plan=plan, progress=progress
-        )
+        try:
+            run = context.engine().run_retention(
+                stream_name, dry_run=dry_run, batch=batch, plan=plan, progress=progress
+            )
+        except BaseException:
+            # each batch committed on its own: what the run removed before it was
+            # interrupted or failed stays removed, and is said
+            removed = sum(done.values())
+            if removed:
+                partitions = sum(1 for events in done.values() if events)
+                click.echo(
+                    f"the run ended early, having removed {count(removed, 'event')} "
+                    f"from {count(partitions, 'partition')}",
+                    err=True,
+                )
+            raise
     if run.locked:
         raise CommandBusy(
             "another pruner is running in this schema; nothing was removed: "

@@ -8,13 +8,14 @@ import json
 import os
 import pty
 import re
+import signal
 import subprocess
 from typing import Any
 
 import psycopg
 import pytest
 from helpers import invoke_ok as run
-from helpers import start_subengine
+from helpers import start_subengine, wait_for
 
 import subengine
 from subengine import NewEvent
@@ -327,6 +328,42 @@ def test_the_progress_bar_is_drawn_on_stderr_when_it_is_a_terminal(
     # stdout, a pipe, has the summary alone
     assert out.splitlines()[-1] == "total: removed 9 events from 2 partitions of 1 stream"
     assert "\x1b" not in out
+
+
+@pytest.mark.parametrize("ended_by", ["SIGINT", "terminated backend"])
+def test_a_run_ended_early_says_what_it_had_removed(
+    pruned: str, cli_env: dict[str, str], dsn: str, sql: psycopg.Connection[Any], ended_by: str
+) -> None:
+    # the run prunes partition 1, then waits for the rows of partition 2 held here
+    waiting = (
+        "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND datname = current_database()"
+    )
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute(
+            "SELECT 1 FROM subengine.events WHERE stream = 'orders' AND partition = 2 FOR UPDATE"
+        )
+        process = start_subengine(
+            "retention", "run", "--batch", "2", env=cli_env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: len(sql.execute(waiting).fetchall()) == 1, "the pruner waiting")
+            if ended_by == "SIGINT":  # Ctrl-C
+                process.send_signal(signal.SIGINT)
+            else:
+                sql.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )
+            out, err = process.communicate(timeout=60)
+        finally:
+            process.kill()
+            blocker.rollback()
+    assert process.returncode != 0
+    assert out == ""
+    assert "the run ended early, having removed 7 events from 1 partition\n" in err
+    assert floors(cli_env, "orders") == {0: 1, 1: 8, 2: 1, 3: 1}
 
 
 def test_retention_run_summarises_many_partitions(
