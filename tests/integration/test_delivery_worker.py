@@ -1,0 +1,74 @@
+"""The delivery worker of a gateway process (gateway/_delivery_turns.py), run in a thread
+against a real PostgreSQL with a send that records what it is given: how it takes and
+switches its partitions."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import wait_for
+
+import subengine
+from subengine import NewEvent
+from subengine.db import _locks
+from subengine.gateway._delivery_turns import DeliveryWorker, Route
+from subengine.outside import _webhooks
+from subengine.outside._webhook_batches import ClaimedBatch
+from subengine.outside._webhooks import WebhookDefinition, WebhookStream
+from subengine.worker import _held
+
+
+@pytest.fixture
+def pals_engine(dsn: str) -> Iterator[subengine.Engine]:
+    settings = subengine.Settings(dsn=dsn, lock_provider="pals", poll_interval=0.2)
+    with subengine.Engine(settings=settings) as engine:
+        yield engine
+
+
+def test_delivery_slots_lock_partitions_by_one_statement_where_the_setting_says_pals(
+    pals_engine: subengine.Engine, sql: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = pals_engine
+    engine.create_stream("s", partitions=4)
+    engine.append("s", [NewEvent(f"k{n}", "T", {"n": n}) for n in range(40)])
+    stream = WebhookStream("s")
+    definition = WebhookDefinition("https://receiver.example/hook", (stream,), max_events=5)
+    engine.put_webhook("hook", definition, {"s": "beginning"})
+    sql.execute("UPDATE subengine.webhooks SET state = 'active'")
+    with engine.db() as db:
+        (hook,) = db.run(_webhooks.deliverable())
+    declared = _webhooks.engine_subscription(hook.serial, 0, stream, 5, hook.starts[0])
+
+    def engine_batch(*args: Any) -> None:
+        raise AssertionError("every batch here is plain")
+
+    declared = replace(declared, batch=engine_batch, gap=engine_batch, on_gap="handler")
+    providers: list[str] = []
+
+    def recording(provider: str, db: Any) -> _locks.PartitionLocks:
+        providers.append(provider)
+        return _locks.partition_locks(provider, db)
+
+    monkeypatch.setattr(_held, "partition_locks", recording)
+    sent: list[tuple[int, int, int]] = []
+
+    def send(route: Route, partition: int, batch: ClaimedBatch) -> None:
+        sent.append((partition, batch.position, batch.through))
+
+    # one slot, four partitions with events, batches of 5: it switches partitions
+    worker = DeliveryWorker(engine, [declared], {declared.name: (hook, stream)}, send, 1)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: sum(through - after for _, after, through in sent) == 40, "the batches")
+    finally:
+        stop.set()
+        thread.join(30)
+    assert len({partition for partition, _, _ in sent}) == 4
+    assert providers and set(providers) == {"builtin"}
