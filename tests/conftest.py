@@ -125,7 +125,8 @@ def _ensure_the_server_user() -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _embedded_server is not None:
-        _embedded_server.cleanup()
+        _embedded_server.cleanup()  # deletes its data directory, not the folder made for it
+        shutil.rmtree(Path(_embedded_server.pgdata).parent, ignore_errors=True)
 
 
 def migrate_template(
