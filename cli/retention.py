@@ -79,33 +79,33 @@ def retention_run(
     when it is a terminal. --json: one line per partition (stream, partition, first,
     last, removed, dry_run).
     """
-    with _render.progress_bar("pruning") as bar:
-        done: dict[tuple[str, int], int] = {}
+    done: dict[tuple[str, int], int] = {}
+    try:
+        with _render.progress_bar("pruning") as bar:
 
-        def plan(cuts: Sequence[Cut]) -> None:
-            bar.total(sum(cut.removable for cut in cuts))
+            def plan(cuts: Sequence[Cut]) -> None:
+                bar.total(sum(cut.removable for cut in cuts))
 
-        def progress(cut: Cut, removed: int) -> None:
-            where = (cut.stream, cut.partition)
-            bar.advance(removed - done.get(where, 0), f"pruning {cut.stream}/{cut.partition}")
-            done[where] = removed
+            def progress(cut: Cut, removed: int) -> None:
+                where = (cut.stream, cut.partition)
+                bar.advance(removed - done.get(where, 0), f"pruning {cut.stream}/{cut.partition}")
+                done[where] = removed
 
-        try:
             run = context.engine().run_retention(
                 stream_name, dry_run=dry_run, batch=batch, plan=plan, progress=progress
             )
-        except BaseException:
-            # each batch committed on its own: what the run removed before it was
-            # interrupted or failed stays removed, and is said
-            removed = sum(done.values())
-            if removed:
-                partitions = sum(1 for events in done.values() if events)
-                click.echo(
-                    f"the run ended early, having removed {count(removed, 'event')} "
-                    f"from {count(partitions, 'partition')}",
-                    err=True,
-                )
-            raise
+    except BaseException:
+        # each batch committed on its own: what the run removed before it was interrupted
+        # or failed stays removed, and is said (once the bar is erased)
+        removed = sum(done.values())
+        if removed:
+            partitions = sum(1 for events in done.values() if events)
+            click.echo(
+                f"the run ended early, having removed {count(removed, 'event')} "
+                f"from {count(partitions, 'partition')}",
+                err=True,
+            )
+        raise
     if run.locked:
         raise CommandBusy(
             "another pruner is running in this schema; nothing was removed: "

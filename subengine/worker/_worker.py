@@ -228,15 +228,16 @@ class Worker:
             try:
                 self.engine.run_retention(progress=progress)
             except _Stopping:
-                self._pruned(removed, " before the worker stopped")
+                self._pruned(removed, "stopped")
                 return
             except Exception as error:  # retention waits for the next run: never fatal
                 log.warning("pruning failed: %s", error_text(error), extra=self._state.fields())
-                self._pruned(removed, " before the run failed")
+                self._pruned(removed, "failed")
                 continue
-            self._pruned(removed, "")
+            self._pruned(removed, "finished")
 
-    def _pruned(self, removed: dict[tuple[str, int], int], how: str) -> None:
+    def _pruned(self, removed: dict[tuple[str, int], int], ended: str) -> None:
+        """Count and log what a run removed; `ended`: finished, stopped or failed."""
         events = sum(removed.values())
         partitions = sum(1 for count in removed.values() if count)
         self.metrics.pruned(events)
@@ -245,9 +246,17 @@ class Worker:
                 "retention removed %s event(s) from %s partition(s)%s",
                 events,
                 partitions,
-                how,
-                extra=self._state.fields(events=events, partitions=partitions),
+                _RUN_ENDED[ended],
+                extra=self._state.fields(events=events, partitions=partitions, ended=ended),
             )
+
+
+# how a pruning run's log line ends, by how the run ended
+_RUN_ENDED = {
+    "finished": "",
+    "stopped": " before the worker stopped",
+    "failed": " before the run failed",
+}
 
 
 class _Stopping(Exception):
