@@ -68,7 +68,13 @@ def names() -> frozenset[str]:
 def _render(schema: str, name: str) -> bytes:
     blocks, parts = _blocks()
     quoted = sql.Identifier(schema)
-    shared = {part: sql.SQL(text).format(schema=quoted) for part, text in parts.items()}
+    shared = {}
+    for part, text in parts.items():
+        try:
+            # its own line's end: a comment on its last line must not swallow what follows
+            shared[part] = sql.SQL(text + "\n").format(schema=quoted)
+        except KeyError as error:
+            raise RuntimeError(f"the part {part!r} places {error}: a part holds no part") from None
     return sql.SQL(blocks[name]).format(schema=quoted, **shared).as_bytes(None)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from subengine.db._sql import SQL, names
+import re
+
+from subengine.db._sql import SQL, _blocks, names
 
 
 def test_a_part_is_no_statement_and_stands_where_a_statement_names_it() -> None:
@@ -20,3 +22,9 @@ def test_a_part_is_no_statement_and_stands_where_a_statement_names_it() -> None:
     columns, rows = shared.split("\n  FROM ", 1)
     assert live.startswith(columns + ", messages.positions, messages.texts")
     assert "  FROM " + rows in live
+
+
+def test_every_part_is_placed_by_some_statement() -> None:
+    blocks, parts = _blocks()
+    placed = {name for text in blocks.values() for name in re.findall(r"\{(\w+)\}", text)}
+    assert set(parts) <= placed, set(parts) - placed
