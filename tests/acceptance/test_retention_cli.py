@@ -359,6 +359,7 @@ def test_a_run_ended_early_says_what_it_had_removed(
             out, err = process.communicate(timeout=60)
         finally:
             process.kill()
+            process.wait(10)
             blocker.rollback()
     assert process.returncode != 0
     assert out == ""

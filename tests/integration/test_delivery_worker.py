@@ -63,12 +63,22 @@ def test_delivery_slots_lock_partitions_by_one_statement_where_the_setting_says_
     # one slot, four partitions with events, batches of 5: it switches partitions
     worker = DeliveryWorker(engine, [declared], {declared.name: (hook, stream)}, send, 1)
     stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run(stop)
+        except BaseException as error:
+            failed.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
         wait_for(lambda: sum(through - after for _, after, through in sent) == 40, "the batches")
     finally:
         stop.set()
         thread.join(30)
+    assert not thread.is_alive(), "the delivery worker did not stop"
+    assert not failed, failed
     assert len({partition for partition, _, _ in sent}) == 4
     assert providers and set(providers) == {"builtin"}

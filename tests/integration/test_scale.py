@@ -194,9 +194,10 @@ def test_the_workers_queries_take_their_intended_plans_in_a_database_without_sta
 
 
 def partition_lookups(plan: str) -> list[str]:
-    """The index conditions of every scan of `partitions` in a JSON plan."""
+    """The index conditions of every scan of `partitions` in a JSON plan (a bitmap
+    heap scan's are its recheck's)."""
     return [
-        node.get("Index Cond", "")
+        node.get("Index Cond", node.get("Recheck Cond", ""))
         for node in plan_nodes(plan)
         if node.get("Relation Name") == "partitions"
     ]

@@ -49,39 +49,43 @@ def test_a_run_ended_midway_still_says_what_it_removed(
         "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
         " AND datname = current_database()"
     )
+    # waits for the backend to end (PostgreSQL 14+): the lock is given back only after it
     terminate = (
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        " AND datname = current_database()"
+        "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity"
+        " WHERE wait_event_type = 'Lock' AND datname = current_database()"
     )
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "retention removed" in r.getMessage()]
+
     with subengine.Engine(settings=settings) as engine:
         engine.create_stream("capped", partitions=2, retention=Retention(max_events=3))
         engine.append("capped", [NewEvent(f"k{n}", "T", {}) for n in range(20)])
         heads = [p.head for p in engine.partitions("capped")]
         assert min(heads) > 3, heads  # both partitions have something to remove
-        with Running(app, engine) as running:
-            # the run prunes partition 0, then waits for the rows of partition 1 held here
-            with psycopg.connect(dsn) as blocker:
-                blocker.execute(
-                    "SELECT 1 FROM subengine.events WHERE stream = 'capped' AND partition = 1"
-                    " FOR UPDATE"
-                )
-                wait_for(lambda: len(sql.execute(waiting).fetchall()) == 1)
-                assert [p.floor for p in engine.partitions("capped")] == [heads[0] - 2, 1]
-                if ended_by == "stop":  # partition 1's batch goes, then the run sees it
-                    running.stop.set()
-                else:  # partition 1's batch is lost; the next run removes it
-                    sql.execute(terminate)
-                blocker.rollback()
+        # the first run prunes partition 0, then waits for the rows of partition 1 held here
+        blocker = psycopg.connect(dsn)
+        blocker.execute(
+            "SELECT 1 FROM subengine.events WHERE stream = 'capped' AND partition = 1 FOR UPDATE"
+        )
+        with blocker, Running(app, engine) as running:
+            wait_for(lambda: len(sql.execute(waiting).fetchall()) == 1)
+            assert [p.floor for p in engine.partitions("capped")] == [heads[0] - 2, 1]
+            if ended_by == "stop":  # partition 1's batch goes, then the run sees the stop
+                running.stop.set()
+            else:  # partition 1's batch is lost; the next run removes it
+                sql.execute(terminate)
+            blocker.rollback()
             wait_for(lambda: engine.partitions("capped")[1].floor == heads[1] - 2)
+            wait_for(lambda: len(lines()) == (1 if ended_by == "stop" else 2), "the log lines")
         assert [p.floor for p in engine.partitions("capped")] == [heads[0] - 2, heads[1] - 2]
-    lines = [r.getMessage() for r in caplog.records if "retention removed" in r.getMessage()]
     if ended_by == "stop":
-        assert lines == [
+        assert lines() == [
             f"retention removed {sum(heads) - 6} event(s) from 2 partition(s)"
             " before the worker stopped"
         ]
     else:
-        assert lines == [
+        assert lines() == [
             f"retention removed {heads[0] - 3} event(s) from 1 partition(s) before the run failed",
             f"retention removed {heads[1] - 3} event(s) from 1 partition(s)",
         ]
