@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -466,6 +467,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     return config, args
 
 
+def data_directory(conn: psycopg.Connection[Any]) -> Path | None:
+    """The database server's data directory, when it is on this machine and we may read
+    the setting (superusers and pg_read_all_settings); else None."""
+    try:
+        row = conn.execute("SHOW data_directory").fetchone()
+    except psycopg.Error:
+        return None
+    path = Path(row[0]) if row else None
+    return path if path is not None and path.exists() else None
+
+
 def file_system(path: Path) -> str:
     """The type of the file system holding `path` (from /proc/mounts), or "unknown"."""
     try:
@@ -489,12 +501,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         with (
             bench.benchmark_database(bench.dsn_of(args), DATABASE_PREFIX, migrate=True) as db,
             tempfile.TemporaryDirectory() as scratch,
-            # the file-backed reference's fdatasync has to reach the disk, as the WAL's
-            # fsync does: not TMPDIR, which may be a memory file system (free to sync)
-            tempfile.TemporaryDirectory(dir=Path.cwd(), prefix=".door-reference-") as files,
             subengine.Engine(db.dsn, schema=SCHEMA) as engine,
             psycopg.connect(db.dsn, autocommit=True) as conn,
+            contextlib.ExitStack() as stack,
         ):
+            # the file-backed reference's fdatasync has to reach the disk the WAL's fsync
+            # reaches: beside the database's data when it is on this machine, and never
+            # under TMPDIR, which may be a memory file system (free to sync)
+            data = data_directory(conn)
+            place = data.parent if data is not None and os.access(data.parent, os.W_OK) else None
+            files = stack.enter_context(
+                tempfile.TemporaryDirectory(dir=place or Path.cwd(), prefix=".door-reference-")
+            )
             logs = Path(scratch)
             doors: list[Door] = [
                 ReferenceDoor(package, "memory", logs / "memory", logs),
@@ -516,7 +534,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for door in doors:
                     door.stop()
             facts = bench.machine(bench.server_facts(db.dsn), load_before)
-            facts += f"\nreference, file: its data on {file_system(Path(files))}"
+            facts += (
+                f"\nreference, file: its data on {file_system(Path(files))}; the database's "
+                + (f"on {file_system(data)}" if data is not None else "not on this machine")
+            )
     except Failed as error:
         raise SystemExit(f"bench/door.py: {error}") from None
     report(config, results, work, facts)
