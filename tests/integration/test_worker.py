@@ -21,6 +21,7 @@ from helpers import (
     reset_waiting_for_the_batch,
     stored_events,
     wait_for,
+    wait_for_a_reset_replay,
 )
 from psycopg.sql import SQL, Identifier
 
@@ -484,7 +485,7 @@ def test_a_reset_during_a_failing_retry_charges_nothing_to_the_new_generation(
 
     with Running(app, fast_engine):
         if policy == "dead_letter":
-            wait_for(lambda: count(sql, "subengine.dead_letters") >= 1 and count(sql) == 4 + 7)
+            wait_for_a_reset_replay(sql, fast_engine, 4 + 7)
         else:
             # stopped in the new generation: a stop of the first one, recorded before the
             # waiting reset took the row, is replaced by the reset

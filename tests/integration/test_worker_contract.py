@@ -12,7 +12,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import count, free_port, reset_waiting_for_the_batch, scrape, value, wait_for
+from helpers import (
+    count,
+    free_port,
+    reset_waiting_for_the_batch,
+    scrape,
+    value,
+    wait_for,
+    wait_for_a_reset_replay,
+)
 from worker_twins import Effects, WorkerTwin, record
 from worker_twins import workers_fixture as workers_fixture
 
@@ -288,16 +296,7 @@ def test_a_reset_during_a_failing_batch_charges_nothing_to_the_new_generation(
     )
     workers.handler(sub, body)
     with workers.running(app, fast_engine):
-        try:
-            wait_for(lambda: count(sql, "subengine.dead_letters") >= 1 and count(sql) == 4 + 7)
-        except AssertionError:
-            # once, in a loaded full run, this never came: say what there was instead
-            effects = sql.execute("SELECT position FROM effects ORDER BY 1").fetchall()
-            letters = sql.execute("SELECT position, generation FROM subengine.dead_letters")
-            raise AssertionError(
-                f"effects at positions {[p for (p,) in effects]}, dead letters"
-                f" {letters.fetchall()}, positions {fast_engine.subscription_positions('billing')}"
-            ) from None
+        wait_for_a_reset_replay(sql, fast_engine, 4 + 7)
         resets[0].join()
     [row] = fast_engine.subscription_positions("billing")
     assert (row.generation, row.position) == (2, 8)
