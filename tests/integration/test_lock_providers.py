@@ -67,6 +67,25 @@ def test_an_exclusive_provider_keeps_a_partition_to_one_holder(
         assert db.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
+@pytest.mark.parametrize("providers", [("pals", "builtin"), ("builtin", "pals")])
+def test_the_advisory_providers_exclude_each_other(
+    providers: tuple[str, str], lock_connections: list[Db], sql: psycopg.Connection[Any]
+) -> None:
+    # the same lock keys: workers of either provider, and the gateway's delivery slots
+    # (builtin where the setting says pals), never hold one partition together
+    first, second = (
+        partition_locks(p, db) for p, db in zip(providers, lock_connections, strict=True)
+    )
+    key = lock_key("subengine", "effects", 0)
+    assert first.take(key, None)
+    assert not second.take(key, None)
+    first.release(key)
+    assert second.take(key, None)
+    assert not first.take(key, None)
+    second.release(key)
+    assert _advisory_holders(sql, key) == []
+
+
 def test_the_rows_provider_takes_no_advisory_lock(
     lock_connections: list[Db], sql: psycopg.Connection[Any]
 ) -> None:
