@@ -65,17 +65,23 @@ def names() -> frozenset[str]:
 
 
 @functools.cache
-def _render(schema: str, name: str) -> bytes:
-    blocks, parts = _blocks()
+def _parts(schema: str) -> dict[str, sql.Composed]:
+    """Every part, rendered for `schema` once, for the statements that place it."""
     quoted = sql.Identifier(schema)
-    shared = {}
-    for part, text in parts.items():
+    rendered = {}
+    for part, text in _blocks()[1].items():
         try:
             # its own line's end: a comment on its last line must not swallow what follows
-            shared[part] = sql.SQL(text + "\n").format(schema=quoted)
+            rendered[part] = sql.SQL(text + "\n").format(schema=quoted)
         except KeyError as error:
             raise RuntimeError(f"the part {part!r} places {error}: a part holds no part") from None
-    return sql.SQL(blocks[name]).format(schema=quoted, **shared).as_bytes(None)
+    return rendered
+
+
+@functools.cache
+def _render(schema: str, name: str) -> bytes:
+    statement = sql.SQL(_blocks()[0][name])
+    return statement.format(schema=sql.Identifier(schema), **_parts(schema)).as_bytes(None)
 
 
 @dataclass(frozen=True)
