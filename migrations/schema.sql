@@ -1146,7 +1146,7 @@ CREATE INDEX durable_streams_deadline ON subengine.durable_streams USING btree (
 
 CREATE INDEX durable_streams_source ON subengine.durable_streams USING btree (source) WHERE (source IS NOT NULL);
 
-CREATE INDEX events_recorded_at ON subengine.events USING btree (stream, recorded_at);
+CREATE INDEX events_recorded_at ON subengine.events USING btree (stream, recorded_at) WHERE (recorded_at IS NOT NULL);
 
 CREATE INDEX gaps_of_subscription ON subengine.gaps USING btree (subscription, partition, id);
 
