@@ -1,6 +1,6 @@
 """A webhook batch in two statements (docs/webhooks.md, "Deliveries"): one claims it (its
 bounds stored, its events' JSON made by PostgreSQL, what the delivery needs), the other
-moves the position once the callback took it.
+moves the position once the callback took it, without waiting for the disk.
 
 The engine's at_least_once batch does the same work in about eight round trips (a
 transaction to read it and store its bounds, one to read the webhook, one to move the
@@ -90,7 +90,9 @@ def commit_batch(
 ) -> Query[tuple[bool, datetime | None]]:
     """Move the position past a delivered batch, compared and set as every batch's is
     (DESIGN.md invariant 3): whether it moved (not: a reset or another process moved it
-    meanwhile, and nothing was written), and the time of the partition's next event."""
+    meanwhile, and nothing was written), and the time of the partition's next event.
+    The commit does not wait for the disk: a crash of PostgreSQL may send the last
+    batches again, each the same batch (see commit_webhook_batch)."""
 
     def read(result: Result) -> tuple[bool, datetime | None]:
         row = first_row(result)
@@ -105,4 +107,4 @@ def commit_batch(
         "generation": batch.generation,
         "next_time": batch.next_time,
     }
-    return Query("commit_position", params, read)
+    return Query("commit_webhook_batch", params, read)

@@ -670,11 +670,11 @@ SELECT part, part_position, part_generation, halted, attempts, head, take, id, s
        occurred_at, recorded_at
   FROM {schema}.lock_companions(%(name)s, %(stream)s, %(partition)s, %(room)s, %(companions)s)
 
--- name: commit_position
+-- part: move_position
 -- Compare-and-set the position of a batch of one partition (DESIGN.md invariant 3):
 -- matches no row when another worker moved it or a reset bumped the generation. The
 -- batch read the next event's time if there was one; if not, events committed since may
--- have brought one.
+-- have brought one. Placed by commit_position and commit_webhook_batch.
 UPDATE {schema}.subscription_positions
    SET position = %(new)s,
        next_time = coalesce(%(next_time)s::timestamptz,
@@ -684,6 +684,10 @@ UPDATE {schema}.subscription_positions
  WHERE subscription = %(name)s AND partition = %(partition)s
    AND position = %(old)s AND generation = %(generation)s
 RETURNING partition, next_time
+
+-- name: commit_position
+-- The position of a batch of one partition moved past it (move_position).
+{move_position}
 
 -- name: fix_batch
 -- Store the bounds of an at_least_once batch when it is first read, before its handlers

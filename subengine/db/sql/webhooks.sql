@@ -283,3 +283,15 @@ SELECT plain.fast AND (NOT unbounded OR EXISTS (SELECT FROM fixed)), c.position,
             THEN set_config('synchronous_commit', 'off', true) END
   FROM chosen c, hook h, batch b, plain, {schema}.streams st
  WHERE st.name = %(stream)s
+
+-- name: commit_webhook_batch
+-- The position of a delivered plain batch moved past it (move_position), committed
+-- without waiting for its WAL to reach the disk (synchronous_commit off for this
+-- transaction alone). A webhook is at_least_once: a crash of PostgreSQL may lose the
+-- last moves, and the batches after the position that survived are then sent again, each
+-- the same batch under the same webhook-id. Never another one: a stored end is written
+-- by a claim that commits durably, and so carries every move before it to the disk
+-- (the WAL is flushed in order); a full batch's end needs no storing.
+WITH moved AS (
+{move_position})
+SELECT partition, next_time, set_config('synchronous_commit', 'off', true) FROM moved
