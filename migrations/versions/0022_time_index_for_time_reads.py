@@ -11,7 +11,9 @@
   statistics may stay that old for good: adding a stream grows it too little to analyse
   it again.
 
-Appends wait (reads do not) while the index builds, which reads the whole table once.
+The new index is built under another name before the old one is dropped: while it builds
+(it reads the whole table once), appends wait and reads go on; the old one's drop and the
+rename then lock the table until the upgrade commits, which is the moment it takes.
 
 Revision ID: 0022
 Revises: 0021
@@ -29,8 +31,10 @@ depends_on = None
 def upgrade() -> None:
     op.execute(
         """
+CREATE INDEX events_recorded_at_0022 ON events (stream, recorded_at)
+    WHERE recorded_at IS NOT NULL;
 DROP INDEX events_recorded_at;
-CREATE INDEX events_recorded_at ON events (stream, recorded_at) WHERE recorded_at IS NOT NULL;
+ALTER INDEX events_recorded_at_0022 RENAME TO events_recorded_at;
 """
     )
 
@@ -38,7 +42,8 @@ CREATE INDEX events_recorded_at ON events (stream, recorded_at) WHERE recorded_a
 def downgrade() -> None:
     op.execute(
         """
+CREATE INDEX events_recorded_at_0021 ON events (stream, recorded_at);
 DROP INDEX events_recorded_at;
-CREATE INDEX events_recorded_at ON events (stream, recorded_at);
+ALTER INDEX events_recorded_at_0021 RENAME TO events_recorded_at;
 """
     )
