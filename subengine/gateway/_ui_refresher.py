@@ -121,11 +121,14 @@ class Refresher:
 
     def join(self, page: PageWake) -> None:
         """Wake `page` at every new version from now on; a snapshot older than the
-        refresh interval is read again at once."""
+        refresh interval is read again at once, unless a read is under way: that one
+        wakes the page, and asking for another would bring the next read forward (a
+        page opening during every read would halve the interval)."""
         self._pages.add(page)
         self._arrived.set()
         loop = asyncio.get_running_loop()
-        if self.latest is None or loop.time() - self._read_at >= self._interval:
+        stale = self.latest is None or loop.time() - self._read_at >= self._interval
+        if stale and not self._reading:
             self._poked.set()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run(), name="subengine-gateway-status-page")
