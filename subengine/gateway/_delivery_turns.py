@@ -4,16 +4,16 @@ two statements of their own instead of the engine's batch transaction.
 
 A slot's turn on a partition: `claim_batch` locks the position row, stores the batch's
 bounds and returns the batch with its events' JSON, as one autocommitted statement; the
-batch is posted; `commit_batch` moves the position (compare-and-set) in another. A stored end
-is durable before the POST (a retry after a crash of this process or of PostgreSQL is the
-same batch, under the same webhook-id); the position's move is not waited for: a crash
-of PostgreSQL may lose the last moves, and their batches are then sent again, each the
-same batch (webhooks are at_least_once; the claim that stores the next end flushes every
-move before it). A batch the claim finds not plain (a gap, missing
-events, a failure being retried, a halted partition, a webhook not delivered) is the
-engine's turn, unchanged; so is a batch whose delivery raised an unexpected error.
-Its slots lock partitions with the `builtin` provider where the setting says `pals`
-(docs/pooler.md, "Lock providers").
+batch is posted; `commit_batch` moves the position (compare-and-set) in another. A stored
+end is durable before the POST (a retry after a crash of this process or of PostgreSQL is
+the same batch, under the same webhook-id); the position's move is not waited for: a
+crash of PostgreSQL may lose the last moves, and their batches are then sent again, each
+the same batch (webhooks are at_least_once; the claim that stores the next end flushes
+every move before it; docs/webhooks.md says what retention and a failover change). A
+batch the claim finds not plain (a gap, missing events, a failure being retried, a halted
+partition, a webhook not delivered) is the engine's turn, unchanged; so is a batch whose
+delivery raised an unexpected error. Its slots lock partitions with the `builtin`
+provider where the setting says `pals` (docs/pooler.md, "Lock providers").
 """
 
 from __future__ import annotations

@@ -289,9 +289,10 @@ SELECT plain.fast AND (NOT unbounded OR EXISTS (SELECT FROM fixed)), c.position,
 -- without waiting for its WAL to reach the disk (synchronous_commit off for this
 -- transaction alone). A webhook is at_least_once: a crash of PostgreSQL may lose the
 -- last moves, and the batches after the position that survived are then sent again, each
--- the same batch under the same webhook-id. Never another one: a stored end is written
--- by a claim that commits durably, and so carries every move before it to the disk
--- (the WAL is flushed in order); a full batch's end needs no storing.
+-- the same batch under the same webhook-id (unless retention removed some of its events
+-- meanwhile: docs/webhooks.md). Not another one: a stored end is written by a claim that
+-- commits durably, and so carries every move before it to the disk (the WAL is flushed
+-- in order); a full batch's end needs no storing.
 WITH moved AS (
 {move_position})
 SELECT partition, next_time, set_config('synchronous_commit', 'off', true) FROM moved
