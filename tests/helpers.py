@@ -359,6 +359,24 @@ def _fresh_process_state(cwd: Path | None, timeout: float) -> Iterator[None]:
         os.chdir(saved_cwd)
 
 
+def plan_nodes(plan: str) -> Iterator[dict[str, Any]]:
+    """Every node of a JSON plan (`EXPLAIN (FORMAT JSON)`, as text), the top one first."""
+    nodes = [json.loads(plan)[0]["Plan"]]
+    while nodes:
+        node = nodes.pop()
+        yield node
+        nodes.extend(node.get("Plans", []))
+
+
+def scans(plan: str) -> set[tuple[str, str, str | None]]:
+    """Every scan node of a JSON plan: (node type, relation, index)."""
+    return {
+        (node["Node Type"], node["Relation Name"], node.get("Index Name"))
+        for node in plan_nodes(plan)
+        if "Relation Name" in node
+    }
+
+
 def invoke(
     env: dict[str, str],
     *args: str,

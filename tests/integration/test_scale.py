@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
-from helpers import Running, count, key_in, record, wait_for
+from helpers import Running, count, key_in, plan_nodes, record, scans, wait_for
 from psycopg import sql as pgsql
 
 import subengine
@@ -100,24 +100,6 @@ def generic_plan(conn: psycopg.Connection[Any], sql: SQL, **params: Any) -> str:
         conn.execute("DEALLOCATE look")
     assert row is not None
     return json.dumps(row[0])
-
-
-def plan_nodes(plan: str) -> Iterator[dict[str, Any]]:
-    """Every node of a JSON plan, the top one first."""
-    nodes = [json.loads(plan)[0]["Plan"]]
-    while nodes:
-        node = nodes.pop()
-        yield node
-        nodes.extend(node.get("Plans", []))
-
-
-def scans(plan: str) -> set[tuple[str, str, str | None]]:
-    """Every scan node of a JSON plan: (node type, relation, index)."""
-    return {
-        (node["Node Type"], node["Relation Name"], node.get("Index Name"))
-        for node in plan_nodes(plan)
-        if "Relation Name" in node
-    }
 
 
 def test_the_workers_queries_take_their_intended_plans_in_a_database_without_statistics(
