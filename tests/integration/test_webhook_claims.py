@@ -173,6 +173,32 @@ def test_moving_the_position_past_a_delivered_batch_does_not_wait_for_the_disk(
     assert sql.execute("SELECT position FROM subengine.subscription_positions").fetchone() == (30,)
 
 
+@pytest.mark.skipif(
+    bool(os.environ.get("SUBENGINE_TEST_DSN")),
+    reason="on a shared server other tests' writes move the WAL: its flush position "
+    "says nothing of this commit (the embedded run has a server per worker)",
+)
+def test_a_claim_that_stores_an_end_carries_the_moves_before_it_to_the_disk(
+    engine: subengine.Engine, sql: psycopg.Connection[Any], claims: Db
+) -> None:
+    # What makes a move that does not wait safe: after a crash, no stored end survives
+    # without the moves before it, so a batch sent again is the same batch (DESIGN.md).
+    engine.create_stream("s", partitions=1)
+    name = webhook(engine, sql)
+    append(engine, 7)
+    for _ in range(2):
+        batch = claim(claims, name, size=3)
+        assert batch is not None and batch.through - batch.position == 3
+        assert claims.run(commit_batch(name, "s", 0, batch))[0]
+    partial = claim(claims, name, size=3)
+    assert partial is not None and (partial.position, partial.through) == (6, 7)
+    assert stored_end(sql) == 7
+    row = claims.conn.execute(
+        "SELECT pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()"
+    ).fetchone()
+    assert row == (True,), "the claim that stored an end did not wait for the disk"
+
+
 def test_a_partial_batch_stores_its_end_and_a_retry_keeps_it(
     engine: subengine.Engine, sql: psycopg.Connection[Any], claims: Db
 ) -> None:
