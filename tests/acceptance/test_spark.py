@@ -29,7 +29,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import JIT_LIGHT, ROOT, SESSION_TAG
+from helpers import JIT_LIGHT, ROOT, SESSION_TAG, spark_worker_python
 from psycopg.conninfo import make_conninfo
 from psycopg.sql import SQL, Identifier
 from pytest_postgresql.executors import NoopExecutor
@@ -105,7 +105,7 @@ def spark_dsn(postgresql_migrated_server: NoopExecutor) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def spark(spark_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_PYTHON"] = spark_worker_python(tmp_path_factory.mktemp("spark-python"))
     os.environ[DSN_ENV] = spark_dsn
     # Shuffle files go to a directory of this session's own, which LosingShuffleWrites
     # empties to make Spark recompute a shuffle.
@@ -282,6 +282,17 @@ def assert_each_event_once_in_order(
 
 
 # batch reads
+
+
+def test_the_python_workers_import_the_pyspark_of_this_environment(spark: SparkSession) -> None:
+    # the one the driver imported, whose bytecode is written, not Spark's pyspark.zip
+    # (helpers.spark_worker_python)
+    def origin(_: int) -> str:
+        import pyspark
+
+        return str(pyspark.__file__)
+
+    assert spark.sparkContext.parallelize([0], 1).map(origin).collect() == [pyspark.__file__]
 
 
 def test_batch_read_equals_the_sql_read_of_the_stream(

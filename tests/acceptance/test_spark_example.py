@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import JIT_LIGHT, ROOT
+from helpers import JIT_LIGHT, ROOT, spark_worker_python
 
 
 def test_the_core_imports_without_pyspark_and_the_extra_says_how_to_install_it() -> None:
@@ -54,7 +54,9 @@ def test_the_example_runs_as_the_spark_page_shows(dsn: str, tmp_path: Path) -> N
     assert commands in (ROOT / "README.md").read_text()  # the README shows the same
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    env = dict(os.environ, SUBENGINE_DSN=dsn, PYSPARK_PYTHON=sys.executable)
+    workers = tmp_path / "spark-python"
+    workers.mkdir()
+    env = dict(os.environ, SUBENGINE_DSN=dsn, PYSPARK_PYTHON=spark_worker_python(workers))
     env["JAVA_TOOL_OPTIONS"] = JIT_LIGHT
     env.pop("SUBENGINE_SPARK_TEST_DSN", None)
     result = subprocess.run(
