@@ -1,8 +1,8 @@
 """A fresh database for every test, made and dropped off the test's path.
 
 Cloning the template and dropping a used database each cost a few hundred milliseconds
-on a busy server (CREATE DATABASE copies the template through the WAL; DROP DATABASE
-waits on the checkpointer), mostly spent waiting, and a test that waited for both
+on a busy server (CREATE DATABASE copies the template and DROP DATABASE waits on the
+checkpointer), mostly spent waiting, and a test that waited for both
 spent that long doing nothing. Here a thread of each pytest process clones the next
 database while a test runs, and another drops each used one after its test: a test
 takes a database that is ready and hands it back. Every test still gets a database no
@@ -79,11 +79,16 @@ class Databases:
             self._failure = error
 
     def _clone(self, conn: psycopg.Connection[Any]) -> None:
+        # From PostgreSQL 15, CREATE DATABASE writes every page of the template to the WAL
+        # by default. Copying the files instead (after a checkpoint) cost less, a test each:
+        # create and drop of the 8 MB template took 12.5 ms of CPU against 22 on the
+        # embedded PostgreSQL 16 (in memory), and 80 ms against 105 on PostgreSQL 15 on disk.
+        strategy = sql.SQL(" STRATEGY FILE_COPY" if conn.info.server_version >= 150000 else "")
         while not self._stopping.is_set():
             name = f"{self._prefix}_{next(self._numbers)}"
             conn.execute(
-                sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                    sql.Identifier(name), sql.Identifier(self._template)
+                sql.SQL("CREATE DATABASE {} TEMPLATE {}{}").format(
+                    sql.Identifier(name), sql.Identifier(self._template), strategy
                 )
             )
             while True:
