@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import forked
 import psycopg
+import web
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -1176,7 +1177,7 @@ class LossyProxy:
         self.lost = self.relayed = 0
         lock = threading.Lock()
         chance = random.Random(seed)
-        relay = httpx.Client(base_url=target, timeout=30)
+        relay = httpx.Client(base_url=target, timeout=30, verify=web.TLS)
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):

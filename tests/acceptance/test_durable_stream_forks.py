@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+import web
 from helpers import GatewayProcess, wait_for
 
 import subengine
@@ -43,24 +44,24 @@ def fork(url: str, source: str, offset: str | None = None, **headers: str) -> ht
     asked = {"Stream-Forked-From": source, **headers}
     if offset is not None:
         asked["Stream-Fork-Offset"] = offset
-    return httpx.put(url, headers=asked)
+    return web.put(url, headers=asked)
 
 
 def test_a_fork_copies_nothing_and_numbers_its_own_events_on_from_the_fork_point(
     ds: GatewayProcess, engine: subengine.Engine, sql: psycopg.Connection[Any]
 ) -> None:
     source = f"{ds.url}/ds/draft"
-    created = httpx.put(source, headers=TEXT, content=b"hello")
+    created = web.put(source, headers=TEXT, content=b"hello")
     assert created.status_code == 201
     after_hello = created.headers["Stream-Next-Offset"]
-    assert httpx.post(source, headers=TEXT, content=b"world").status_code == 204
+    assert web.post(source, headers=TEXT, content=b"world").status_code == 204
 
     # inherits "hello" and the first 3 bytes of "world"
     forked = fork(f"{ds.url}/ds/edit", "/draft", after_hello, **{"Stream-Fork-Sub-Offset": "3"})
     assert forked.status_code == 201
-    assert httpx.post(f"{ds.url}/ds/edit", headers=TEXT, content=b"LD").status_code == 204
-    assert httpx.get(f"{ds.url}/ds/edit").text == "helloworLD"
-    assert httpx.get(source).text == "helloworld"
+    assert web.post(f"{ds.url}/ds/edit", headers=TEXT, content=b"LD").status_code == 204
+    assert web.get(f"{ds.url}/ds/edit").text == "helloworLD"
+    assert web.get(source).text == "helloworld"
 
     own = engine_stream(sql, "/edit")
     stored = sql.execute(
@@ -92,22 +93,22 @@ def test_a_fork_copies_nothing_and_numbers_its_own_events_on_from_the_fork_point
 
 def test_a_fork_reads_its_sources_offsets_up_to_the_fork_point_only(ds: GatewayProcess) -> None:
     source = f"{ds.url}/ds/log"
-    assert httpx.put(source, headers=JSON, content=b"[1, 2]").status_code == 201
-    fork_point = httpx.head(source).headers["Stream-Next-Offset"]
-    first = httpx.get(source, params={"offset": "-1"})
+    assert web.put(source, headers=JSON, content=b"[1, 2]").status_code == 201
+    fork_point = web.head(source).headers["Stream-Next-Offset"]
+    first = web.get(source, params={"offset": "-1"})
     assert fork(f"{ds.url}/ds/log-fork", "/log").status_code == 201
-    assert httpx.post(source, headers=JSON, content=b"3").status_code == 204
-    beyond = httpx.head(source).headers["Stream-Next-Offset"]
-    assert httpx.post(f"{ds.url}/ds/log-fork", headers=JSON, content=b'"own"').status_code == 204
+    assert web.post(source, headers=JSON, content=b"3").status_code == 204
+    beyond = web.head(source).headers["Stream-Next-Offset"]
+    assert web.post(f"{ds.url}/ds/log-fork", headers=JSON, content=b'"own"').status_code == 204
 
     url = f"{ds.url}/ds/log-fork"
-    assert httpx.get(url).json() == [1, 2, "own"]
-    assert httpx.head(url).headers["Stream-Next-Offset"] > beyond  # its own epoch
-    at_fork_point = httpx.get(url, params={"offset": fork_point})
+    assert web.get(url).json() == [1, 2, "own"]
+    assert web.head(url).headers["Stream-Next-Offset"] > beyond  # its own epoch
+    at_fork_point = web.get(url, params={"offset": fork_point})
     assert at_fork_point.json() == ["own"]
     assert first.headers["Stream-Next-Offset"] == fork_point
     # the source's offset after its 3, which the fork never had
-    refused = httpx.get(url, params={"offset": beyond})
+    refused = web.get(url, params={"offset": beyond})
     assert refused.status_code == 400
     bad = fork(f"{ds.url}/ds/other", "/log", beyond[:-1] + "9")
     assert bad.status_code == 400
@@ -117,26 +118,26 @@ def test_a_deleted_source_stays_for_its_forks_and_goes_with_the_last_of_them(
     ds: GatewayProcess, engine: subengine.Engine, sql: psycopg.Connection[Any]
 ) -> None:
     base = f"{ds.url}/ds"
-    assert httpx.put(f"{base}/a", headers=TEXT, content=b"A").status_code == 201
+    assert web.put(f"{base}/a", headers=TEXT, content=b"A").status_code == 201
     assert fork(f"{base}/b", "/a").status_code == 201
-    assert httpx.post(f"{base}/b", headers=TEXT, content=b"B").status_code == 204
+    assert web.post(f"{base}/b", headers=TEXT, content=b"B").status_code == 204
     assert fork(f"{base}/c", "/b").status_code == 201
-    assert httpx.post(f"{base}/c", headers=TEXT, content=b"C").status_code == 204
+    assert web.post(f"{base}/c", headers=TEXT, content=b"C").status_code == 204
     streams = {path: engine_stream(sql, path) for path in ("/a", "/b", "/c")}
 
-    assert httpx.delete(f"{base}/a").status_code == 204
-    assert httpx.delete(f"{base}/b").status_code == 204
+    assert web.delete(f"{base}/a").status_code == 204
+    assert web.delete(f"{base}/b").status_code == 204
     for path in ("/a", "/b"):
         for method in ("GET", "HEAD", "POST", "DELETE"):
-            answer = httpx.request(method, f"{base}{path}", headers=TEXT, content=b"x")
+            answer = web.request(method, f"{base}{path}", headers=TEXT, content=b"x")
             assert answer.status_code == 410, (method, path)
-        assert httpx.put(f"{base}{path}", headers=TEXT).status_code == 409
+        assert web.put(f"{base}{path}", headers=TEXT).status_code == 409
         assert fork(f"{base}/d", path).status_code == 409
-    assert httpx.get(f"{base}/c").text == "ABC"
+    assert web.get(f"{base}/c").text == "ABC"
 
-    assert httpx.delete(f"{base}/c").status_code == 204
+    assert web.delete(f"{base}/c").status_code == 204
     for path in ("/a", "/b", "/c"):  # in the fork's own transaction, up the chain
-        assert httpx.head(f"{base}{path}").status_code == 404
+        assert web.head(f"{base}{path}").status_code == 404
     wait_for(
         lambda: not set(streams.values()) & {s.name for s in engine.streams()},
         "the sweeper to delete the three engine streams",
@@ -148,16 +149,16 @@ def test_retention_keeps_the_events_a_fork_reads(
     ds: GatewayProcess, engine: subengine.Engine, sql: psycopg.Connection[Any]
 ) -> None:
     source = f"{ds.url}/ds/kept"
-    assert httpx.put(source, headers=JSON, content=b"[1, 2, 3, 4]").status_code == 201
+    assert web.put(source, headers=JSON, content=b"[1, 2, 3, 4]").status_code == 201
     assert fork(f"{ds.url}/ds/kept-fork", "/kept").status_code == 201
-    assert httpx.post(source, headers=JSON, content=b"[5, 6]").status_code == 204
+    assert web.post(source, headers=JSON, content=b"[5, 6]").status_code == 204
     stream = engine_stream(sql, "/kept")
     engine.set_retention(stream, Retention(max_events=1))
 
     assert engine.run_retention(stream).removed == 0
-    assert httpx.get(f"{ds.url}/ds/kept-fork").json() == [1, 2, 3, 4]
-    assert httpx.get(source).json() == [1, 2, 3, 4, 5, 6]
+    assert web.get(f"{ds.url}/ds/kept-fork").json() == [1, 2, 3, 4]
+    assert web.get(source).json() == [1, 2, 3, 4, 5, 6]
 
-    assert httpx.delete(f"{ds.url}/ds/kept-fork").status_code == 204
+    assert web.delete(f"{ds.url}/ds/kept-fork").status_code == 204
     assert engine.run_retention(stream).removed == 5
-    assert httpx.get(source).json() == [6]
+    assert web.get(source).json() == [6]

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+import web
 from helpers import GatewayProcess, Running, record, run_subengine, scrape, value, wait_for
 
 import subengine
@@ -44,9 +45,9 @@ def test_messages_appended_through_ds_are_engine_events_a_worker_handles_once(
 ) -> None:
     url = f"{ds.url}/ds/orders/created"
     json_type = {"Content-Type": "application/json"}
-    assert httpx.put(url, headers=json_type, content=b'[{"n": 1}]').status_code == 201
-    assert httpx.post(url, headers=json_type, content=b'[{"n": 2}, {"n": 3}]').status_code == 204
-    closed = httpx.post(url, headers={"Stream-Closed": "true"})
+    assert web.put(url, headers=json_type, content=b'[{"n": 1}]').status_code == 201
+    assert web.post(url, headers=json_type, content=b'[{"n": 2}, {"n": 3}]').status_code == 204
+    closed = web.post(url, headers={"Stream-Closed": "true"})
     assert closed.status_code == 204
     stream = engine_stream(sql, "/orders/created")
     assert stream.startswith("ds.orders-created.")
@@ -58,13 +59,13 @@ def test_messages_appended_through_ds_are_engine_events_a_worker_handles_once(
         ("durable-streams.message", {"n": 3}),
         ("durable-streams.closed", {}),
     ]
-    native = httpx.get(f"{ds.url}/v1/streams/{stream}/events").json()
+    native = web.get(f"{ds.url}/v1/streams/{stream}/events").json()
     assert [e["data"] for e in native["events"]] == [{"n": 1}, {"n": 2}, {"n": 3}, {}]
     app = subengine.App()
     app.subscription("billing", stream=stream).handler()(record)
     with Running(app, fast_engine):
         wait_for(lambda: _count(sql) == 4, "the worker to handle the four events")
-        more = httpx.post(url, headers=json_type, content=b'{"n": 4}')
+        more = web.post(url, headers=json_type, content=b'{"n": 4}')
         assert more.status_code == 409  # closed: nothing more to handle
     handled = sql.execute("SELECT count(DISTINCT event_id), count(*) FROM effects").fetchone()
     assert handled == (4, 4)
@@ -78,13 +79,13 @@ def test_json_messages_are_stored_as_the_body_holds_them_on_either_append_path(
     # so it takes the general path. Both store what the body says.
     url = f"{ds.url}/ds/prices"
     json_type = {"Content-Type": "application/json"}
-    assert httpx.put(url, headers=json_type).status_code == 201
+    assert web.put(url, headers=json_type).status_code == 201
     bodies = [
         b'[{"price": 1e-05, "name": "caf\\u00e9", "tags": [1, [2, {"x": null}]]}, "text", null]',
         b'[{"n": 123456789012345678901234567890}, 0.1, {"deep": {"er": [true, false]}}]',
     ]
     for body in bodies:
-        assert httpx.post(url, headers=json_type, content=body).status_code == 204
+        assert web.post(url, headers=json_type, content=body).status_code == 204
     stream = engine_stream(sql, "/prices")
 
     events = [e for e in fast_engine.read(stream, 0) if isinstance(e, subengine.Event)]
@@ -109,10 +110,10 @@ def test_byte_messages_are_stored_byte_for_byte_beside_their_events(
     url = f"{ds.url}/ds/blobs/1"
     octets = {"Content-Type": "application/octet-stream"}
     first, second = bytes(range(256)), b"\x00\xff\xfe not UTF-8 \xc3\x28"
-    assert httpx.put(url, headers=octets, content=first).status_code == 201
-    assert httpx.post(url, headers=octets, content=second).status_code == 204
+    assert web.put(url, headers=octets, content=first).status_code == 201
+    assert web.post(url, headers=octets, content=second).status_code == 204
 
-    read = httpx.get(url)
+    read = web.get(url)
     assert read.content == first + second
     assert read.headers["Stream-Up-To-Date"] == "true"
     stream = engine_stream(sql, "/blobs/1")
@@ -138,21 +139,21 @@ def test_producer_state_survives_a_restart_of_the_gateway(
 
     with GatewayProcess(cli_env, *DS, tmp=tmp_path) as first:
         url = f"{first.url}/ds/log"
-        assert httpx.put(url, headers={"Content-Type": "text/plain"}).status_code == 201
-        assert httpx.post(url, headers=producer(0), content=b"a").status_code == 200
-        assert httpx.post(url, headers=producer(1), content=b"b").status_code == 200
+        assert web.put(url, headers={"Content-Type": "text/plain"}).status_code == 201
+        assert web.post(url, headers=producer(0), content=b"a").status_code == 200
+        assert web.post(url, headers=producer(1), content=b"b").status_code == 200
     with GatewayProcess(cli_env, *DS, tmp=tmp_path) as second:
         url = f"{second.url}/ds/log"
-        retry = httpx.post(url, headers=producer(1), content=b"b")
+        retry = web.post(url, headers=producer(1), content=b"b")
         assert (retry.status_code, retry.headers["Producer-Seq"]) == (204, "1")
-        gap = httpx.post(url, headers=producer(3), content=b"d")
+        gap = web.post(url, headers=producer(3), content=b"d")
         assert (gap.status_code, gap.headers["Producer-Expected-Seq"]) == (409, "2")
-        assert httpx.post(url, headers=producer(2), content=b"c").status_code == 200
-        zombie = httpx.post(url, headers=producer(0, epoch=1), content=b"x")
+        assert web.post(url, headers=producer(2), content=b"c").status_code == 200
+        zombie = web.post(url, headers=producer(0, epoch=1), content=b"x")
         assert zombie.status_code == 200  # a new epoch fences the old one
-        stale = httpx.post(url, headers=producer(3), content=b"y")
+        stale = web.post(url, headers=producer(3), content=b"y")
         assert (stale.status_code, stale.headers["Producer-Epoch"]) == (403, "1")
-        assert httpx.get(url).text == "abcx"
+        assert web.get(url).text == "abcx"
 
 
 def test_an_engine_stream_is_read_per_partition_and_read_only(
@@ -163,7 +164,7 @@ def test_an_engine_stream_is_read_per_partition_and_read_only(
     partition = subengine.partition_for("order-1", 4)
     url = f"{ds.url}/ds/__subengine/streams/orders/{partition}"
 
-    page = httpx.get(url)
+    page = web.get(url)
     assert page.status_code == 200
     assert page.headers["Content-Type"] == "application/json"
     events = page.json()
@@ -172,18 +173,18 @@ def test_an_engine_stream_is_read_per_partition_and_read_only(
         ("OrderPlaced", {"total": 2}, 2),
     ]
     tail = page.headers["Stream-Next-Offset"]
-    assert httpx.get(url, params={"offset": tail}).content == b"[]"
-    with httpx.Client(timeout=30) as client:
+    assert web.get(url, params={"offset": tail}).content == b"[]"
+    with httpx.Client(timeout=30, verify=web.TLS) as client:
         engine.append("orders", [NewEvent("order-1", "OrderPaid", {"total": 2})])
         poll = client.get(url, params={"offset": tail, "live": "long-poll"})
     assert [e["type"] for e in poll.json()] == ["OrderPaid"]
     assert poll.headers["Stream-Next-Offset"] > tail
 
     for method in ("POST", "PUT", "DELETE"):
-        refused = httpx.request(method, url, headers={"Content-Type": "application/json"})
+        refused = web.request(method, url, headers={"Content-Type": "application/json"})
         assert refused.status_code == 405, method
         assert refused.headers["Allow"] == "GET, HEAD, OPTIONS"
-    assert httpx.get(f"{ds.url}/ds/__subengine/streams/orders/4").status_code == 404
+    assert web.get(f"{ds.url}/ds/__subengine/streams/orders/4").status_code == 404
 
 
 def test_below_the_retention_floor_is_gone_with_the_missing_range(
@@ -192,37 +193,37 @@ def test_below_the_retention_floor_is_gone_with_the_missing_range(
     engine.create_stream("events", partitions=1, retention=Retention(max_events=2))
     engine.append("events", [NewEvent("k", "T", {"n": n}) for n in range(5)])
     url = f"{ds.url}/ds/__subengine/streams/events/0"
-    tail = httpx.get(url).headers["Stream-Next-Offset"]
+    tail = web.get(url).headers["Stream-Next-Offset"]
     after_first = tail[: -len("5")] + "1"  # the offset after position 1 of 5
     engine.run_retention("events")  # keeps positions 4 and 5
 
-    gone = httpx.get(url, params={"offset": after_first})
+    gone = web.get(url, params={"offset": after_first})
     assert gone.status_code == 410
     assert (gone.headers["Subengine-Gap-From"], gone.headers["Subengine-Gap-To"]) == ("2", "3")
-    resume = httpx.get(url, params={"offset": gone.headers["Subengine-Floor"]})
+    resume = web.get(url, params={"offset": gone.headers["Subengine-Floor"]})
     assert [e["data"] for e in resume.json()] == [{"n": 3}, {"n": 4}]
-    assert [e["data"] for e in httpx.get(url).json()] == [{"n": 3}, {"n": 4}]
+    assert [e["data"] for e in web.get(url).json()] == [{"n": 3}, {"n": 4}]
 
 
 def test_an_offset_of_a_deleted_incarnation_is_gone(ds: GatewayProcess) -> None:
     url = f"{ds.url}/ds/again"
     text = {"Content-Type": "text/plain"}
-    assert httpx.put(url, headers=text, content=b"old").status_code == 201
-    old = httpx.get(url).headers["Stream-Next-Offset"]
-    assert httpx.delete(url).status_code == 204
-    created = httpx.put(url, headers=text, content=b"new")
+    assert web.put(url, headers=text, content=b"old").status_code == 201
+    old = web.get(url).headers["Stream-Next-Offset"]
+    assert web.delete(url).status_code == 204
+    created = web.put(url, headers=text, content=b"new")
     assert created.status_code == 201
     assert created.headers["Stream-Next-Offset"] > old  # offsets keep increasing
 
-    assert httpx.get(url, params={"offset": old}).status_code == 410
-    assert httpx.get(url).text == "new"
+    assert web.get(url, params={"offset": old}).status_code == 410
+    assert web.get(url).text == "new"
 
 
 def test_an_expired_stream_is_swept_with_its_engine_stream(
     ds: GatewayProcess, sql: psycopg.Connection[Any]
 ) -> None:
     url = f"{ds.url}/ds/short-lived"
-    put = httpx.put(url, headers={"Content-Type": "text/plain", "Stream-TTL": "1"}, content=b"x")
+    put = web.put(url, headers={"Content-Type": "text/plain", "Stream-TTL": "1"}, content=b"x")
     assert put.status_code == 201
     stream = engine_stream(sql, "/short-lived")
 
@@ -237,7 +238,7 @@ def test_an_expired_stream_is_swept_with_its_engine_stream(
         return left == (0,)
 
     wait_for(swept, "the sweeper to remove the expired stream", timeout=30)
-    assert httpx.get(url).status_code == 404
+    assert web.get(url).status_code == 404
 
 
 def test_api_keys_are_bearer_tokens_on_the_engine_stream_names(
@@ -247,14 +248,14 @@ def test_api_keys_are_bearer_tokens_on_the_engine_stream_names(
     _, other = engine.create_api_key(["read", "append"], ["payments*"])
     url = f"{ds.url}/ds/orders/1"
 
-    refused = httpx.put(url, headers={"Content-Type": "text/plain"})
+    refused = web.put(url, headers={"Content-Type": "text/plain"})
     assert refused.status_code == 401
     assert refused.headers["WWW-Authenticate"] == "Bearer"
-    forbidden = httpx.put(url, headers={"Authorization": f"Bearer {other}"})
+    forbidden = web.put(url, headers={"Authorization": f"Bearer {other}"})
     assert forbidden.status_code == 403
     allowed = {"Authorization": f"Bearer {token}", "Content-Type": "text/plain"}
-    assert httpx.put(url, headers=allowed, content=b"hi").status_code == 201
-    assert httpx.get(url, headers=allowed).text == "hi"
+    assert web.put(url, headers=allowed, content=b"hi").status_code == 201
+    assert web.get(url, headers=allowed).text == "hi"
     assert "secret" not in refused.text and token not in ds.output()
 
 
@@ -262,18 +263,18 @@ def test_a_stream_a_subscription_consumes_is_not_deleted_under_it(
     ds: GatewayProcess, engine: subengine.Engine, sql: psycopg.Connection[Any]
 ) -> None:
     url = f"{ds.url}/ds/consumed"
-    put = httpx.put(url, headers={"Content-Type": "text/plain", "Stream-TTL": "1"}, content=b"x")
+    put = web.put(url, headers={"Content-Type": "text/plain", "Stream-TTL": "1"}, content=b"x")
     assert put.status_code == 201
     stream = engine_stream(sql, "/consumed")
     app = subengine.App()
     app.subscription("reader", stream=stream).handler()(record)
     engine.ensure_subscription(app.subscriptions["reader"])
 
-    refused = httpx.delete(url)
+    refused = web.delete(url)
     assert refused.status_code == 409
     # expired: the path is free, but the engine stream stays while it is consumed
     # HEAD, unlike GET, does not reset the TTL's countdown
-    wait_for(lambda: httpx.head(url).status_code == 404, "the stream to expire", timeout=30)
+    wait_for(lambda: web.head(url).status_code == 404, "the stream to expire", timeout=30)
     wait_for(
         lambda: _garbage(sql) == [stream], "the sweeper to leave it to the subscription", timeout=30
     )
@@ -296,19 +297,19 @@ def test_the_engine_stream_of_a_durable_stream_is_not_deleted_from_under_it(
     ds: GatewayProcess, cli_env: dict[str, str], sql: psycopg.Connection[Any]
 ) -> None:
     url = f"{ds.url}/ds/kept"
-    assert httpx.put(url, headers={"Content-Type": "text/plain"}, content=b"x").status_code == 201
+    assert web.put(url, headers={"Content-Type": "text/plain"}, content=b"x").status_code == 201
     fork = {"Content-Type": "text/plain", "Stream-Forked-From": "/kept"}
-    assert httpx.put(f"{ds.url}/ds/kept-fork", headers=fork).status_code == 201
+    assert web.put(f"{ds.url}/ds/kept-fork", headers=fork).status_code == 201
     stream = engine_stream(sql, "/kept")
     refused = run_subengine(cli_env, "stream", "delete", stream, "--force")
     assert refused.returncode == 1
     assert "holds the Durable Streams stream '/kept'" in refused.stderr, refused.stderr
-    assert httpx.get(f"{url}?offset=-1").text == "x"
+    assert web.get(f"{url}?offset=-1").text == "x"
     # deleted, the source stays while its fork reads it: still refused
-    assert httpx.delete(url).status_code == 204
+    assert web.delete(url).status_code == 204
     again = run_subengine(cli_env, "stream", "delete", stream, "--force")
     assert "holds the Durable Streams stream '/kept'" in again.stderr, again.stderr
-    assert httpx.get(f"{ds.url}/ds/kept-fork?offset=-1").text == "x"
+    assert web.get(f"{ds.url}/ds/kept-fork?offset=-1").text == "x"
 
 
 def test_retention_of_a_byte_stream_takes_its_bytes_too(
@@ -316,9 +317,9 @@ def test_retention_of_a_byte_stream_takes_its_bytes_too(
 ) -> None:
     url = f"{ds.url}/ds/blobs/kept-short"
     octets = {"Content-Type": "application/octet-stream"}
-    assert httpx.put(url, headers=octets, content=b"one").status_code == 201
+    assert web.put(url, headers=octets, content=b"one").status_code == 201
     for body in (b"two", b"three"):
-        assert httpx.post(url, headers=octets, content=body).status_code == 204
+        assert web.post(url, headers=octets, content=body).status_code == 204
     stream = engine_stream(sql, "/blobs/kept-short")
     engine.set_retention(stream, Retention(max_events=1))
     engine.run_retention(stream)
@@ -331,7 +332,7 @@ def test_retention_of_a_byte_stream_takes_its_bytes_too(
         return [bytes(row[0]) for row in rows]
 
     wait_for(lambda: stored() == [b"three"], "the sweeper to drop the pruned bytes", timeout=30)
-    assert httpx.get(url).content == b"three"  # a read from the start begins at the floor
+    assert web.get(url).content == b"three"  # a read from the start begins at the floor
 
 
 def test_a_long_poll_that_retention_passes_while_it_waits_is_gone_not_short(
@@ -343,7 +344,7 @@ def test_a_long_poll_that_retention_passes_while_it_waits_is_gone_not_short(
 ) -> None:
     url = f"{ds.url}/ds/passed"
     json_type = {"Content-Type": "application/json"}
-    created = httpx.put(url, headers=json_type, content=b'[{"n": 1}]')
+    created = web.put(url, headers=json_type, content=b'[{"n": 1}]')
     assert created.status_code == 201
     waiting_at = created.headers["Stream-Next-Offset"]
     stream = engine_stream(sql, "/passed")
@@ -358,7 +359,7 @@ def test_a_long_poll_that_retention_passes_while_it_waits_is_gone_not_short(
         assert ds.process is not None
         os.kill(ds.process.pid, signal.SIGSTOP)
         try:
-            posted = httpx.post(
+            posted = web.post(
                 f"{other.url}/ds/passed",
                 headers=json_type,
                 content=b'[{"n": 2}, {"n": 3}, {"n": 4}]',
@@ -370,12 +371,12 @@ def test_a_long_poll_that_retention_passes_while_it_waits_is_gone_not_short(
         answer = poll.result()
     assert answer.status_code == 410, answer.text
     assert (answer.headers["Subengine-Gap-From"], answer.headers["Subengine-Gap-To"]) == ("2", "3")
-    resume = httpx.get(url, params={"offset": answer.headers["Subengine-Floor"]})
+    resume = web.get(url, params={"offset": answer.headers["Subengine-Floor"]})
     assert resume.json() == [{"n": 4}]
 
 
 def _waiting_readers(ds: GatewayProcess) -> int:
-    metrics = httpx.get(f"{ds.url}/metrics").text
+    metrics = web.get(f"{ds.url}/metrics").text
     for line in metrics.splitlines():
         if line.startswith("subengine_gateway_connections{") and 'kind="long_poll"' in line:
             return int(float(line.rsplit(" ", 1)[1]))
@@ -385,20 +386,20 @@ def _waiting_readers(ds: GatewayProcess) -> int:
 def test_a_catch_up_page_holds_5000_small_messages_or_about_1_mib(ds: GatewayProcess) -> None:
     json_type = {"Content-Type": "application/json"}
     small, big = f"{ds.url}/ds/pages/small", f"{ds.url}/ds/pages/big"
-    assert httpx.put(small, headers=json_type).status_code == 201
-    assert httpx.put(big, headers=json_type).status_code == 201
+    assert web.put(small, headers=json_type).status_code == 201
+    assert web.put(big, headers=json_type).status_code == 201
     for first in range(0, 12_000, 3_000):
         body = "[" + ",".join(f'{{"n":{n}}}' for n in range(first, first + 3_000)) + "]"
-        assert httpx.post(small, headers=json_type, content=body).status_code == 204
+        assert web.post(small, headers=json_type, content=body).status_code == 204
     for first in range(0, 300, 100):  # 5 KB a message that does not compress: 1.5 MB
         pads = [os.urandom(2_500).hex() for _ in range(100)]
         body = "[" + ",".join(f'{{"n":{first + n},"pad":"{pad}"}}' for n, pad in enumerate(pads))
-        assert httpx.post(big, headers=json_type, content=body + "]").status_code == 204
+        assert web.post(big, headers=json_type, content=body + "]").status_code == 204
 
     def pages(url: str) -> list[int]:
         sizes, offset = [], "-1"
         while True:
-            read = httpx.get(url, params={"offset": offset}, timeout=30)
+            read = web.get(url, params={"offset": offset}, timeout=30)
             read.raise_for_status()
             sizes.append(len(read.json()))
             offset = read.headers["Stream-Next-Offset"]
@@ -415,14 +416,14 @@ def test_the_next_catch_up_page_is_read_while_the_reader_takes_in_this_one(
 ) -> None:
     json_type = {"Content-Type": "application/json"}
     url = f"{ds.url}/ds/pages/ahead"
-    assert httpx.put(url, headers=json_type).status_code == 201
+    assert web.put(url, headers=json_type).status_code == 201
 
     def append(first: int, count: int) -> None:
         body = "[" + ",".join(f'{{"n":{n}}}' for n in range(first, first + count)) + "]"
-        assert httpx.post(url, headers=json_type, content=body).status_code == 204
+        assert web.post(url, headers=json_type, content=body).status_code == 204
 
     def page(offset: str) -> tuple[list[int], str, bool]:
-        read = httpx.get(url, params={"offset": offset}, timeout=30)
+        read = web.get(url, params={"offset": offset}, timeout=30)
         read.raise_for_status()
         up_to_date = read.headers.get("Stream-Up-To-Date") == "true"
         return [m["n"] for m in read.json()], read.headers["Stream-Next-Offset"], up_to_date
@@ -451,22 +452,22 @@ def test_a_page_read_ahead_serves_no_other_stream_at_its_path_and_is_dropped_una
     url = f"{ds.url}/ds/pages/again"
 
     def create(label: str) -> None:
-        assert httpx.put(url, headers=json_type).status_code == 201
+        assert web.put(url, headers=json_type).status_code == 201
         for first in range(0, 6_000, 3_000):
             body = ",".join(f'{{"n":{n},"of":"{label}"}}' for n in range(first, first + 3_000))
-            assert httpx.post(url, headers=json_type, content=f"[{body}]").status_code == 204
+            assert web.post(url, headers=json_type, content=f"[{body}]").status_code == 204
 
     def read_ahead(outcome: str) -> float | None:
         return value(scrape(ds.port), "subengine_gateway_pages_read_ahead_total", outcome=outcome)
 
     create("old")
-    first = httpx.get(url, params={"offset": "-1"}, timeout=30)
+    first = web.get(url, params={"offset": "-1"}, timeout=30)
     assert len(first.json()) == 5_000  # and the rest is read ahead
-    assert httpx.delete(url).status_code == 204
+    assert web.delete(url).status_code == 204
     create("new")
-    stale = httpx.get(url, params={"offset": first.headers["Stream-Next-Offset"]}, timeout=30)
+    stale = web.get(url, params={"offset": first.headers["Stream-Next-Offset"]}, timeout=30)
     assert stale.status_code == 410, stale.text
-    fresh = httpx.get(url, params={"offset": "-1"}, timeout=30)
+    fresh = web.get(url, params={"offset": "-1"}, timeout=30)
     assert {m["of"] for m in fresh.json()} == {"new"}
     assert read_ahead("used") == 0
     # the old stream's page and the new one's (read ahead after `fresh`) go unasked

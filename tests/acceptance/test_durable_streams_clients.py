@@ -16,8 +16,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+import web
 from ds_suite import suite_folder
 from durable_streams import DurableStream
 from helpers import GatewayProcess, free_port, serving, wait_for
@@ -183,9 +183,7 @@ def test_the_typescript_client_forks_a_stream_and_reads_the_fork_stitched(
         follower = follow(folder, fork, fork_point, "2", "long-poll")
         try:
             node(folder, "produce", source, "5", "1")
-            later = httpx.post(
-                fork, headers={"Content-Type": "application/json"}, content=b'"later"'
-            )
+            later = web.post(fork, headers={"Content-Type": "application/json"}, content=b'"later"')
             assert later.status_code == 204
         except BaseException:
             follower.kill()

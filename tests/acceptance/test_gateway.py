@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+import web
 from helpers import GatewayProcess, SseFrame, server_now, sse_frames, wait_for
 
 import subengine
@@ -35,7 +36,7 @@ def pull_all(url: str, after: str = "beginning", limit: int = 3) -> tuple[list[A
     events: list[Any] = []
     cursor = after
     for _ in range(1000):
-        page = httpx.get(url, params={"after": cursor, "limit": limit}, timeout=TIMEOUT)
+        page = web.get(url, params={"after": cursor, "limit": limit}, timeout=TIMEOUT)
         assert page.status_code == 200, page.text
         body = page.json()
         assert page.headers["Subengine-Cursor"] == body["cursor"]
@@ -56,7 +57,7 @@ def frames_until(
 ) -> list[SseFrame]:
     """The frames of an event stream, until `stop(frames)` is true (then it disconnects)."""
     got: list[SseFrame] = []
-    with httpx.stream("GET", url, headers=headers, params=params, timeout=TIMEOUT) as response:
+    with web.stream("GET", url, headers=headers, params=params, timeout=TIMEOUT) as response:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         for frame in sse_frames(response.iter_lines()):
@@ -74,24 +75,24 @@ def test_streams_and_their_heads(
     engine: subengine.Engine, orders: str, gateway: GatewayProcess
 ) -> None:
     append(engine, orders, 5)
-    listed = httpx.get(f"{gateway.url}/v1/streams", timeout=TIMEOUT)
+    listed = web.get(f"{gateway.url}/v1/streams", timeout=TIMEOUT)
     assert listed.headers["Cache-Control"] == "no-store"
     assert listed.json() == {
         "streams": [{"name": "orders", "partitions": 4, "epoch": engine.stream("orders").epoch}]
     }
-    shown = httpx.get(f"{gateway.url}/v1/streams/orders", timeout=TIMEOUT).json()
+    shown = web.get(f"{gateway.url}/v1/streams/orders", timeout=TIMEOUT).json()
     heads = engine.heads("orders")
     assert [p["head"] for p in shown["partitions"]] == [heads[p] for p in range(4)]
     assert [p["floor"] for p in shown["partitions"]] == [1, 1, 1, 1]
     # its cursor is "now": a read from it has nothing until the next append
-    page = httpx.get(
+    page = web.get(
         f"{gateway.url}/v1/streams/orders/events",
         params={"after": shown["cursor"]},
         timeout=TIMEOUT,
     ).json()
     assert page["events"] == [] and page["up_to_date"] is True
     append(engine, orders, 1, start=5)
-    page = httpx.get(
+    page = web.get(
         f"{gateway.url}/v1/streams/orders/events",
         params={"after": shown["cursor"]},
         timeout=TIMEOUT,
@@ -122,7 +123,7 @@ def test_filters_and_metadata_only(
 ) -> None:
     append(engine, orders, 14)
     url = f"{gateway.url}/v1/streams/orders/events"
-    page = httpx.get(
+    page = web.get(
         url, params={"key": ["k1", "k2"], "include_data": "false", "limit": 100}, timeout=TIMEOUT
     ).json()
     assert sorted(e["key"] for e in page["events"]) == ["k1", "k1", "k2", "k2"]
@@ -136,7 +137,7 @@ def test_since_is_exact_per_partition(
     append(engine, orders, 6)
     middle = server_now(engine)
     append(engine, orders, 6, start=6)
-    page = httpx.get(
+    page = web.get(
         f"{gateway.url}/v1/streams/orders/events",
         params={"since": middle.isoformat(), "limit": 100},
         timeout=TIMEOUT,
@@ -148,7 +149,7 @@ def test_long_poll_answers_when_an_event_commits_or_204(
     engine: subengine.Engine, orders: str, gateway: GatewayProcess
 ) -> None:
     url = f"{gateway.url}/v1/streams/orders/events"
-    empty = httpx.get(
+    empty = web.get(
         url, params={"after": "now", "live": "long-poll", "wait": "0.5"}, timeout=TIMEOUT
     )
     assert empty.status_code == 204
@@ -156,7 +157,7 @@ def test_long_poll_answers_when_an_event_commits_or_204(
     answer: list[httpx.Response] = []
     poll = threading.Thread(
         target=lambda: answer.append(
-            httpx.get(
+            web.get(
                 url, params={"after": cursor, "live": "long-poll", "wait": "30"}, timeout=TIMEOUT
             )
         )
@@ -211,10 +212,10 @@ def test_a_cursor_below_the_floor_gets_the_exact_tombstone_first(
     engine.create_stream("feed", 1, retention=subengine.Retention(max_events=5))
     engine.append("feed", [subengine.NewEvent("k", "t", {"n": n}) for n in range(12)])
     url = f"{gateway.url}/v1/streams/feed/events"
-    start = httpx.get(url, params={"limit": 2}, timeout=TIMEOUT).json()
+    start = web.get(url, params={"limit": 2}, timeout=TIMEOUT).json()
     assert numbers(start["events"]) == [0, 1]
     engine.run_retention()
-    page = httpx.get(url, params={"after": start["cursor"], "limit": 100}, timeout=TIMEOUT).json()
+    page = web.get(url, params={"after": start["cursor"], "limit": 100}, timeout=TIMEOUT).json()
     assert page["tombstones"] == [
         {
             "stream": "feed",
@@ -244,11 +245,11 @@ def test_a_re_created_stream_gives_reset(engine: subengine.Engine, gateway: Gate
     engine.create_stream("temp", 2)
     engine.append("temp", [subengine.NewEvent("a", "t", {"n": 0})])
     url = f"{gateway.url}/v1/streams/temp/events"
-    first = httpx.get(url, timeout=TIMEOUT).json()
+    first = web.get(url, timeout=TIMEOUT).json()
     engine.delete_stream("temp")
     engine.create_stream("temp", 2)
     engine.append("temp", [subengine.NewEvent("b", "t", {"n": 1})])
-    page = httpx.get(url, params={"after": first["cursor"]}, timeout=TIMEOUT).json()
+    page = web.get(url, params={"after": first["cursor"]}, timeout=TIMEOUT).json()
     assert [r["stream"] for r in page["resets"]] == ["temp"]
     assert numbers(page["events"]) == [1]
     frames = frames_until(
@@ -266,11 +267,11 @@ def test_a_stream_re_created_with_other_partitions_gives_reset_not_an_error(
     engine.create_stream("resized", 2)
     engine.append("resized", [subengine.NewEvent("a", "t", {"n": 0})])
     url = f"{gateway.url}/v1/streams/resized/events"
-    first = httpx.get(url, timeout=TIMEOUT).json()
+    first = web.get(url, timeout=TIMEOUT).json()
     engine.delete_stream("resized")
     engine.create_stream("resized", 5)
     engine.append("resized", [subengine.NewEvent("b", "t", {"n": 1})])
-    page = httpx.get(url, params={"after": first["cursor"]}, timeout=TIMEOUT)
+    page = web.get(url, params={"after": first["cursor"]}, timeout=TIMEOUT)
     assert page.status_code == 200, page.text
     assert [r["stream"] for r in page.json()["resets"]] == ["resized"]
     assert numbers(page.json()["events"]) == [1]
@@ -302,7 +303,7 @@ def test_a_stream_re_created_with_other_partitions_gives_reset_not_an_error(
 def test_bad_input_is_a_json_error_naming_it(
     orders: str, gateway: GatewayProcess, path: str, params: dict[str, str], status: int, code: str
 ) -> None:
-    answer = httpx.get(f"{gateway.url}{path}", params=params, timeout=TIMEOUT)
+    answer = web.get(f"{gateway.url}{path}", params=params, timeout=TIMEOUT)
     assert answer.status_code == status, answer.text
     assert answer.headers["Cache-Control"] == "no-store"
     error = answer.json()["error"]

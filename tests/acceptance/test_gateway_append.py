@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import psycopg
+import web
 from helpers import GatewayProcess, run_subengine, snapshot, stored_events
 
 import subengine
@@ -25,7 +26,7 @@ TIMEOUT = httpx.Timeout(30.0)
 
 
 def post(gateway: GatewayProcess, body: Any, stream: str = "orders") -> httpx.Response:
-    return httpx.post(f"{gateway.url}/v1/streams/{stream}/events", json=body, timeout=TIMEOUT)
+    return web.post(f"{gateway.url}/v1/streams/{stream}/events", json=body, timeout=TIMEOUT)
 
 
 def test_posted_events_are_stored_as_given_and_where_the_answer_says(
@@ -80,7 +81,7 @@ def test_posted_data_is_stored_as_the_engines_append_stores_it(
 ) -> None:
     engine.create_stream("mirror", partitions=4)
     for body in WRITTEN:
-        answer = httpx.post(
+        answer = web.post(
             f"{gateway.url}/v1/streams/orders/events",
             content=body,
             headers={"Content-Type": "application/json"},
@@ -155,7 +156,7 @@ def test_a_posted_event_wakes_a_long_poll(orders: str, gateway: GatewayProcess) 
     answers: list[httpx.Response] = []
     poll = threading.Thread(
         target=lambda: answers.append(
-            httpx.get(url, params={"after": "now", "live": "long-poll"}, timeout=TIMEOUT)
+            web.get(url, params={"after": "now", "live": "long-poll"}, timeout=TIMEOUT)
         )
     )
     poll.start()
@@ -253,7 +254,7 @@ def test_bad_requests_are_json_errors_and_change_nothing(
 ) -> None:
     before = snapshot(sql)
     for stream, content, headers, status, code in BAD_REQUESTS:
-        answer = httpx.post(
+        answer = web.post(
             f"{gateway.url}/v1/streams/{stream}/events",
             content=content,
             headers={"Content-Type": "application/json", **headers},
@@ -278,7 +279,7 @@ def test_a_body_over_the_limit_is_refused_as_it_streams_in(
             yield b"x" * 65536
         yield b'"}]'
 
-    answer = httpx.post(
+    answer = web.post(
         f"{gateway.url}/v1/streams/orders/events",
         content=chunks(),
         headers={"Content-Type": "application/json"},

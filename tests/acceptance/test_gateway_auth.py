@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import web
 from helpers import GatewayProcess, sse_frames, wait_for
 
 import subengine
@@ -36,32 +37,32 @@ def test_without_a_usable_key_every_endpoint_answers_401(
 ) -> None:
     for headers in ({}, bearer("sek_000000000000_" + "A" * 43), {"Authorization": "Basic x"}):
         for path in ("/v1/streams", "/v1/streams/orders", "/v1/streams/orders/events"):
-            answer = httpx.get(gateway.url + path, headers=headers, timeout=TIMEOUT)
+            answer = web.get(gateway.url + path, headers=headers, timeout=TIMEOUT)
             assert answer.status_code == 401, (path, headers)
             assert answer.json()["error"]["code"] == "unauthorized"
             assert answer.headers["WWW-Authenticate"] == "Bearer"
     # health needs no key
-    assert httpx.get(f"{gateway.url}/healthz", timeout=TIMEOUT).status_code == 200
+    assert web.get(f"{gateway.url}/healthz", timeout=TIMEOUT).status_code == 200
 
 
 def test_scopes_and_stream_patterns_are_enforced(
     keys: dict[str, Any], gateway: GatewayProcess
 ) -> None:
     reader = bearer(keys["reader"])
-    listed = httpx.get(f"{gateway.url}/v1/streams", headers=reader, timeout=TIMEOUT).json()
+    listed = web.get(f"{gateway.url}/v1/streams", headers=reader, timeout=TIMEOUT).json()
     assert [s["name"] for s in listed["streams"]] == ["orders"]
-    page = httpx.get(f"{gateway.url}/v1/streams/orders/events", headers=reader, timeout=TIMEOUT)
+    page = web.get(f"{gateway.url}/v1/streams/orders/events", headers=reader, timeout=TIMEOUT)
     assert page.status_code == 200 and len(page.json()["events"]) == 1
     for path in ("/v1/streams/payments", "/v1/streams/payments/events"):
-        answer = httpx.get(gateway.url + path, headers=reader, timeout=TIMEOUT)
+        answer = web.get(gateway.url + path, headers=reader, timeout=TIMEOUT)
         assert answer.status_code == 403 and answer.json()["error"]["code"] == "forbidden"
     # the append-only key may not read
-    answer = httpx.get(
+    answer = web.get(
         f"{gateway.url}/v1/streams/orders/events", headers=bearer(keys["writer"]), timeout=TIMEOUT
     )
     assert answer.status_code == 403
     # nor may a reader watch a stream outside its patterns
-    answer = httpx.post(
+    answer = web.post(
         f"{gateway.url}/v1/watch",
         headers=reader,
         json={"streams": {"orders": {}, "payments": {}}},
@@ -73,7 +74,7 @@ def test_scopes_and_stream_patterns_are_enforced(
 def test_a_watch_is_read_by_its_id_until_its_key_is_revoked(
     engine: subengine.Engine, keys: dict[str, Any], gateway: GatewayProcess
 ) -> None:
-    created = httpx.post(
+    created = web.post(
         f"{gateway.url}/v1/watch",
         headers=bearer(keys["reader"]),
         json={"streams": {"orders": {"after": "beginning"}}, "heartbeat": 1},
@@ -83,9 +84,9 @@ def test_a_watch_is_read_by_its_id_until_its_key_is_revoked(
     url = gateway.url + created.json()["url"]
     # another key may not use it
     _, other = engine.create_api_key(["read"], ["*"], name="other")
-    assert httpx.get(url, headers=bearer(other), timeout=TIMEOUT).status_code == 403
+    assert web.get(url, headers=bearer(other), timeout=TIMEOUT).status_code == 403
     # without a header (a browser's EventSource), the id stands for its key
-    with httpx.stream("GET", url, timeout=TIMEOUT) as response:
+    with web.stream("GET", url, timeout=TIMEOUT) as response:
         assert response.status_code == 200
         frames = sse_frames(response.iter_lines())
         kinds = []
@@ -97,15 +98,15 @@ def test_a_watch_is_read_by_its_id_until_its_key_is_revoked(
                 assert frame.data["code"] == "forbidden"
                 break
     assert kinds[0] == "events" and "caught-up" in kinds and kinds[-1] == "close"
-    assert httpx.get(url, timeout=TIMEOUT).status_code == 403
+    assert web.get(url, timeout=TIMEOUT).status_code == 403
 
 
 def test_tokens_never_reach_the_gateways_output(
     keys: dict[str, Any], gateway: GatewayProcess
 ) -> None:
     for token in keys.values():
-        httpx.get(f"{gateway.url}/v1/streams", headers=bearer(token), timeout=TIMEOUT)
-        httpx.get(f"{gateway.url}/v1/streams/x/events", headers=bearer(token), timeout=TIMEOUT)
+        web.get(f"{gateway.url}/v1/streams", headers=bearer(token), timeout=TIMEOUT)
+        web.get(f"{gateway.url}/v1/streams/x/events", headers=bearer(token), timeout=TIMEOUT)
     output = gateway.output()
     for token in keys.values():
         assert token not in output
@@ -121,10 +122,10 @@ def test_appending_needs_a_key_with_the_append_scope(
     body = [{"key": "a", "type": "t", "data": {"n": 2}}]
     before = engine.heads("orders")
     for headers, status in (({}, 401), (bearer(keys["reader"]), 403)):
-        answer = httpx.post(url, json=body, headers=headers, timeout=TIMEOUT)
+        answer = web.post(url, json=body, headers=headers, timeout=TIMEOUT)
         assert answer.status_code == status, answer.text
     assert engine.heads("orders") == before
-    answer = httpx.post(url, json=body, headers=bearer(keys["writer"]), timeout=TIMEOUT)
+    answer = web.post(url, json=body, headers=bearer(keys["writer"]), timeout=TIMEOUT)
     assert answer.status_code == 201, answer.text
 
 
@@ -149,13 +150,13 @@ def test_with_its_last_key_revoked_the_gateway_answers_only_its_own_host(
         engine.revoke_api_key(key.id)
         remote = f"http://{address}:{gateway.port}/v1/streams/orders/events"
         wait_for(
-            lambda: httpx.get(remote, timeout=TIMEOUT).status_code == 401,
+            lambda: web.get(remote, timeout=TIMEOUT).status_code == 401,
             "the open gateway to refuse another host",
             30,
         )
-        answer = httpx.get(remote, timeout=TIMEOUT)
+        answer = web.get(remote, timeout=TIMEOUT)
         assert answer.json()["error"]["code"] == "unauthorized"
-        local = httpx.get(f"{gateway.url}/v1/streams/orders/events", timeout=TIMEOUT)
+        local = web.get(f"{gateway.url}/v1/streams/orders/events", timeout=TIMEOUT)
         assert local.status_code == 200
 
 
@@ -166,11 +167,11 @@ def test_an_open_gateway_answers_only_requests_sent_to_a_loopback_name(
     # its own name as Host: an open gateway must not let it read, append or add webhooks
     url = f"{gateway.url}/v1/streams/orders/events"
     for host in ("evil.example", f"evil.example:{gateway.port}", "127.0.0.1.nip.example"):
-        refused = httpx.get(url, headers={"Host": host}, timeout=TIMEOUT)
+        refused = web.get(url, headers={"Host": host}, timeout=TIMEOUT)
         assert refused.status_code == 401, host
         assert "loopback name" in refused.json()["error"]["message"]
     for host in ("localhost", f"localhost:{gateway.port}", f"127.0.0.1:{gateway.port}"):
-        assert httpx.get(url, headers={"Host": host}, timeout=TIMEOUT).status_code == 200, host
+        assert web.get(url, headers={"Host": host}, timeout=TIMEOUT).status_code == 200, host
 
 
 def test_a_key_change_reaches_every_gateway_process_by_its_notification(
@@ -194,7 +195,7 @@ def test_a_key_change_reaches_every_gateway_process_by_its_notification(
 
         def statuses(headers: dict[str, str]) -> list[int]:
             return [
-                httpx.get(p.url + url, headers=headers, timeout=TIMEOUT).status_code
+                web.get(p.url + url, headers=headers, timeout=TIMEOUT).status_code
                 for p in processes
             ]
 

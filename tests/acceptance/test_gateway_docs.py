@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import web
 from helpers import ROOT, GatewayProcess, free_port, sse_frames, wait_for
 
 import subengine
@@ -83,7 +84,7 @@ def test_every_http_example_gets_the_documented_answer(documented: GatewayProces
     assert len(examples) >= 5
     for example in examples:
         method, path, headers, body, status, names, response_body = exchange(example)
-        answer = httpx.request(
+        answer = web.request(
             method,
             documented.url + path,
             headers=headers,
@@ -102,7 +103,7 @@ def test_the_sse_example_is_what_a_stream_sends(documented: GatewayProcess) -> N
     (example,) = blocks("sse")
     documented_frames = [f for f in sse_frames(iter(example.split("\n"))) if f.kind != ":"]
     got = []
-    with httpx.stream(
+    with web.stream(
         "GET",
         f"{documented.url}/v1/streams/orders/events",
         params={"live": "sse", "heartbeat": "1"},
@@ -137,13 +138,13 @@ def test_the_mounting_example_serves_the_gateway(
 
         def listed() -> bool:
             try:
-                answer = httpx.get(f"http://127.0.0.1:{port}/events/v1/streams", timeout=5)
+                answer = web.get(f"http://127.0.0.1:{port}/events/v1/streams", timeout=5)
             except httpx.TransportError:
                 return False
             return answer.status_code == 200
 
         wait_for(listed, "the mounted gateway", timeout=30)
-        answer = httpx.get(f"http://127.0.0.1:{port}/events/v1/streams", timeout=TIMEOUT)
+        answer = web.get(f"http://127.0.0.1:{port}/events/v1/streams", timeout=TIMEOUT)
         assert [s["name"] for s in answer.json()["streams"]] == ["orders", "payments"]
     finally:
         server.terminate()

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+import web
 from helpers import GatewayProcess, run_subengine, scrape, sse_frames, value, wait_for
 
 import subengine
@@ -60,7 +61,7 @@ class Held:
 
     def _run(self) -> None:
         params = {"live": self.live, "after": "now", "wait": "30"}
-        with httpx.stream("GET", self.url, params=params, timeout=TIMEOUT) as response:
+        with web.stream("GET", self.url, params=params, timeout=TIMEOUT) as response:
             self.status = response.status_code
             self.open.set()
             for _ in sse_frames(response.iter_lines()):
@@ -91,18 +92,18 @@ def test_a_key_holds_a_bounded_number_of_open_connections(
     stream = Held(small, "sse")
     poll = Held(small, "long-poll")
     wait_for(lambda: connections(small, "long_poll") == 1 and connections(small, "sse") == 1)
-    third = httpx.get(url, params={"live": "long-poll", "wait": "1"}, timeout=TIMEOUT)
+    third = web.get(url, params={"live": "long-poll", "wait": "1"}, timeout=TIMEOUT)
     refused(third, "too_many_connections")
     # no key exists: the message speaks of requests without one, not of "this key"
     message = third.json()["error"]["message"]
     assert message.startswith("requests without an API key hold 2 open long-polls"), message
     # a page is not held open: it is served
-    assert httpx.get(url, timeout=TIMEOUT).status_code == 200
+    assert web.get(url, timeout=TIMEOUT).status_code == 200
     # the long-poll answers, and its place is free again
     engine.append("orders", [subengine.NewEvent("k", "T", {})])
     poll.close()
     wait_for(lambda: connections(small, "long_poll") == 0, "the long-poll to end")
-    again = httpx.get(
+    again = web.get(
         url, params={"live": "long-poll", "after": "now", "wait": "0.2"}, timeout=TIMEOUT
     )
     assert again.status_code == 204
@@ -117,7 +118,7 @@ def test_a_process_serves_a_bounded_number_of_event_streams(
     url = f"{small.url}/v1/streams/orders/events"
     first = Held(small, "sse")
     assert first.open.wait(10) and first.status == 200
-    second = httpx.get(url, params={"live": "sse"}, timeout=TIMEOUT)
+    second = web.get(url, params={"live": "sse"}, timeout=TIMEOUT)
     refused(second, "too_many_event_streams")
     first.close()
     wait_for(lambda: connections(small, "sse") == 0, "the stream to end")
@@ -132,7 +133,7 @@ def test_a_refused_stream_leaves_no_place_taken(orders: str, small: GatewayProce
     """Streams refused for a bad cursor or an unknown stream give their place back."""
     url = f"{small.url}/v1/streams"
     for path, params in (("nope", {}), ("orders", {"after": "c1.!!"})):
-        answer = httpx.get(f"{url}/{path}/events", params={"live": "sse", **params})
+        answer = web.get(f"{url}/{path}/events", params={"live": "sse", **params})
         assert answer.status_code in (400, 404)
     samples = scrape(small.port)
     assert value(samples, "subengine_gateway_connections", kind="sse") == 0
@@ -145,7 +146,7 @@ def test_a_watch_of_too_many_streams_is_a_bad_request_not_a_retry(
     small: GatewayProcess,
 ) -> None:
     body: dict[str, Any] = {"streams": {name: {} for name in ("a", "b", "c")}}
-    answer = httpx.post(f"{small.url}/v1/watch", json=body, timeout=TIMEOUT)
+    answer = web.post(f"{small.url}/v1/watch", json=body, timeout=TIMEOUT)
     assert answer.status_code == 400
     assert "Retry-After" not in answer.headers
     assert answer.headers["Cache-Control"] == "no-store"
@@ -156,7 +157,7 @@ def test_a_watch_of_too_many_streams_is_a_bad_request_not_a_retry(
 @pytest.mark.parametrize("path", ["/v1/streams/orders/events", "/v1/watch"])
 def test_a_body_over_the_limit_is_413(orders: str, small: GatewayProcess, path: str) -> None:
     events = [{"key": "k", "type": "T", "data": "x" * 1000} for _ in range(3)]
-    answer = httpx.post(f"{small.url}{path}", json=events, timeout=TIMEOUT)
+    answer = web.post(f"{small.url}{path}", json=events, timeout=TIMEOUT)
     assert answer.status_code == 413
     assert answer.headers["Cache-Control"] == "no-store"
     assert answer.json()["error"]["code"] == "too_large"
@@ -213,7 +214,7 @@ def test_a_client_that_sends_its_whole_oversized_body_before_reading_gets_the_41
     would see a reset instead of the 413. The connection then serves the next request."""
     path, content_type = SURFACES[surface]
     if surface == "ds":
-        assert httpx.put(f"{both_surfaces.url}{path}", timeout=TIMEOUT).status_code == 201
+        assert web.put(f"{both_surfaces.url}{path}", timeout=TIMEOUT).status_code == 201
     with socket.create_connection(("127.0.0.1", both_surfaces.port), timeout=30) as client:
         client.sendall(post_head(path, content_type, OVERSIZED))
         time.sleep(SLOW_START)
@@ -241,7 +242,7 @@ def test_a_body_the_gateway_will_not_read_is_refused_at_once_and_the_connection_
     the connection closes, since the rest of the body will not be read."""
     path, content_type = SURFACES[surface]
     if surface == "ds":
-        assert httpx.put(f"{both_surfaces.url}{path}", timeout=TIMEOUT).status_code == 201
+        assert web.put(f"{both_surfaces.url}{path}", timeout=TIMEOUT).status_code == 201
     with socket.create_connection(("127.0.0.1", both_surfaces.port), timeout=30) as client:
         client.sendall(post_head(path, content_type, length, *extra))
         answer = read_answer(client)
@@ -276,7 +277,7 @@ def test_a_long_poll_whose_client_left_gives_its_place_back_at_once(
     params = {"live": "long-poll", "after": "now", "wait": "60"}
     for _ in range(2):
         with pytest.raises(httpx.ReadTimeout):
-            httpx.get(url, params=params, timeout=httpx.Timeout(30.0, read=1.0))
+            web.get(url, params=params, timeout=httpx.Timeout(30.0, read=1.0))
     wait_for(
         lambda: (
             connections(small, "long_poll") == 0
@@ -285,7 +286,7 @@ def test_a_long_poll_whose_client_left_gives_its_place_back_at_once(
         "the long-polls of the clients gone to end",
         timeout=20,
     )
-    again = httpx.get(url, params={**params, "wait": "0.2"}, timeout=TIMEOUT)
+    again = web.get(url, params={**params, "wait": "0.2"}, timeout=TIMEOUT)
     assert again.status_code == 204
     samples = scrape(small.port)
     assert value(samples, "subengine_gateway_rejected_total", limit="too_many_connections") == 0

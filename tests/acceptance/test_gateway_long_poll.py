@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import web
 from helpers import GatewayProcess, scrape, value, wait_for
 
 import subengine
@@ -38,7 +39,7 @@ class Poll:
         self._thread.start()
 
     def _run(self, url: str, params: dict[str, str]) -> None:
-        self.answer = httpx.get(url, params={"live": "long-poll", **params}, timeout=TIMEOUT)
+        self.answer = web.get(url, params={"live": "long-poll", **params}, timeout=TIMEOUT)
 
     def result(self) -> httpx.Response:
         self._thread.join(60)
@@ -53,7 +54,7 @@ def waiting(gateway: GatewayProcess) -> float | None:
 def test_a_long_poll_of_a_session_answers_its_older_one_at_once(
     engine: subengine.Engine, orders: str, one_place: GatewayProcess
 ) -> None:
-    start = httpx.get(f"{one_place.url}/v1/streams/orders", timeout=TIMEOUT).json()["cursor"]
+    start = web.get(f"{one_place.url}/v1/streams/orders", timeout=TIMEOUT).json()["cursor"]
     older = Poll(events_url(one_place), after=start, wait="60", session="s-1")
     wait_for(lambda: waiting(one_place) == 1, "the first long-poll to wait")
     # the retry takes the older one's place in the key's limit of one (no 429)
@@ -133,7 +134,7 @@ def test_a_lingering_reply_stops_gathering_at_a_full_page(
 def test_bad_gathering_parameters_are_refused_naming_them(
     orders: str, gateway: GatewayProcess, params: dict[str, str], named: str
 ) -> None:
-    answer = httpx.get(
+    answer = web.get(
         events_url(gateway), params={"live": "long-poll", "wait": "0", **params}, timeout=TIMEOUT
     )
     assert answer.status_code == 400
@@ -147,7 +148,7 @@ def test_long_polls_woken_by_one_append_share_one_read(
     an event stream does: eight long-polls at the head cost one read of the partition,
     and no page of the stream each."""
     engine.append(orders, [subengine.NewEvent("a", "T", {"n": 0})])
-    head = httpx.get(events_url(gateway), timeout=TIMEOUT).headers["Subengine-Cursor"]
+    head = web.get(events_url(gateway), timeout=TIMEOUT).headers["Subengine-Cursor"]
     polls = [Poll(events_url(gateway), after=head, wait="30") for _ in range(8)]
     wait_for(lambda: waiting(gateway) == 8, "eight long-polls waiting", timeout=20)
     before = scrape(gateway.port)
@@ -168,7 +169,7 @@ def test_a_woken_long_poll_keeps_its_limit_and_its_filter_and_the_cursor_loses_n
 ) -> None:
     engine.create_stream("spread", partitions=4)
     url = f"{gateway.url}/v1/streams/spread/events"
-    head = httpx.get(url, timeout=TIMEOUT).headers["Subengine-Cursor"]
+    head = web.get(url, timeout=TIMEOUT).headers["Subengine-Cursor"]
     keys = [f"k{n}" for n in range(8)]
     limited = Poll(url, after=head, wait="30", limit="3")
     filtered = Poll(url, after=head, wait="30", key="k5")
@@ -176,7 +177,7 @@ def test_a_woken_long_poll_keeps_its_limit_and_its_filter_and_the_cursor_loses_n
     engine.append("spread", [subengine.NewEvent(key, "T", {"n": n}) for n, key in enumerate(keys)])
     first = limited.result()
     assert len(first.json()["events"]) == 3
-    rest = httpx.get(url, params={"after": first.headers["Subengine-Cursor"]}, timeout=TIMEOUT)
+    rest = web.get(url, params={"after": first.headers["Subengine-Cursor"]}, timeout=TIMEOUT)
     # every event once across the two replies
     got = [e["data"]["n"] for e in first.json()["events"] + rest.json()["events"]]
     assert sorted(got) == list(range(8))
@@ -193,7 +194,7 @@ def test_a_long_poll_woken_after_its_stream_was_created_again_gets_a_reset_and_e
     engine.create_stream("again", partitions=1)
     engine.append("again", [subengine.NewEvent("a", "T", {"n": n}) for n in range(2)])
     url = f"{gateway.url}/v1/streams/again/events"
-    head = httpx.get(url, timeout=TIMEOUT).headers["Subengine-Cursor"]
+    head = web.get(url, timeout=TIMEOUT).headers["Subengine-Cursor"]
     poll = Poll(url, after=head, wait="30")
     wait_for(lambda: waiting(gateway) == 1, "the long-poll waiting", timeout=20)
     engine.delete_stream("again")
@@ -209,7 +210,7 @@ def answered_next(
 ) -> tuple[httpx.Response, float]:
     """A long-poll answered by an append, then the next one, sent with its cursor and
     `wait`, answered by another: that answer, and the pages the second one read."""
-    head = httpx.get(events_url(gateway), timeout=TIMEOUT).headers["Subengine-Cursor"]
+    head = web.get(events_url(gateway), timeout=TIMEOUT).headers["Subengine-Cursor"]
     first = Poll(events_url(gateway), after=head, wait="30")
     wait_for(lambda: waiting(gateway) == 1, "the first long-poll waiting", timeout=20)
     engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])

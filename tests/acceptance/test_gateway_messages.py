@@ -8,6 +8,7 @@ import re
 import socket
 
 import httpx
+import web
 from helpers import ROOT, GatewayProcess
 
 import subengine
@@ -37,7 +38,7 @@ def test_a_time_zone_whose_plus_was_not_encoded_is_refused_saying_how_to_send_it
     message = httpx.Response(status, content=body).json()["error"]["message"]
     assert "'2026-11-23T10:15:00.123456 00:00'" in message
     assert "%2B" in message
-    encoded = httpx.get(
+    encoded = web.get(
         f"{gateway.url}/v1/streams/orders/events",
         params={"since": "2026-11-23T10:15:00.123456+00:00"},
         timeout=TIMEOUT,
@@ -50,7 +51,7 @@ def test_an_epoch_is_an_opaque_number_shared_by_all_streams_as_documented(
 ) -> None:
     for name in ("first", "second"):
         engine.create_stream(name, 1)
-    listed = httpx.get(f"{gateway.url}/v1/streams", timeout=TIMEOUT).json()["streams"]
+    listed = web.get(f"{gateway.url}/v1/streams", timeout=TIMEOUT).json()["streams"]
     epochs = {stream["name"]: stream["epoch"] for stream in listed}
     # one counter for the schema: the second stream's first creation is not epoch 1
     assert epochs["second"] > epochs["first"] >= 1

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import psycopg
+import web
 from helpers import GatewayProcess, SseFrame, scrape, sse_frames, value, wait_for
 
 import subengine
@@ -38,7 +39,7 @@ class Follower:
 
     def _run(self) -> None:
         params = {"live": "sse", "after": "now"}
-        with httpx.stream("GET", self.url, params=params, timeout=TIMEOUT) as response:
+        with web.stream("GET", self.url, params=params, timeout=TIMEOUT) as response:
             assert response.status_code == 200
 
             def lines() -> Any:
@@ -63,7 +64,7 @@ class Follower:
 
 
 def test_metrics_are_prometheus_text_not_cached(gateway: GatewayProcess) -> None:
-    answer = httpx.get(f"{gateway.url}/metrics", timeout=TIMEOUT)
+    answer = web.get(f"{gateway.url}/metrics", timeout=TIMEOUT)
     assert answer.status_code == 200
     assert answer.headers["Cache-Control"] == "no-store"
     assert answer.headers["content-type"].startswith("text/plain")
@@ -91,7 +92,7 @@ def test_open_connections_are_counted_by_kind_until_they_close(
     polls: list[httpx.Response] = []
     poll = threading.Thread(
         target=lambda: polls.append(
-            httpx.get(
+            web.get(
                 f"{gateway.url}/v1/streams/orders/events",
                 params={"after": "now", "live": "long-poll", "wait": "30"},
                 timeout=TIMEOUT,
@@ -130,7 +131,7 @@ def test_open_connections_are_counted_by_kind_until_they_close(
 def test_frames_and_bytes_sent_are_counted(
     engine: subengine.Engine, orders: str, gateway: GatewayProcess
 ) -> None:
-    page = httpx.get(f"{gateway.url}/v1/streams/orders/events", timeout=TIMEOUT)
+    page = web.get(f"{gateway.url}/v1/streams/orders/events", timeout=TIMEOUT)
     assert metric(gateway, "subengine_gateway_bytes_sent_total", kind="pull") == len(page.content)
     follower = Follower(gateway)
     wait_for(lambda: "caught-up" in follower.kinds(), "caught-up", timeout=10)

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import httpx
+import web
 from helpers import GatewayProcess, sse_frames
 
 import subengine
@@ -50,7 +51,7 @@ def test_pages_stay_within_a_mebibyte_and_read_every_event_once(
     events: list[dict[str, Any]] = []
     pages: list[tuple[int, list[int]]] = []  # the bytes and the numbers of each page
     for _ in range(len(numbers) + 2):
-        answer = httpx.get(url, params={"after": cursor, "limit": 1000}, timeout=TIMEOUT)
+        answer = web.get(url, params={"after": cursor, "limit": 1000}, timeout=TIMEOUT)
         assert answer.status_code == 200, answer.text
         page = answer.json()
         pages.append((events_bytes(answer.content), [e["data"]["n"] for e in page["events"]]))
@@ -65,7 +66,7 @@ def test_pages_stay_within_a_mebibyte_and_read_every_event_once(
     assert pages[0][1] == [0, 1, 2], shown  # as many as fit: pages are not cut short
     assert sum(len(ns) for _, ns in pages) == len(numbers)
     # a limit still holds under the bound
-    answer = httpx.get(url, params={"limit": 2}, timeout=TIMEOUT)
+    answer = web.get(url, params={"limit": 2}, timeout=TIMEOUT)
     assert len(answer.json()["events"]) == 2
 
 
@@ -75,7 +76,7 @@ def test_a_long_poll_gathers_no_more_than_a_page(
     fill(engine)
     url = f"{gateway.url}/v1/streams/big/events"
     params = {"live": "long-poll", "wait": "5", "linger": "5", "limit": "1000"}
-    answer = httpx.get(url, params=params, timeout=TIMEOUT)
+    answer = web.get(url, params=params, timeout=TIMEOUT)
     assert answer.status_code == 200, answer.text
     assert 2 <= len(answer.json()["events"]) and events_bytes(answer.content) <= PAGE_BYTES
 
@@ -86,7 +87,7 @@ def test_catch_up_frames_stay_within_a_page(
     numbers = fill(engine)
     url = f"{gateway.url}/v1/streams/big/events"
     events: list[dict[str, Any]] = []
-    with httpx.stream("GET", url, params={"live": "sse"}, timeout=TIMEOUT) as response:
+    with web.stream("GET", url, params={"live": "sse"}, timeout=TIMEOUT) as response:
         assert response.status_code == 200
         for frame in sse_frames(response.iter_lines()):
             if frame.kind == "caught-up":

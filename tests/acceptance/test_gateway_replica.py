@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+import web
 from helpers import GatewayProcess, Replication, sse_frames, wait_replayed
 
 import subengine
@@ -29,7 +30,7 @@ def test_reads_are_served_by_the_replica(streaming_replica: Replication, tmp_pat
         env.pop("SUBENGINE_SCHEMA", None)
         with GatewayProcess(env, "--read-dsn", replica_dsn, tmp=tmp_path) as gateway:
             url = f"{gateway.url}/v1/streams/gateway_replicated/events"
-            page = httpx.get(url, timeout=TIMEOUT).json()
+            page = web.get(url, timeout=TIMEOUT).json()
             assert [e["data"]["n"] for e in page["events"]] == [0]
             with psycopg.connect(replica_dsn, autocommit=True) as replica:
                 names = {
@@ -40,7 +41,7 @@ def test_reads_are_served_by_the_replica(streaming_replica: Replication, tmp_pat
                     )
                 }
             assert "subengine" in names
-            with httpx.stream(
+            with web.stream(
                 "GET", url, params={"live": "sse", "after": page["cursor"]}, timeout=TIMEOUT
             ) as response:
                 frames = sse_frames(response.iter_lines())

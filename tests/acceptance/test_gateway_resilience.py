@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+import web
 from helpers import DELIVERING, Delivery, GatewayProcess, Proxy, Receiver, wait_for
 
 import subengine
@@ -31,7 +32,7 @@ STOP_TIMEOUT = 15
 
 async def follow(url: str, seen: list[int], ready: asyncio.Event, count: list[int]) -> None:
     async with (
-        httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client,
+        httpx.AsyncClient(timeout=httpx.Timeout(60.0), verify=web.TLS) as client,
         client.stream("GET", url, params={"live": "sse", "after": "beginning"}) as response,
     ):
         assert response.status_code == 200
@@ -50,7 +51,7 @@ async def follow(url: str, seen: list[int], ready: asyncio.Event, count: list[in
 
 
 def state(gateway: GatewayProcess, webhook_id: str) -> str | None:
-    answer = httpx.get(f"{gateway.url}/v1/webhooks/{webhook_id}", timeout=30)
+    answer = web.get(f"{gateway.url}/v1/webhooks/{webhook_id}", timeout=30)
     return answer.json()["state"] if answer.status_code == 200 else None
 
 
@@ -105,7 +106,7 @@ def test_a_gateway_whose_database_went_away_stops_soon_after_sigterm(
         gateway.start()
         # a webhook being delivered: the delivery worker runs beside the supervisor
         body = {"callback": receiver.url, "streams": ["orders"]}
-        answer = httpx.put(f"{gateway.url}/v1/webhooks/hook", json=body, timeout=30)
+        answer = web.put(f"{gateway.url}/v1/webhooks/hook", json=body, timeout=30)
         assert answer.status_code == 202, answer.text
         wait_for(lambda: state(gateway, "hook") == "active", "the consent")
         if outage == "silent":  # a host that drops packets: connections hang
@@ -139,7 +140,7 @@ def test_a_batch_in_flight_at_sigterm_still_commits_while_the_database_answers(
     gateway = GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path).start()
     try:
         body = {"callback": receiver.url, "streams": ["orders"]}
-        answer = httpx.put(f"{gateway.url}/v1/webhooks/hook", json=body, timeout=30)
+        answer = web.put(f"{gateway.url}/v1/webhooks/hook", json=body, timeout=30)
         assert answer.status_code == 202, answer.text
         wait_for(lambda: state(gateway, "hook") == "active", "the consent")
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import web
 from helpers import GatewayProcess, run_subengine, sse_frames, wait_for
 
 import subengine
@@ -18,7 +19,7 @@ TIMEOUT = httpx.Timeout(30.0)
 
 
 def sse_connections(gateway: GatewayProcess) -> float:
-    answer = httpx.get(f"{gateway.url}/metrics", timeout=TIMEOUT).text
+    answer = web.get(f"{gateway.url}/metrics", timeout=TIMEOUT).text
     for line in answer.splitlines():
         if line.startswith('subengine_gateway_connections{kind="sse"}'):
             return float(line.split()[-1])
@@ -58,7 +59,7 @@ def test_a_client_whose_socket_takes_nothing_is_closed(
         client.close()
         assert received < len(blob) * 3000  # it was cut off, not served to the end
         # the gateway goes on serving others
-        page = httpx.get(f"{gateway.url}/v1/streams/orders/events?limit=1", timeout=TIMEOUT)
+        page = web.get(f"{gateway.url}/v1/streams/orders/events?limit=1", timeout=TIMEOUT)
         assert page.status_code == 200
 
 
@@ -67,13 +68,13 @@ def test_cors_answers_only_configured_origins(
 ) -> None:
     url = "/v1/streams/orders/events"
     with GatewayProcess(cli_env, tmp=tmp_path) as plain:
-        answer = httpx.get(plain.url + url, headers={"Origin": "https://app.example"})
+        answer = web.get(plain.url + url, headers={"Origin": "https://app.example"})
         assert "access-control-allow-origin" not in answer.headers
     with GatewayProcess(cli_env, "--cors-origin", "https://app.example", tmp=tmp_path) as gateway:
-        allowed = httpx.get(gateway.url + url, headers={"Origin": "https://app.example"})
+        allowed = web.get(gateway.url + url, headers={"Origin": "https://app.example"})
         assert allowed.headers["access-control-allow-origin"] == "https://app.example"
         assert "Subengine-Cursor" in allowed.headers["access-control-expose-headers"]
-        preflight = httpx.options(
+        preflight = web.options(
             gateway.url + url,
             headers={
                 "Origin": "https://app.example",
@@ -82,7 +83,7 @@ def test_cors_answers_only_configured_origins(
             },
         )
         assert preflight.status_code == 200
-        other = httpx.get(gateway.url + url, headers={"Origin": "https://evil.example"})
+        other = web.get(gateway.url + url, headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in other.headers
 
 
@@ -94,7 +95,7 @@ def test_cors_lets_a_browser_use_every_method_of_the_api(
     url = "/v1/webhooks/hook-1"
     with GatewayProcess(cli_env, "--cors-origin", "https://app.example", tmp=tmp_path) as gateway:
         for method in ("PUT", "DELETE", "POST", "GET"):
-            preflight = httpx.options(
+            preflight = web.options(
                 gateway.url + url,
                 headers={
                     **origin,
@@ -106,7 +107,7 @@ def test_cors_lets_a_browser_use_every_method_of_the_api(
             allowed = preflight.headers["access-control-allow-methods"].split(",")
             assert method in [m.strip() for m in allowed]
             assert preflight.headers["access-control-allow-origin"] == "https://app.example"
-        deleted = httpx.delete(gateway.url + url, headers=origin)
+        deleted = web.delete(gateway.url + url, headers=origin)
         assert deleted.headers["access-control-allow-origin"] == "https://app.example"
 
 
@@ -127,11 +128,9 @@ def test_a_watch_made_on_one_process_is_served_by_another(
         GatewayProcess(cli_env, tmp=tmp_path) as first,
         GatewayProcess(cli_env, tmp=tmp_path) as second,
     ):
-        made = httpx.post(
-            f"{first.url}/v1/watch", json={"streams": {"orders": {}}}, timeout=TIMEOUT
-        )
+        made = web.post(f"{first.url}/v1/watch", json={"streams": {"orders": {}}}, timeout=TIMEOUT)
         assert made.status_code == 201, made.text
-        with httpx.stream("GET", second.url + made.json()["url"], timeout=TIMEOUT) as answer:
+        with web.stream("GET", second.url + made.json()["url"], timeout=TIMEOUT) as answer:
             assert answer.status_code == 200
             frames = sse_frames(answer.iter_lines())
             first_frame = next(f for f in frames if f.kind != ":")
@@ -139,7 +138,7 @@ def test_a_watch_made_on_one_process_is_served_by_another(
         # a watch id changed by one character is refused
         wid = made.json()["wid"]
         forged = wid[:-2] + ("A" if wid[-2] != "A" else "B") + wid[-1]
-        assert httpx.get(f"{second.url}/v1/watch/{forged}", timeout=TIMEOUT).status_code == 404
+        assert web.get(f"{second.url}/v1/watch/{forged}", timeout=TIMEOUT).status_code == 404
 
 
 def test_the_access_log_hides_cursors_watch_ids_and_tokens(
@@ -150,20 +149,20 @@ def test_the_access_log_hides_cursors_watch_ids_and_tokens(
     auth = {"Authorization": f"Bearer {token}"}
     with GatewayProcess(cli_env, "--access-log", tmp=tmp_path) as gateway:
         url = f"{gateway.url}/v1/streams/orders"
-        cursor = httpx.get(url, headers=auth, timeout=TIMEOUT).json()["cursor"]
-        page = httpx.get(f"{url}/events", params={"after": cursor}, headers=auth)
+        cursor = web.get(url, headers=auth, timeout=TIMEOUT).json()["cursor"]
+        page = web.get(f"{url}/events", params={"after": cursor}, headers=auth)
         assert page.status_code == 200
         moved = page.json()["cursor"]
         body = {"streams": {"orders": {"after": cursor}}}
-        wid = httpx.post(f"{gateway.url}/v1/watch", json=body, headers=auth).json()["wid"]
-        with httpx.stream("GET", f"{gateway.url}/v1/watch/{wid}", timeout=TIMEOUT) as watch:
+        wid = web.post(f"{gateway.url}/v1/watch", json=body, headers=auth).json()["wid"]
+        with web.stream("GET", f"{gateway.url}/v1/watch/{wid}", timeout=TIMEOUT) as watch:
             assert watch.status_code == 200
             next(watch.iter_lines())
         sse = {**auth, "Last-Event-ID": moved}
-        with httpx.stream("GET", f"{url}/events?live=sse", headers=sse) as stream:
+        with web.stream("GET", f"{url}/events?live=sse", headers=sse) as stream:
             next(stream.iter_lines())
         # a token or cursor put where it does not belong is hidden too
-        httpx.get(f"{url}/events", params={"token": token, "x": moved}, timeout=TIMEOUT)
+        web.get(f"{url}/events", params={"token": token, "x": moved}, timeout=TIMEOUT)
         wait_for(lambda: gateway.output().count('HTTP/1.1" ') >= 6, "the access log lines")
     logged = gateway.output()
     for secret in (cursor, moved, wid, token, token.split("_")[-1]):

@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 import pytest
+import web
 from helpers import ROOT, GatewayProcess, free_port, run_subengine
 
 import subengine
@@ -32,7 +32,7 @@ def test_a_cursor_taken_in_the_apps_transaction_misses_nothing_after_it(
             conn, orders, [subengine.NewEvent("k3", "t", {"n": 3})], settings=engine.settings
         )
     engine.append(orders, [subengine.NewEvent("k4", "t", {"n": 4})])
-    page = httpx.get(
+    page = web.get(
         f"{gateway.url}/v1/streams/orders/events", params={"after": cursor}, timeout=30
     ).json()
     assert sorted(e["data"]["n"] for e in page["events"]) == [3, 4]
@@ -64,7 +64,7 @@ def test_the_documented_start_runs(
     namespace: dict[str, Any] = {"psycopg": psycopg, "subengine": subengine, "dsn": dsn}
     exec(example, namespace)
     engine.append(orders, [subengine.NewEvent("k1", "t", {"n": 1})])
-    answer = httpx.get(
+    answer = web.get(
         f"{gateway.url}/v1/streams/orders/events",
         params={"after": namespace["cursor"]},
         timeout=30,
@@ -99,7 +99,7 @@ def test_a_schema_gone_under_a_running_gateway_is_503_not_a_bad_request(
                 if attempt == 4:
                     raise
     for path in ("/v1/streams", "/v1/streams/orders/events"):
-        answer = httpx.get(gateway.url + path, timeout=30)
+        answer = web.get(gateway.url + path, timeout=30)
         assert answer.status_code == 503, answer.text
         error = answer.json()["error"]
         assert error["code"] == "schema_not_ready"

@@ -17,9 +17,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import uvicorn
+import web
 from helpers import PASSWORD, GatewayProcess, GatewayProxy, free_port, wait_for
 from twins import Twin, twin_fixture  # noqa: F401  (the fixture `twin`)
 
@@ -362,7 +362,7 @@ def test_a_reader_since_a_time_reads_what_came_after_it_not_at_it(
     append(engine, orders, 4, start=6)
     items, _ = read_to_end(twin, gateway.url, orders, since=had.recorded_at)
     assert sorted(numbers(items)) == [6, 7, 8, 9]
-    page = httpx.get(
+    page = web.get(
         f"{gateway.url}/v1/streams/{orders}/events",
         params={"since": had.recorded_at.isoformat()},
         timeout=TIMEOUT,

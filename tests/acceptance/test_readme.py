@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 import pytest
+import web
 from helpers import (
     README,
     GatewayProcess,
@@ -184,7 +184,7 @@ def test_the_readme_gateway_examples_run(
     engine.append(orders, [subengine.NewEvent(f"k{n}", "t", {"n": n}) for n in range(3)])
     for url in re.findall(r"curl [^']*'(localhost:8800[^']*)'", shell):
         address = url.replace("localhost:8800", gateway.url)
-        with httpx.stream("GET", address, timeout=30) as answer:
+        with web.stream("GET", address, timeout=30) as answer:
             assert answer.status_code == 200, address
     seen: list[Any] = []
     cursors: list[str | None] = []
@@ -209,7 +209,7 @@ def test_the_readme_gateway_examples_run(
     created = run_subengine(cli_env, *shlex.split(create.split("#")[0])[1:])
     assert created.returncode == 0, created.stderr
     wait_for(
-        lambda: httpx.get(f"{gateway.url}/v1/streams/orders/events", timeout=30).status_code == 401,
+        lambda: web.get(f"{gateway.url}/v1/streams/orders/events", timeout=30).status_code == 401,
         "the gateway to ask for a key",
         30,
     )

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+import web
 from helpers import APPS, ROOT, GatewayProcess, run_subengine, start_subengine, wait_for
 
 import subengine
@@ -57,18 +58,18 @@ def test_claim_ack_and_a_second_ack_over_http(
     gateway: GatewayProcess, engine: subengine.Engine, consumer: str
 ) -> None:
     appended = engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(3)])
-    claimed = httpx.post(_url(gateway, "effects/claim"), json={"worker": "w1"})
+    claimed = web.post(_url(gateway, "effects/claim"), json={"worker": "w1"})
     assert claimed.status_code == 200, claimed.text
     lease = claimed.json()
     assert [e["id"] for e in lease["events"]] == [str(a.id) for a in appended]
     assert lease["events"][0]["data"] == {"n": 0} and lease["tombstone"] is None
     assert (lease["position"], lease["through"]) == (0, 3)
-    ack = httpx.post(_url(gateway, f"effects/leases/{lease['lease']}/ack"), json={})
+    ack = web.post(_url(gateway, f"effects/leases/{lease['lease']}/ack"), json={})
     assert ack.status_code == 200 and ack.json()["position"] == 3
-    again = httpx.post(_url(gateway, f"effects/leases/{lease['lease']}/ack"))
+    again = web.post(_url(gateway, f"effects/leases/{lease['lease']}/ack"))
     assert _error(again)[:2] == (409, "lease_conflict")
     assert _positions(engine)[appended[0].partition] == 3
-    assert httpx.post(_url(gateway, "effects/claim")).status_code == 204
+    assert web.post(_url(gateway, "effects/claim")).status_code == 204
 
 
 def test_bad_requests_get_one_line_errors_and_change_nothing(
@@ -76,7 +77,7 @@ def test_bad_requests_get_one_line_errors_and_change_nothing(
 ) -> None:
     engine.ensure_subscription(Subscription("other", "orders"))
     engine.append("orders", [NewEvent("k", "T", {})])
-    lease = httpx.post(_url(gateway, "effects/claim")).json()["lease"]
+    lease = web.post(_url(gateway, "effects/claim")).json()["lease"]
     cases = [
         (_url(gateway, f"effects/leases/{uuid.uuid4()}/ack"), b"{}", 404, "lease_not_found"),
         (_url(gateway, f"other/leases/{lease}/ack"), b"{}", 404, "lease_not_found"),
@@ -92,12 +93,12 @@ def test_bad_requests_get_one_line_errors_and_change_nothing(
         (_url(gateway, "effects/claim"), b'{"lease_seconds": true}', 400, "bad_request"),
     ]  # fmt: skip
     for url, body, status, code in cases:
-        response = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
+        response = web.post(url, content=body, headers={"Content-Type": "application/json"})
         got_status, got_code, message = _error(response)
         assert (got_status, got_code) == (status, code), (url, body, response.text)
         assert message and "\n" not in message
     assert all(position == 0 for position in _positions(engine).values())
-    assert httpx.post(_url(gateway, f"effects/leases/{lease}/ack")).status_code == 200
+    assert web.post(_url(gateway, f"effects/leases/{lease}/ack")).status_code == 200
 
 
 def test_a_key_needs_consume_on_the_stream(
@@ -106,11 +107,11 @@ def test_a_key_needs_consume_on_the_stream(
     _, reader = engine.create_api_key(["read"], ["orders"])
     _, worker = engine.create_api_key(["consume"], ["ord*"])
     engine.append("orders", [NewEvent("k", "T", {})])
-    refused = httpx.post(
+    refused = web.post(
         _url(gateway, "effects/claim"), headers={"Authorization": f"Bearer {reader}"}
     )
     assert _error(refused)[:2] == (403, "forbidden")
-    allowed = httpx.post(
+    allowed = web.post(
         _url(gateway, "effects/claim"), headers={"Authorization": f"Bearer {worker}"}
     )
     assert allowed.status_code == 200
@@ -122,7 +123,7 @@ def test_a_waiting_claim_is_answered_when_an_event_is_appended(
     answers: list[httpx.Response] = []
     waiting = threading.Thread(
         target=lambda: answers.append(
-            httpx.post(_url(gateway, "effects/claim"), json={"wait": 20}, timeout=30)
+            web.post(_url(gateway, "effects/claim"), json={"wait": 20}, timeout=30)
         )
     )
     waiting.start()
@@ -137,15 +138,15 @@ def test_a_reset_during_a_lease_makes_its_ack_a_conflict(
     gateway: GatewayProcess, engine: subengine.Engine, consumer: str
 ) -> None:
     engine.append("orders", [NewEvent("k", "T", {"n": n}) for n in range(2)])
-    lease = httpx.post(_url(gateway, "effects/claim")).json()
+    lease = web.post(_url(gateway, "effects/claim")).json()
     engine.reset_subscription("effects", "beginning")
-    stale = httpx.post(_url(gateway, f"effects/leases/{lease['lease']}/ack"))
+    stale = web.post(_url(gateway, f"effects/leases/{lease['lease']}/ack"))
     status, code, message = _error(stale)
     assert (status, code) == (409, "lease_conflict") and "moved" in message
     assert _positions(engine)[lease["partition"]] == 0
-    fresh = httpx.post(_url(gateway, "effects/claim")).json()
+    fresh = web.post(_url(gateway, "effects/claim")).json()
     assert fresh["generation"] == lease["generation"] + 1
-    assert httpx.post(_url(gateway, f"effects/leases/{fresh['lease']}/ack")).status_code == 200
+    assert web.post(_url(gateway, f"effects/leases/{fresh['lease']}/ack")).status_code == 200
 
 
 class _HeardLost(logging.Handler):
@@ -204,7 +205,9 @@ def test_a_lease_heard_lost_during_its_last_event_is_not_acked(
         engine.reset_subscription("effects", "beginning")
         assert heard_lost.wait(30), "the heartbeat heard of the reset"
 
-    client = httpx.Client(event_hooks={"request": [lambda r: sent.append(r.url.path)]})
+    client = httpx.Client(
+        event_hooks={"request": [lambda r: sent.append(r.url.path)]}, verify=web.TLS
+    )
     with RemoteWorker(
         gateway.url, "effects", handler, lease_seconds=1, wait=0, client=client
     ) as worker:
@@ -449,21 +452,21 @@ def test_a_waiting_claim_gets_a_released_partition_without_an_append(
     gateway: GatewayProcess, engine: subengine.Engine, consumer: str
 ) -> None:
     engine.append("orders", [NewEvent("k", "T", {})])
-    first = httpx.post(_url(gateway, "effects/claim"), json={"lease_seconds": 60}).json()
-    extended = httpx.post(
+    first = web.post(_url(gateway, "effects/claim"), json={"lease_seconds": 60}).json()
+    extended = web.post(
         _url(gateway, f"effects/leases/{first['lease']}/extend"), json={"lease_seconds": 120}
     ).json()
     assert extended["deadline"] > first["deadline"]
     answers: list[httpx.Response] = []
     waiting = threading.Thread(
         target=lambda: answers.append(
-            httpx.post(_url(gateway, "effects/claim"), json={"wait": 20}, timeout=30)
+            web.post(_url(gateway, "effects/claim"), json={"wait": 20}, timeout=30)
         )
     )
     waiting.start()
     time.sleep(0.5)  # the claim waits: the only partition with events is leased
     assert not answers
-    released = httpx.post(_url(gateway, f"effects/leases/{first['lease']}/release"))
+    released = web.post(_url(gateway, f"effects/leases/{first['lease']}/release"))
     assert released.status_code == 200
     # no notification comes (nothing was appended): the waiting claim's poll finds it
     waiting.join(30)

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+import web
 from helpers import ROOT, GatewayProcess, subengine_command
 
 import subengine
@@ -55,7 +55,7 @@ def test_the_setup_and_every_curl_example_run(
     assert len(examples) == 5
     for command, documented in examples:
         if "$LEASE" in command:
-            claimed = httpx.post(
+            claimed = web.post(
                 f"{gateway.url}/v1/subscriptions/orders-mailer/claim",
                 headers={"Authorization": f"Bearer {token}"},
                 json={"max_events": 1},

@@ -20,8 +20,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
+import web
 from helpers import APPS, GatewayProcess, Running, record, run_subengine, scrape, value
 from helpers import wait_for as wait_for_condition
 from playwright.sync_api import Browser, BrowserContext, Page
@@ -183,7 +183,7 @@ def test_the_page_follows_a_workload_live_without_a_reload(
 
         # another site's page cannot act on an open gateway: a browser's cross-site POST (a
         # form's, or a no-cors fetch's) carries that site's origin and not the page's token
-        forged = httpx.post(
+        forged = web.post(
             f"{gateway.url}/ui/api/actions",
             content='{"action": "pause", "subscription": "effects"}',
             headers={
@@ -194,7 +194,7 @@ def test_the_page_follows_a_workload_live_without_a_reload(
         )
         assert forged.status_code == 403
         # nor read it through a DNS name of its own that points here (DNS rebinding)
-        rebound = httpx.get(f"{gateway.url}/ui/api/snapshot", headers={"Host": "evil.example"})
+        rebound = web.get(f"{gateway.url}/ui/api/snapshot", headers={"Host": "evil.example"})
         assert rebound.status_code == 401
         assert not stored("effects", fast_engine).paused
         assert page.evaluate("window.loadedOnce") is True
@@ -240,7 +240,7 @@ def test_twenty_open_pages_cost_one_status_query_per_refresh(
             start = max(version(p) for p in opened)
             # a long-poll, the fallback for proxies that cut event streams, waits for the
             # next snapshot too, instead of reading one of its own
-            polled = httpx.get(
+            polled = web.get(
                 f"{gateway.url}/ui/api/snapshot",
                 params={"view": "overview", "after": start, "wait": 10},
                 timeout=20,
@@ -493,7 +493,7 @@ def test_serve_no_ui_serves_no_page_and_a_bad_app_stops_serve_at_once(
 ) -> None:
     with GatewayProcess(cli_env, "--no-ui", tmp=tmp_path) as gateway:
         for path in ("/ui", "/ui/api/live", "/ui/static/app.js"):
-            answer = httpx.get(f"{gateway.url}{path}")
+            answer = web.get(f"{gateway.url}{path}")
             assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found"
     done = run_subengine(cli_env, "serve", "--app", "no_such_module:app")
     assert done.returncode != 0

@@ -12,8 +12,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+import web
 from helpers import APPS, GatewayProcess, Receiver, start_subengine, wait_for
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -84,7 +84,7 @@ def test_a_worker_process_continues_the_trace_of_the_append(
 
 
 def append_over_http(gateway: GatewayProcess, events: list[Any], **headers: str) -> None:
-    answer = httpx.post(
+    answer = web.post(
         f"{gateway.url}/v1/streams/orders/events", json=events, headers=headers, timeout=30
     )
     assert answer.status_code == 201, answer.text
@@ -110,7 +110,7 @@ def test_an_http_append_stores_the_request_context_and_reads_show_it(
         traceparent=GOOD,
     )
     append_over_http(gateway, [{"key": "o-1", "type": "Sent", "data": {}}], traceparent="junk")
-    page = httpx.get(f"{gateway.url}/v1/streams/orders/events?after=beginning", timeout=30)
+    page = web.get(f"{gateway.url}/v1/streams/orders/events?after=beginning", timeout=30)
     assert [event["metadata"] for event in page.json()["events"]] == [
         {"traceparent": GOOD, "tracestate": "shop=1"},
         {"traceparent": OTHER},  # its own
@@ -124,7 +124,7 @@ def test_webhook_deliveries_carry_the_context_of_their_events(
 ) -> None:
     engine.create_stream("orders", partitions=1)
     body = {"callback": receiver.url, "streams": ["orders"], "max_events": 1}
-    answer = httpx.put(f"{hooks.url}/v1/webhooks/traced", json=body, timeout=30)
+    answer = web.put(f"{hooks.url}/v1/webhooks/traced", json=body, timeout=30)
     assert answer.status_code == 202, answer.text
     wait_for(lambda: receiver.of_type("challenge") != [], "the consent")
     long_ago = datetime(1975, 1, 1, tzinfo=UTC)  # not a plain batch: the engine's batch sends it

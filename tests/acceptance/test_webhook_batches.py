@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
+import web
 from helpers import DELIVERING, Delivery, GatewayProcess, Receiver, echo_and_accept, wait_for
 from standardwebhooks import Webhook as Verifier
 
@@ -26,11 +26,11 @@ KEY = "one-key"  # every event in one partition: a retry could grow
 def subscribe(gateway: GatewayProcess, receiver: Receiver, webhook_id: str, **fields: Any) -> str:
     """Subscribe `receiver` to `orders` and wait for its consent; the secret."""
     body = {"callback": receiver.url, "streams": ["orders"], **fields}
-    answer = httpx.put(f"{gateway.url}/v1/webhooks/{webhook_id}", json=body, timeout=30)
+    answer = web.put(f"{gateway.url}/v1/webhooks/{webhook_id}", json=body, timeout=30)
     assert answer.status_code == 202, answer.text
 
     def active() -> bool:
-        shown = httpx.get(f"{gateway.url}/v1/webhooks/{webhook_id}", timeout=30)
+        shown = web.get(f"{gateway.url}/v1/webhooks/{webhook_id}", timeout=30)
         return bool(shown.json()["state"] == "active")
 
     wait_for(active, "the consent")

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import psycopg
+import web
 from helpers import GatewayProcess, Receiver, wait_for
 from standardwebhooks import Webhook as Verifier
 
@@ -37,7 +38,7 @@ def test_a_delivered_event_is_the_stored_one_to_the_last_digit(
         ('{"x": ' + PRECISE + "}", precise.id),
     )
     body = {"callback": receiver.url, "streams": ["orders"], "start": "beginning"}
-    answer = httpx.put(f"{hooks.url}/v1/webhooks/exact", json=body, timeout=TIMEOUT)
+    answer = web.put(f"{hooks.url}/v1/webhooks/exact", json=body, timeout=TIMEOUT)
     assert answer.status_code == 202, answer.text
     secret = answer.json()["secret"]
     wait_for(lambda: sum(len(json.loads(d.body)["events"]) for d in receiver.of_type("events"))

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
+import web
 from helpers import (
     DELIVERING,
     Delivery,
@@ -145,7 +145,7 @@ def test_replay_delivers_again_from_a_cursor_or_a_time_in_a_new_generation(
 ) -> None:
     secret = create(cli_env, "replayed", receiver)["secret"]
     active(engine, "replayed")
-    cursor = httpx.get(f"{hooks.url}/v1/streams/orders", timeout=30).json()["cursor"]
+    cursor = web.get(f"{hooks.url}/v1/streams/orders", timeout=30).json()["cursor"]
     engine.append("orders", [NewEvent(KEY, "T", {}) for _ in range(3)])
     time.sleep(0.01)
     middle = datetime.now(UTC)
@@ -187,7 +187,7 @@ def test_a_batch_in_flight_across_a_replay_commits_nothing(
 ) -> None:
     secret = create(cli_env, "fenced", receiver)["secret"]
     active(engine, "fenced")
-    cursor = httpx.get(f"{hooks.url}/v1/streams/orders", timeout=30).json()["cursor"]
+    cursor = web.get(f"{hooks.url}/v1/streams/orders", timeout=30).json()["cursor"]
     replayed = threading.Event()
 
     def replay_while_in_flight(delivery: Delivery) -> tuple[int, bytes, dict[str, str]]:
@@ -225,7 +225,7 @@ def test_create_for_an_api_key_makes_it_that_keys_alone(
     with GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path) as gateway:
 
         def shown(token: str) -> int:
-            answer = httpx.get(
+            answer = web.get(
                 f"{gateway.url}/v1/webhooks/owned",
                 headers={"Authorization": f"Bearer {token}"},
                 timeout=30,

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
+import web
 from helpers import GatewayProcess, LossyProxy, free_port, serving, wait_for
 
 import subengine
@@ -59,7 +59,7 @@ def heads_of(cursor: str | None) -> dict[int, int]:
 
 
 def webhook_state(gateway: GatewayProcess, webhook_id: str) -> str | None:
-    answer = httpx.get(f"{gateway.url}/v1/webhooks/{webhook_id}", timeout=TIMEOUT)
+    answer = web.get(f"{gateway.url}/v1/webhooks/{webhook_id}", timeout=TIMEOUT)
     return str(answer.json()["state"]) if answer.status_code == 200 else None
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+import web
 from helpers import (
     DELIVERING,
     Delivery,
@@ -43,11 +44,11 @@ def subscribe(
     gateway: GatewayProcess, webhook_id: str, callback: str, **fields: Any
 ) -> httpx.Response:
     body = {"callback": callback, "streams": ["orders"], **fields}
-    return httpx.put(f"{gateway.url}/v1/webhooks/{webhook_id}", json=body, timeout=TIMEOUT)
+    return web.put(f"{gateway.url}/v1/webhooks/{webhook_id}", json=body, timeout=TIMEOUT)
 
 
 def state(gateway: GatewayProcess, webhook_id: str) -> str | None:
-    answer = httpx.get(f"{gateway.url}/v1/webhooks/{webhook_id}", timeout=TIMEOUT)
+    answer = web.get(f"{gateway.url}/v1/webhooks/{webhook_id}", timeout=TIMEOUT)
     return answer.json()["state"] if answer.status_code == 200 else None
 
 
@@ -99,7 +100,7 @@ def test_a_callback_consents_first_then_gets_every_event_in_order_signed(
     wait_for(lambda: state(hooks, "sub-1") == "active", "the consent")
     [challenge] = receiver.of_type("challenge")
     assert verified(challenge, secret)["subscription"] == "sub-1"
-    assert "secret" not in httpx.get(f"{hooks.url}/v1/webhooks/sub-1").json()
+    assert "secret" not in web.get(f"{hooks.url}/v1/webhooks/sub-1").json()
 
     stored = engine.append("orders", [NewEvent(f"k{n % 9}", "T", {"n": n}) for n in range(60)])
     heads = engine.heads("orders")
@@ -303,9 +304,7 @@ def test_failing_longer_than_the_failure_timeout_marks_it_failed_and_pull_still_
         assert hook.last_error == "the callback answered 500" and hook.lag == 1
         time.sleep(1)  # a retry sent just before the state changed has come
         assert_nothing_more_sent(engine, receiver)  # deliveries stopped
-        pulled = httpx.get(
-            f"{gateway.url}/v1/streams/orders/events?after=beginning", timeout=TIMEOUT
-        )
+        pulled = web.get(f"{gateway.url}/v1/streams/orders/events?after=beginning", timeout=TIMEOUT)
         assert len(pulled.json()["events"]) == 2
 
 
@@ -456,7 +455,7 @@ def test_a_webhook_is_seen_renewed_and_deleted_only_with_the_key_that_made_it(
     with GatewayProcess(cli_env, *DELIVERING, tmp=tmp_path) as gateway:
 
         def call(method: str, token: str, **fields: Any) -> httpx.Response:
-            return httpx.request(
+            return web.request(
                 method,
                 gateway.url + url,
                 json={**body, **fields} if method == "PUT" else None,
@@ -472,7 +471,7 @@ def test_a_webhook_is_seen_renewed_and_deleted_only_with_the_key_that_made_it(
         assert call("GET", theirs).status_code == 404
         assert call("DELETE", theirs).status_code == 404
         # nor replaced by a webhook of another key
-        replacing = httpx.put(
+        replacing = web.put(
             f"{gateway.url}/v1/webhooks/other",
             json={**body, "replaces": "owned"},
             headers={"Authorization": f"Bearer {theirs}"},

@@ -11,9 +11,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 import pytest
+import web
 from helpers import GatewayProcess, two_workers_drain_once_in_order, wait_for
 
 import subengine
@@ -132,9 +132,9 @@ def test_the_gateway_serves_through_the_pooler(
     with GatewayProcess(env, tmp=tmp_path) as gateway:
         url = f"{gateway.url}/v1/streams/orders/events"
         for n in range(8):  # past psycopg's prepare threshold
-            appended = httpx.post(url, json=[{"key": "k", "type": "T", "data": {"n": n}}])
+            appended = web.post(url, json=[{"key": "k", "type": "T", "data": {"n": n}}])
             assert appended.status_code == 201, appended.text
-            read = httpx.get(url, params={"limit": 100})
+            read = web.get(url, params={"limit": 100})
             assert read.status_code == 200, read.text
             assert len(read.json()["events"]) == n + 1
         output = gateway.output()
