@@ -16,6 +16,7 @@ import math
 import re
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -394,13 +395,29 @@ class CallbackClient:
         self.policy = policy
         self._resolve = resolve_host if resolve is None else resolve
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="callback-lookup")
-        self._pool = httpcore.ConnectionPool(
-            ssl_context=httpcore.default_ssl_context() if ssl_context is None else ssl_context,
-            max_connections=None,
-            max_keepalive_connections=KEEPALIVE_CONNECTIONS,
-            keepalive_expiry=KEEPALIVE_SECONDS,
-            network_backend=_CheckingBackend(self),
-        )
+        self._ssl_context = ssl_context
+        self._made: httpcore.ConnectionPool | None = None
+        self._making = threading.Lock()
+
+    @property
+    def _pool(self) -> httpcore.ConnectionPool:
+        """The connections, made at the first delivery: the default TLS context costs about
+        17 ms of CPU (OpenSSL 3 reading the certificate authorities) in every gateway
+        process, and one that delivers nothing never needs it."""
+        pool = self._made
+        if pool is None:
+            with self._making:
+                if self._made is None:
+                    context = self._ssl_context
+                    self._made = httpcore.ConnectionPool(
+                        ssl_context=httpcore.default_ssl_context() if context is None else context,
+                        max_connections=None,
+                        max_keepalive_connections=KEEPALIVE_CONNECTIONS,
+                        keepalive_expiry=KEEPALIVE_SECONDS,
+                        network_backend=_CheckingBackend(self),
+                    )
+                pool = self._made
+        return pool
 
     def check_now(self, url: str) -> None:
         """Checks `url` when it is registered: raises InvalidInput for a malformed URL,
@@ -457,7 +474,8 @@ class CallbackClient:
 
     def close(self) -> None:
         """Closes the open connections; the client is not used afterwards."""
-        self._pool.close()
+        if self._made is not None:
+            self._made.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Self:
