@@ -25,6 +25,7 @@ from subengine.client._core import (
     WatchCore,
     selection_of,
 )
+from subengine.client._http import new_async_client
 from subengine.client._items import Item
 from subengine.model._json import loads
 
@@ -117,7 +118,7 @@ class AsyncReader:
         self._core = core
         self._base_url = base_url.rstrip("/")
         self._owns_client = client is None
-        self._client = client or httpx.AsyncClient()
+        self._client = client or new_async_client()
         self._follow_live = follow
         self._stop = asyncio.Event()
 

@@ -31,6 +31,7 @@ import httpx
 
 from subengine.client._core import refusal
 from subengine.client._errors import GatewayError
+from subengine.client._http import new_async_client, new_client
 from subengine.client._items import Event, event_from_json, tombstone_from_json
 from subengine.model._events import Tombstone
 
@@ -202,7 +203,7 @@ class RemoteWorker:
         )
         self._handler = handler
         self._gap_handler = gap_handler
-        self._client = client or httpx.Client()
+        self._client = client or new_client()
         self._stopping = threading.Event()
 
     def __enter__(self) -> RemoteWorker:
@@ -338,7 +339,7 @@ class AsyncRemoteWorker:
         )
         self._handler = handler
         self._gap_handler = gap_handler
-        self._client = client or httpx.AsyncClient()
+        self._client = client or new_async_client()
         self._stopping = asyncio.Event()
 
     async def __aenter__(self) -> AsyncRemoteWorker:

@@ -13,6 +13,7 @@ import httpx
 from subengine.client._core import refusal
 from subengine.client._deliveries import Batch, first_position
 from subengine.client._errors import GatewayError
+from subengine.client._http import new_client
 from subengine.client._items import Event, event_from_json, tombstone_from_json
 from subengine.model._events import Tombstone
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
@@ -32,7 +33,7 @@ class SubscriberGateway:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._timeout = timeout
         self._owns_client = client is None
-        self._client = client or httpx.Client()
+        self._client = client or new_client()
 
     def _request(
         self,

@@ -24,6 +24,7 @@ from subengine.client._core import (
     WatchCore,
     selection_of,
 )
+from subengine.client._http import new_client
 from subengine.client._items import Item
 from subengine.model._json import loads
 
@@ -116,7 +117,7 @@ class Reader:
         self._core = core
         self._base_url = base_url.rstrip("/")
         self._owns_client = client is None
-        self._client = client or httpx.Client()
+        self._client = client or new_client()
         self._follow_live = follow
         self._stop = threading.Event()
 
