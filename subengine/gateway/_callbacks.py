@@ -398,6 +398,7 @@ class CallbackClient:
         self._ssl_context = ssl_context
         self._made: httpcore.ConnectionPool | None = None
         self._making = threading.Lock()
+        self._closed = False
 
     @property
     def _pool(self) -> httpcore.ConnectionPool:
@@ -407,6 +408,8 @@ class CallbackClient:
         pool = self._made
         if pool is None:
             with self._making:
+                if self._closed:
+                    raise RuntimeError("the callback client is closed")
                 if self._made is None:
                     context = self._ssl_context
                     self._made = httpcore.ConnectionPool(
@@ -474,8 +477,10 @@ class CallbackClient:
 
     def close(self) -> None:
         """Closes the open connections; the client is not used afterwards."""
-        if self._made is not None:
-            self._made.close()
+        with self._making:
+            self._closed = True
+            if self._made is not None:
+                self._made.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Self:

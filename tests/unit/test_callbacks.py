@@ -523,6 +523,17 @@ def test_the_default_tls_context_is_made_at_the_first_delivery_only(
     assert len(made) == 1
 
 
+def test_a_closed_client_makes_no_connections_afterwards(
+    receivers: Callable[[Answer], Receiver],
+) -> None:
+    receiver = receivers(ok)
+    client = CallbackClient(LOOPBACK)
+    client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        client.post(receiver.url(), BODY, HEADERS)
+    assert receiver.requests == []
+
+
 def test_one_client_serves_many_threads(
     receivers: Callable[[Answer], Receiver], clients: Callable[..., CallbackClient]
 ) -> None:
