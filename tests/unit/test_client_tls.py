@@ -13,7 +13,7 @@ from subengine.client import _http
 
 
 def test_the_readers_and_workers_default_clients_verify_with_one_context(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     loads: list[object] = []
     load = ssl.SSLContext.load_verify_locations
@@ -24,6 +24,7 @@ def test_the_readers_and_workers_default_clients_verify_with_one_context(
 
     monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
     _http._tls.cache_clear()
+    request.addfinalizer(_http._tls.cache_clear)  # made while counted: not for other tests
     url = "http://127.0.0.1:9"
     readers = [subengine.client.Reader(url, "orders") for _ in range(3)]
     workers = [subengine.client.RemoteWorker(url, "billing", print) for _ in range(2)]
@@ -35,6 +36,8 @@ def test_the_readers_and_workers_default_clients_verify_with_one_context(
     async def async_ones() -> None:
         reader = subengine.client.AsyncReader(url, "orders")
         await reader.close()
+        worker = subengine.client.AsyncRemoteWorker(url, "billing", print)
+        await worker.close()
 
     asyncio.run(async_ones())
     assert len(loads) == 1
