@@ -1,8 +1,8 @@
 """A fresh database for every test, made and dropped off the test's path.
 
 Cloning the template and dropping a used database each cost a few hundred milliseconds
-on a busy server (CREATE DATABASE copies the template and DROP DATABASE waits on the
-checkpointer), mostly spent waiting, and a test that waited for both
+on a busy server (CREATE DATABASE copies the template after a checkpoint, and DROP
+DATABASE waits on the checkpointer), mostly spent waiting, and a test that waited for both
 spent that long doing nothing. Here a thread of each pytest process clones the next
 database while a test runs, and another drops each used one after its test: a test
 takes a database that is ready and hands it back. Every test still gets a database no

@@ -4,8 +4,9 @@ context for the whole process.
 An httpx client builds an SSL context as it starts, even for plain http: 17 ms of CPU
 (OpenSSL 3 decoding the system's certificate authorities), and `httpx.get()` and its
 siblings start a client for every request. The suite makes thousands of them. Here every
-request and client of the tests verifies with one context, made once; each request still
-opens a connection of its own.
+one-off request, and the tests' own httpx clients, verify with one context, made once;
+each request still opens a connection of its own. The context is shared: pass no `cert=`
+(it would load a certificate into it for every later request).
 """
 
 from __future__ import annotations

@@ -54,6 +54,8 @@ def test_the_example_runs_as_the_spark_page_shows(dsn: str, tmp_path: Path) -> N
     assert commands in (ROOT / "README.md").read_text()  # the README shows the same
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     (tmp_path / "examples").symlink_to(ROOT / "examples")
+    # Spark's Python workers import the same PySpark from .venv, not from Spark's zip
+    # (helpers.spark_worker_python): what a user's job runs, compiled once
     workers = tmp_path / "spark-python"
     workers.mkdir()
     env = dict(os.environ, SUBENGINE_DSN=dsn, PYSPARK_PYTHON=spark_worker_python(workers))
