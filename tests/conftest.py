@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import gc
 import os
 import pwd
 import shutil
@@ -85,6 +86,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.is_relative_to(acceptance):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Collection imported every test module and what they use (PySpark, Playwright,
+    # Hypothesis...), a heap that lives as long as the process: frozen, the collector's
+    # full passes walk only what the tests make.
+    gc.freeze()
 
 
 def _use_the_server(config: pytest.Config) -> None:

@@ -24,6 +24,7 @@ parent is gone, so it exits).
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import io
 import json
@@ -247,6 +248,10 @@ def _serve() -> None:
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in sys.path if p not in own]
     _preload()
+    # What every child inherits lives as long as it does: frozen, the children's full
+    # collections skip it (and so do not touch, and copy, its pages), as a gateway
+    # freezes its own once its app is made.
+    gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the waiters: the kernel reaps them
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
