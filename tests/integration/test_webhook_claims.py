@@ -145,11 +145,14 @@ def test_a_full_batch_is_the_same_again_without_storing_its_end(
     )  # fmt: skip
 
 
-@pytest.mark.skipif(
+ALONE_ON_ITS_SERVER = pytest.mark.skipif(
     bool(os.environ.get("SUBENGINE_TEST_DSN")),
     reason="on a shared server other tests' writes move the WAL: its flush position "
     "says nothing of this commit (the embedded run has a server per worker)",
 )
+
+
+@ALONE_ON_ITS_SERVER
 def test_moving_the_position_past_a_delivered_batch_does_not_wait_for_the_disk(
     engine: subengine.Engine, sql: psycopg.Connection[Any], claims: Db
 ) -> None:
@@ -173,11 +176,7 @@ def test_moving_the_position_past_a_delivered_batch_does_not_wait_for_the_disk(
     assert sql.execute("SELECT position FROM subengine.subscription_positions").fetchone() == (30,)
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("SUBENGINE_TEST_DSN")),
-    reason="on a shared server other tests' writes move the WAL: its flush position "
-    "says nothing of this commit (the embedded run has a server per worker)",
-)
+@ALONE_ON_ITS_SERVER
 def test_a_claim_that_stores_an_end_carries_the_moves_before_it_to_the_disk(
     engine: subengine.Engine, sql: psycopg.Connection[Any], claims: Db
 ) -> None:
