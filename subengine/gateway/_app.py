@@ -20,6 +20,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
+from starlette.types import Receive, Scope, Send
 
 from subengine.engine._async_engine import AsyncEngine
 from subengine.gateway._appends import append_events
@@ -36,6 +37,7 @@ from subengine.gateway._http import (
     error_response,
 )
 from subengine.gateway._remote_workers import ack, claim, extend, nack, release
+from subengine.gateway._sse import HELD, HeldOpen
 from subengine.gateway._state import Gateway, GatewayConfig
 from subengine.gateway._stream_reads import list_streams, read_events, show_stream
 from subengine.gateway._ui import ui_routes
@@ -158,12 +160,32 @@ def create_app(
                 expose_headers=expose_headers,
             )
         )
-    return Starlette(
+    return GatewayApp(
         routes=routes,
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _not_allowed},
     )
+
+
+class GatewayApp(Starlette):
+    """The gateway's Starlette app, which runs an event stream its routes chose once
+    they and the middleware have returned (`HeldOpen`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or HELD in scope:
+            await super().__call__(scope, receive, send)
+            return
+        held: list[tuple[HeldOpen, Receive, Send]] = []
+        scope[HELD] = held
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException:
+            for response, _, _ in held:  # it will not run
+                response.slot.release()
+            raise
+        for response, response_receive, response_send in held:  # one at most
+            await response.serve(response_receive, response_send)
 
 
 # the gateways open in this process, which `subengine serve` tells to end their streams

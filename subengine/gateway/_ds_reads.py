@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from subengine.gateway._auth import Principal
 from subengine.gateway._connections import LONG_POLL, PULL, SSE, Slot
@@ -43,7 +43,7 @@ from subengine.gateway._ds_http import (
 )
 from subengine.gateway._ds_state import DurableStreamsState
 from subengine.gateway._hub import Watcher
-from subengine.gateway._sse import Blocked, EventStream, Gone
+from subengine.gateway._sse import Blocked, EventStream, Gone, HeldOpen
 from subengine.model._errors import DatabaseUnavailable
 from subengine.outside._durable_streams import CatalogStream, media_type
 
@@ -312,7 +312,7 @@ def _control(fields: dict[str, Any]) -> str:
     return f"event: control\ndata:{json.dumps(fields, separators=(',', ':'))}\n\n"
 
 
-class DsEventStream:
+class DsEventStream(HeldOpen):
     """The SSE answer of a stream: a `data` event per page of messages, each followed by
     a `control` event with the next offset; then new messages as they are appended,
     until the stream is closed (a last control says so), deleted, or the response's
@@ -334,7 +334,7 @@ class DsEventStream:
         self.cursor = cursor
         self.slot = slot
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def serve(self, receive: Receive, send: Send) -> None:
         gateway = self.state.gateway
         watcher = Watcher({self.found.stream: frozenset({self.found.partition})})
         stream = EventStream(receive, send, watcher.event, gateway.config.write_timeout)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from starlette.types import Receive, Send
+from starlette.types import Receive, Scope, Send
+
+from subengine.gateway._connections import Slot
 
 
 class Gone(Exception):
@@ -22,6 +24,33 @@ def frame_text(kind: str, data: str, cursor: str | None) -> str:
     # JSON never holds a raw CR or LF, so the data is one `data:` line.
     head = f"id: {cursor}\n" if cursor is not None else ""
     return f"{head}event: {kind}\ndata: {data}\n\n"
+
+
+# The scope key under which the gateway's app (`GatewayApp`) collects the held-open
+# response its routes chose, to run it once they have returned.
+HELD = "subengine.held_open"
+
+
+class HeldOpen:
+    """A response that holds its connection open: an event stream. Under the gateway's
+    app it runs after the routing and middleware that chose it have returned, so that
+    their coroutine frames (about 6 KB) do not live as long as the connection; it writes
+    through the `send` they passed on, so what they add to a response still applies
+    (CORS headers). Outside the gateway's app (its routes in another app) it runs in
+    place. Mounted in another app, the gateway's app still holds it: only the outer
+    app's own frames stay."""
+
+    slot: Slot  # released when the response ends, however it ends
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        held = scope.get(HELD)
+        if held is None or held:
+            await self.serve(receive, send)
+        else:
+            held.append((self, receive, send))
+
+    async def serve(self, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
 
 
 class Wakeable(Protocol):

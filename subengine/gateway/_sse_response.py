@@ -10,14 +10,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from subengine.gateway._auth import Principal
 from subengine.gateway._connections import Slot
 from subengine.gateway._http import NO_STORE
 from subengine.gateway._hub import Watcher, dumps
 from subengine.gateway._reading import Reader, Selection
-from subengine.gateway._sse import Blocked, EventStream, Gone, frame_text
+from subengine.gateway._sse import Blocked, EventStream, Gone, HeldOpen, frame_text
 from subengine.gateway._state import Gateway
 from subengine.model._errors import DatabaseUnavailable, StreamNotFound, SubengineError
 from subengine.model._gateway_cursor import InvalidCursor, StreamPosition
@@ -60,7 +60,7 @@ async def open_event_stream(
     return EventStreamResponse(gateway, selections, start, heartbeat, watcher, principal, slot)
 
 
-class EventStreamResponse:
+class EventStreamResponse(HeldOpen):
     """An SSE response of one stream or a watch: catch up by pages, say `caught-up`,
     then follow the hub's wake-ups, with heartbeats, until the client leaves, the
     stream's lifetime ends, or the server shuts down."""
@@ -83,7 +83,7 @@ class EventStreamResponse:
         self.watcher = watcher
         self.slot = slot  # released when the response ends, however it ends
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def serve(self, receive: Receive, send: Send) -> None:
         gateway, config = self.gateway, self.gateway.config
         watcher = self.watcher
         stream = EventStream(receive, send, watcher.event, config.write_timeout)

@@ -15,12 +15,12 @@ import time
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from subengine.gateway._auth import Principal
 from subengine.gateway._connections import LONG_POLL, SSE, Slot
 from subengine.gateway._http import NO_STORE, bad_request, parse_number, parse_whole
-from subengine.gateway._sse import Blocked, EventStream, Gone, frame_text
+from subengine.gateway._sse import Blocked, EventStream, Gone, HeldOpen, frame_text
 from subengine.gateway._sse_response import close_frame
 from subengine.gateway._ui_page import StatusPage, status_page_of
 from subengine.gateway._ui_refresher import PageWake
@@ -58,7 +58,7 @@ async def live(request: Request) -> LiveResponse:
     return LiveResponse(page, principal, name, subscription, slot)
 
 
-class LiveResponse:
+class LiveResponse(HeldOpen):
     def __init__(
         self,
         page: StatusPage,
@@ -74,7 +74,7 @@ class LiveResponse:
         self.subscription = subscription
         self.slot = slot
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def serve(self, receive: Receive, send: Send) -> None:
         gateway = self.page.gateway
         config = gateway.config
         wake = PageWake()

@@ -85,6 +85,15 @@ def test_cors_answers_only_configured_origins(
         assert preflight.status_code == 200
         other = web.get(gateway.url + url, headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+        # an event stream runs after the middleware returned, through its send (HeldOpen)
+        with web.stream(
+            "GET",
+            f"{gateway.url}{url}?live=sse",
+            headers={"Origin": "https://app.example"},
+            timeout=TIMEOUT,
+        ) as live:
+            assert live.headers["content-type"].startswith("text/event-stream")
+            assert live.headers["access-control-allow-origin"] == "https://app.example"
 
 
 def test_cors_lets_a_browser_use_every_method_of_the_api(
