@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,9 @@ class SharedRead:
     items: list[RawEvent | Tombstone] = field(default_factory=list)
     finished: float = 0.0
     _encoded: dict[tuple[int, bool], str] = field(default_factory=dict)
+    # the frames readers made of it, by where they stood (see Reader.live_frames), and
+    # the position of the partition after them
+    frames: dict[Hashable, tuple[list[Any], int]] = field(default_factory=dict)
 
     def reaches(self, head: int) -> bool:
         """Whether this read still answers a reader at `after`: it was full, or it got

@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, tombstone_body
+from subengine.gateway._sse import frame_text
 from subengine.model._events import Tombstone, partition_for
 from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine.streams._read import EncodedPage, RawEvent
@@ -62,12 +63,17 @@ class Taken(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """One SSE message: its event name, its JSON data, and the whole cursor after it
-    (None: a frame that carries no `id:`)."""
+    """One SSE message: its event name, its JSON data, the whole cursor after it (None:
+    a frame that carries no `id:`), and the message as sent."""
 
     kind: str
     data: str
     cursor: str | None
+    wire: bytes
+
+    @classmethod
+    def of(cls, kind: str, data: str, cursor: str | None) -> Frame:
+        return cls(kind, data, cursor, frame_text(kind, data, cursor).encode())
 
 
 class Reset(Exception):
@@ -111,7 +117,7 @@ class Reader:
 
     def _emit(self, kind: str, body: Any | str) -> None:
         data = body if isinstance(body, str) else dumps(body)
-        self.frames_out.append(Frame(kind, data, self.cursor.encode()))
+        self.frames_out.append(Frame.of(kind, data, self.cursor.encode()))
 
     def take_frames(self) -> list[Frame]:
         frames, self.frames_out = self.frames_out, []
@@ -338,13 +344,35 @@ class Reader:
         later head) and whether the cursor moved (it does not while a replica has yet to
         replay what the primary notified)."""
         before = self.position(stream, partition)
-        shared: SharedRead = await self.hub.read(
-            stream, partition, self.position(stream, partition)
-        )
+        shared: SharedRead = await self.hub.read(stream, partition, before)
         if shared.epoch != self.epochs[stream]:
             # the stream was deleted and created again, which no notification says: a
             # page emits the reset and reads the new one from its beginning
             return not await self.catch_up_frames(stream, READ_LIMIT), True
+        head = max(shared.head, self.hub.head(stream, partition))
+        # Every reader that stands where this one does (its whole cursor), with the same
+        # selection, gets the same frames from this read: they are made once, by the first.
+        state = (self.selections[stream], head, self._state())
+        made = shared.frames.get(state)
+        if made is None:
+            count = len(self.frames_out)
+            self._live_frames(stream, partition, shared, head)
+            shared.frames[state] = (self.frames_out[count:], self.position(stream, partition))
+        else:
+            frames, position = made
+            self.frames_out.extend(frames)
+            self._advance(stream, partition, position)
+        known = self.hub.head(stream, partition)
+        after = self.position(stream, partition)
+        return len(shared.items) >= READ_LIMIT or known > after, after > before
+
+    def _state(self) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+        """The whole cursor, as a key."""
+        return tuple(
+            (stream, self.epochs[stream], tuple(marks)) for stream, marks in self.marks.items()
+        )
+
+    def _live_frames(self, stream: str, partition: int, shared: SharedRead, head: int) -> None:
         selection = self.selections[stream]
         kept: list[str] = []
         first = last = None
@@ -362,8 +390,4 @@ class Reader:
             assert first is not None
             self._advance(stream, partition, last)
             if kept:
-                head = max(shared.head, self.hub.head(stream, partition))
                 self._emit_events(stream, partition, first, last, head, kept)
-        known = self.hub.head(stream, partition)
-        after = self.position(stream, partition)
-        return len(shared.items) >= READ_LIMIT or known > after, after > before

@@ -111,12 +111,13 @@ class EventStream:
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
         await self._send({"type": "http.response.start", "status": 200, "headers": headers})
 
-    async def write(self, text: str) -> None:
-        """Send `text`. uvicorn's send returns at once while the socket takes data, waits
-        while it does not, and returns (sending nothing) once the client is gone."""
+    async def write(self, text: str | bytes) -> None:
+        """Send `text` (or its UTF-8 bytes). uvicorn's send returns at once while the
+        socket takes data, waits while it does not, and returns (sending nothing) once the
+        client is gone."""
         if self.gone:
             raise Gone
-        body = text.encode()
+        body = text if isinstance(text, bytes) else text.encode()
         self._writing_since = self._loop.time()
         try:
             await self._send({"type": "http.response.body", "body": body, "more_body": True})

@@ -128,7 +128,7 @@ class EventStreamResponse(HeldOpen):
             gateway.hub.remove(watcher)
             await stream.end()
 
-    async def _write(self, stream: EventStream, frame_type: str | None, text: str) -> None:
+    async def _write(self, stream: EventStream, frame_type: str | None, text: str | bytes) -> None:
         sent_before = stream.bytes_sent
         await stream.write(text)
         self.gateway.metrics.sent(self.slot.kind, frame_type, stream.bytes_sent - sent_before)
@@ -137,7 +137,7 @@ class EventStreamResponse(HeldOpen):
         """Send the frames the reader made; whether there were any."""
         frames = reader.take_frames()
         for frame in frames:
-            await self._write(stream, frame.kind, frame_text(frame.kind, frame.data, frame.cursor))
+            await self._write(stream, frame.kind, frame.wire)
         return bool(frames)
 
     async def _catch_up(self, stream: EventStream, reader: Reader) -> None:

@@ -154,3 +154,65 @@ def test_the_next_watcher_of_a_stream_starts_from_the_heads_the_hub_knows(
     stream nobody comes back to is then no longer followed."""
     seen = runner.run(next_watcher(engine, dsn, linger=0.2))
     assert seen == {"head for the next watcher": 1, "head once no watcher came": 0}
+
+
+async def woken_readers(engine: subengine.Engine, dsn: str) -> list[list[Any]]:
+    """Four readers of 'orders' at its heads, woken by one append of two events: the
+    first two read all of it, the third only type B, the fourth stands one event
+    further back in another partition. Their frames, in order."""
+    listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
+    await listen_engine.open()
+    await read_engine.open()
+    hub = Hub(listen_engine, read_engine, poll_interval=3600.0)
+    try:
+        engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
+        epoch, heads = (await read_engine.epochs_and_heads(["orders"]))["orders"]
+        assert heads is not None
+        start = {"orders": StreamPosition(epoch, tuple(heads))}
+        moved = engine.append(
+            "orders",
+            [subengine.NewEvent("a", "A", {"n": 10}), subengine.NewEvent("a", "B", {"n": 11})],
+        )
+        partition = moved[0].partition
+        behind = list(heads)
+        elsewhere = next(p for p, head in enumerate(heads) if head and p != partition)
+        behind[elsewhere] -= 1
+        readers = [
+            Reader(hub, {"orders": Selection("orders")}, start),
+            Reader(hub, {"orders": Selection("orders")}, start),
+            Reader(hub, {"orders": Selection("orders", types=frozenset({"B"}))}, start),
+            Reader(
+                hub,
+                {"orders": Selection("orders")},
+                {"orders": StreamPosition(epoch, tuple(behind))},
+            ),
+        ]
+        watcher = Watcher({"orders": None})
+        hub.add(watcher)
+        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
+        for reader in readers:
+            await reader.live_frames("orders", partition)
+        return [reader.take_frames() for reader in readers]
+    finally:
+        await hub.close()
+        await read_engine.close()
+        await listen_engine.close()
+
+
+def test_readers_that_stand_at_the_same_cursor_share_the_frames_of_a_read(
+    engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner
+) -> None:
+    """A frame is made once for every reader at the same cursor with the same
+    selection (issue 26: 1,000 watchers of a stream each made the same frame); a reader
+    elsewhere, or with other filters, gets its own."""
+    same, twin, only_b, behind = runner.run(woken_readers(engine, dsn))
+    assert len(same) == 1 and same[0].kind == "events"
+    assert twin[0] is same[0]
+    assert [e["data"] for e in json.loads(same[0].data)["events"]] == [{"n": 10}, {"n": 11}]
+    assert [e["data"] for e in json.loads(only_b[0].data)["events"]] == [{"n": 11}]
+    assert behind[0].data == same[0].data and behind[0].cursor != same[0].cursor
+    for frames in (same, only_b, behind):
+        assert (
+            frames[0].wire
+            == f"id: {frames[0].cursor}\nevent: events\ndata: {frames[0].data}\n\n".encode()
+        )
