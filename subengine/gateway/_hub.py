@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import orjson
@@ -187,6 +188,16 @@ class Watcher:
         return changed, resync
 
 
+def _wake(
+    watchers: list[Watcher], stream: str, partition: int, read: asyncio.Future[SharedRead]
+) -> None:
+    """Wake the watchers of a partition that moved, once the read for them is done."""
+    if not read.cancelled():
+        read.exception()  # looked at: each watcher's own read raises it again, or reads anew
+    for watcher in watchers:
+        watcher.wake(stream, partition)
+
+
 @dataclass(eq=False)
 class _Feed:
     """What the hub knows of one watched stream."""
@@ -308,12 +319,24 @@ class Hub:
     def _learn(self, feed: _Feed, partition: int, head: int) -> None:
         if partition >= len(feed.heads):
             feed.heads.extend([0] * (partition + 1 - len(feed.heads)))
-        if head <= feed.heads[partition]:
+        previous = feed.heads[partition]
+        if head <= previous:
             return
         feed.heads[partition] = head
-        for watcher in feed.watchers:
-            if watcher.wants(feed.stream, partition):
-                watcher.wake(feed.stream, partition)
+        stream = feed.stream
+        woken = [watcher for watcher in feed.watchers if watcher.wants(stream, partition)]
+        if not woken:
+            return
+        # Every caught-up watcher stands at the previous head and reads from there: the
+        # read starts now, and they are woken once it is done, so that each finds it
+        # made (one switch to a watcher's task per append, not two: wake, then wait for
+        # the read). A watcher elsewhere reads for itself, as before; a failed read
+        # wakes them all the same.
+        future = self._shared(stream, partition, previous, time.monotonic())
+        if future.done():
+            _wake(woken, stream, partition, future)
+        else:
+            future.add_done_callback(partial(_wake, woken, stream, partition))
 
     def _wake_poller(self) -> None:
         self._poll_now.set()
@@ -360,9 +383,17 @@ class Hub:
     async def read(self, stream: str, partition: int, after: int) -> SharedRead:
         """The events of a partition after `after` (up to READ_LIMIT), read once for every
         watcher that asks for the same (stream, partition, position) meanwhile."""
+        future = self._shared(stream, partition, after, time.monotonic())
+        if future.done():
+            return future.result()
+        return await asyncio.shield(future)
+
+    def _shared(
+        self, stream: str, partition: int, after: int, now: float
+    ) -> asyncio.Future[SharedRead]:
+        """The read of `read`: one made or under way that still serves, else a new one."""
         key = (stream, partition, after)
         future = self._reads.get(key)
-        now = time.monotonic()
         if future is not None and future.done():
             # a finished read serves later watchers while it is fresh and still reaches
             # the head known now (or was full); otherwise it is read again
@@ -372,7 +403,7 @@ class Hub:
                 and now - future.result().finished < _CACHED_SECONDS
                 and future.result().reaches(self.head(stream, partition))
             ):
-                return future.result()
+                return future
             del self._reads[key]
             future = None
         if future is None:
@@ -381,7 +412,7 @@ class Hub:
             future = asyncio.ensure_future(self._read(stream, partition, after))
             self._reads[key] = future
             self._evict(now)
-        return await asyncio.shield(future)
+        return future
 
     async def _read(self, stream: str, partition: int, after: int) -> SharedRead:
         shared = SharedRead(stream, partition, after, self.head(stream, partition))

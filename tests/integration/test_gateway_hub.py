@@ -216,3 +216,42 @@ def test_readers_that_stand_at_the_same_cursor_share_the_frames_of_a_read(
             frames[0].wire
             == f"id: {frames[0].cursor}\nevent: events\ndata: {frames[0].data}\n\n".encode()
         )
+
+
+async def read_made_when_woken(engine: subengine.Engine, dsn: str) -> Any:
+    """A watcher at the head of 'orders' is woken by an append: the read from where it
+    stands, if made by then (else None)."""
+    listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
+    await listen_engine.open()
+    await read_engine.open()
+    hub = Hub(listen_engine, read_engine, poll_interval=3600.0)
+    try:
+        engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
+        watcher = Watcher({"orders": None})
+        hub.add(watcher)
+        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
+        watcher.take()
+        (moved,) = engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
+        await asyncio.wait_for(watcher.event.wait(), 30)
+        read = hub.read("orders", moved.partition, moved.position - 1)
+        try:
+            read.send(None)
+        except StopIteration as done:
+            return done.value
+        read.close()
+        return None
+    finally:
+        await hub.close()
+        await read_engine.close()
+        await listen_engine.close()
+
+
+def test_a_watcher_woken_by_an_append_finds_its_read_made(
+    engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner
+) -> None:
+    """The hub starts the read from the previous head as it learns of the new one, and
+    wakes the watchers once it is done: each takes it without waiting (issue 26: 1,000
+    watchers each waited on it, a second switch to every watcher's task)."""
+    shared = runner.run(read_made_when_woken(engine, dsn))
+    assert shared is not None
+    assert [json.loads(event.data) for event in shared.items] == [{"n": 1}]
