@@ -170,7 +170,11 @@ def create_app(
 
 class GatewayApp(Starlette):
     """The gateway's Starlette app, which runs an event stream its routes chose once
-    they and the middleware have returned (`HeldOpen`)."""
+    they and the middleware have returned (`HeldOpen`). It writes through the send
+    they passed on when there is middleware of the app's own (CORS), which may change
+    what is sent; else through the server's own send: Starlette's wrappers of it only
+    note that the response started, for the error handling that has returned (every
+    frame to every watcher went through two more coroutines)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or HELD in scope:
@@ -185,7 +189,7 @@ class GatewayApp(Starlette):
                 response.slot.release()
             raise
         for response, response_receive, response_send in held:  # one at most
-            await response.serve(response_receive, response_send)
+            await response.serve(response_receive, response_send if self.user_middleware else send)
 
 
 # the gateways open in this process, which `subengine serve` tells to end their streams

@@ -24,9 +24,11 @@ class Probe(HeldOpen):
     def __init__(self, log: list[str], connections: Connections) -> None:
         self.log = log
         self.slot = connections.admit(SSE, "someone")
+        self.send: Send | None = None
 
     async def serve(self, receive: Receive, send: Send) -> None:
         self.log.append("serve")
+        self.send = send
         try:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"held"})
@@ -54,15 +56,19 @@ class Recorder:
             raise RuntimeError("after the route")
 
 
-def make_app(app_class: type[Any], log: list[str], fail: bool = False) -> Any:
+def make_app(
+    app_class: type[Any], log: list[str], fail: bool = False, middleware: bool = True
+) -> Any:
     connections = Connections(10, 10, 1)
+    probes: list[Probe] = []
 
     async def route(request: Request) -> Probe:
-        return Probe(log, connections)
+        probes.append(Probe(log, connections))
+        return probes[-1]
 
-    app = app_class(
-        routes=[Route("/live", route)], middleware=[Middleware(Recorder, log=log, fail=fail)]
-    )
+    recorder = [Middleware(Recorder, log=log, fail=fail)] if middleware else []
+    app = app_class(routes=[Route("/live", route)], middleware=recorder)
+    app.probes = probes
     return app, connections
 
 
@@ -99,4 +105,37 @@ def test_an_event_stream_that_never_runs_gives_its_slot_back() -> None:
     with pytest.raises(RuntimeError, match="after the route"):
         get(app)
     assert log == ["middleware returned"]
+    assert connections.event_streams() == 0
+
+
+def test_without_middleware_of_its_own_an_event_stream_writes_through_the_server() -> None:
+    """Starlette's wrappers of `send` only note that a response started, for error
+    handling that has returned: each frame skips them."""
+    app, connections = make_app(GatewayApp, [], middleware=False)
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/live",
+        "raw_path": b"/live",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [],
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1234),
+    }
+    asyncio.run(app(scope, receive, send))
+    (probe,) = app.probes
+    assert probe.send is send
+    assert [message["type"] for message in sent] == ["http.response.start", "http.response.body"]
     assert connections.event_streams() == 0
