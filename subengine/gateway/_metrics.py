@@ -159,16 +159,16 @@ class GatewayMetrics:
             ["type"],
             registry=self.registry,
         )
-        for frame_type in FRAME_TYPES:
-            self.frames_sent.labels(frame_type)
+        # the series of each label, looked up once: `labels()` takes a lock and checks
+        # its arguments, and every frame to every watcher counts in two series
+        self._frames_sent = {t: self.frames_sent.labels(t) for t in FRAME_TYPES}
         self.bytes_sent = Counter(
             "subengine_gateway_bytes_sent",
             "Bytes of event pages and event streams sent, by kind of connection.",
             ["kind"],
             registry=self.registry,
         )
-        for kind in KINDS:
-            self.bytes_sent.labels(kind)
+        self._bytes_sent = {kind: self.bytes_sent.labels(kind) for kind in KINDS}
         self.pages_read_ahead = Counter(
             "subengine_gateway_pages_read_ahead",
             "Durable Streams catch-up pages read ahead, while the reader took in the page "
@@ -210,5 +210,5 @@ class GatewayMetrics:
     def sent(self, kind: str, frame_type: str | None, size: int) -> None:
         """`size` bytes sent on a connection of `kind`; a frame of `frame_type`, if any."""
         if frame_type is not None:
-            self.frames_sent.labels(frame_type).inc()
-        self.bytes_sent.labels(kind).inc(size)
+            self._frames_sent[frame_type].inc()
+        self._bytes_sent[kind].inc(size)

@@ -5,6 +5,7 @@ response that ignores the disconnect writes to dead sockets and blocks shutdown)
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Protocol
 
 from starlette.types import Receive, Scope, Send
@@ -83,6 +84,8 @@ class EventStream:
         self._blocked = False
         self.closing = False
         self.bytes_sent = 0
+        self._timer: asyncio.TimerHandle | None = None  # of wait_until
+        self._timer_deadline = 0.0
 
     async def _watch_disconnect(self) -> None:
         while True:
@@ -147,9 +150,33 @@ class EventStream:
         if self.gone:
             raise Gone
 
+    async def wait_until(self, deadline: float) -> None:
+        """As `wait`, until `deadline` (of time.monotonic). Its timer stays set after a
+        wake-up for the next wait until the same deadline: a stream that sends frames
+        between heartbeats sets one per heartbeat, not one per frame. Set between waits,
+        it makes the next one return at once, the deadline being past."""
+        if self.gone:
+            raise Gone
+        if not self._wake.is_set():
+            if self._timer is None or self._timer_deadline != deadline:
+                if self._timer is not None:
+                    self._timer.cancel()
+                delay = max(deadline - time.monotonic(), 0.0)
+                self._timer = self._loop.call_later(delay, self._ring)
+                self._timer_deadline = deadline
+            await self._wake.wait()
+        if self.gone:
+            raise Gone
+
+    def _ring(self) -> None:
+        self._timer = None
+        self._wake.set()
+
     async def end(self) -> None:
         """Finish the response (unless the client is gone) and stop watching."""
         self._left.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         try:
             async with asyncio.timeout(1.0):
                 await self._send({"type": "http.response.body", "body": b"", "more_body": False})

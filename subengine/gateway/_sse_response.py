@@ -154,6 +154,8 @@ class EventStreamResponse(HeldOpen):
     ) -> None:
         caught_up = False
         quiet_since = checked = time.monotonic()
+        # when to see whether a heartbeat is due: a frame sent meanwhile puts it off then
+        look_at = quiet_since + self.heartbeat
         # spread over time, so that streams opened together do not check together
         check_every = min(KEY_CHECK_SECONDS, self.heartbeat) * random.uniform(0.8, 1.2)
         pending: set[tuple[str, int]] = set()
@@ -226,19 +228,21 @@ class EventStreamResponse(HeldOpen):
                     close_frame("rotate", "the stream's lifetime ended: resume by cursor"),
                 )
                 return
-            beat_at = quiet_since + self.heartbeat
-            if now >= beat_at:
-                await self._write(stream, "heartbeat", ": hb\n\n")
-                quiet_since = now
-                continue
+            if now >= look_at:
+                if now >= quiet_since + self.heartbeat:
+                    await self._write(stream, "heartbeat", ": hb\n\n")
+                    quiet_since = now
+                    look_at = now + self.heartbeat
+                    continue
+                look_at = quiet_since + self.heartbeat
             if stalled:
-                await stream.wait(min(beat_at, ends, now + stall) - now)
+                await stream.wait(min(look_at, ends, now + stall) - now)
                 pending |= stalled
                 stalled.clear()
                 stall = min(2 * stall, _LONGEST_STALL_SECONDS)
                 continue
             stall = _FIRST_STALL_SECONDS
-            await stream.wait(min(beat_at, ends) - now)
+            await stream.wait_until(min(look_at, ends))
 
     async def _still_allowed(self) -> bool:
         key = self.principal.key
