@@ -168,18 +168,32 @@ def create_app(
     )
 
 
+# The middleware under which an event stream may start after the route returned: CORS
+# only adds headers to what is sent. Other middleware added to the app may need the
+# response to have started by then (Starlette's BaseHTTPMiddleware does).
+_HOLDS_UNDER: frozenset[Any] = frozenset({CORSMiddleware})
+
+
 class GatewayApp(Starlette):
     """The gateway's Starlette app, which runs an event stream its routes chose once
-    they and the middleware have returned (`HeldOpen`). It writes through the send
-    they passed on when there is middleware of the app's own (CORS), which may change
-    what is sent; else through the server's own send: Starlette's wrappers of it only
-    note that the response started, for the error handling that has returned (every
-    frame to every watcher went through two more coroutines)."""
+    they and the middleware have returned (`HeldOpen`), unless middleware added to it
+    may not allow that (`_HOLDS_UNDER`). It writes through the send they passed on
+    when there is middleware of the app's own (CORS), which may change what is sent;
+    else through the server's own send: Starlette's wrappers of it only note that the
+    response started, for the error handling that has returned (every frame to every
+    watcher went through two more coroutines)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or HELD in scope:
+        if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
+        if any(each.cls not in _HOLDS_UNDER for each in self.user_middleware):
+            # middleware added to the app may need the response to have started when the
+            # route returns (BaseHTTPMiddleware does): the response runs in place
+            scope[HELD] = None
+            await super().__call__(scope, receive, send)
+            return
+        # (a gateway app mounted in another one holds what its own routes chose)
         held: list[tuple[HeldOpen, Receive, Send]] = []
         scope[HELD] = held
         try:

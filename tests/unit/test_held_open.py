@@ -5,29 +5,37 @@ through the `send` they passed on, and gives its connection slot back if it neve
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from typing import Any
 
 import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from subengine.gateway._app import GatewayApp
 from subengine.gateway._connections import SSE, Connections
 from subengine.gateway._sse import HeldOpen
 
+ORIGIN = "https://app.example"
+
 
 class Probe(HeldOpen):
-    def __init__(self, log: list[str], connections: Connections) -> None:
+    def __init__(self, log: list[str], connections: Connections, request: Request) -> None:
         self.log = log
         self.slot = connections.admit(SSE, "someone")
         self.send: Send | None = None
+        self.request = weakref.ref(request)
 
     async def serve(self, receive: Receive, send: Send) -> None:
-        self.log.append("serve")
+        gc.collect()
+        self.log.append("serve" if self.request() is not None else "serve, the route gone")
         self.send = send
         try:
             await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -36,38 +44,29 @@ class Probe(HeldOpen):
             self.slot.release()
 
 
-class Recorder:
-    """A middleware that notes when it returns, and adds a header to every response."""
-
-    def __init__(self, app: ASGIApp, log: list[str], fail: bool = False) -> None:
-        self.app = app
-        self.log = log
-        self.fail = fail
+class Failing(Probe):
+    """Held, and then the request fails before the held response could run."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def marked(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message["headers"], (b"x-recorder", b"yes")]
-            await send(message)
-
-        await self.app(scope, receive, marked)
-        self.log.append("middleware returned")
-        if self.fail:
-            raise RuntimeError("after the route")
+        await super().__call__(scope, receive, send)
+        raise RuntimeError("after holding")
 
 
 def make_app(
-    app_class: type[Any], log: list[str], fail: bool = False, middleware: bool = True
+    app_class: type[Any],
+    log: list[str],
+    cors: bool = False,
+    probe: type[Probe] = Probe,
 ) -> Any:
     connections = Connections(10, 10, 1)
     probes: list[Probe] = []
 
     async def route(request: Request) -> Probe:
-        probes.append(Probe(log, connections))
+        probes.append(probe(log, connections, request))
         return probes[-1]
 
-    recorder = [Middleware(Recorder, log=log, fail=fail)] if middleware else []
-    app = app_class(routes=[Route("/live", route)], middleware=recorder)
+    middleware = [Middleware(CORSMiddleware, allow_origins=[ORIGIN])] if cors else []
+    app = app_class(routes=[Route("/live", route)], middleware=middleware)
     app.probes = probes
     return app, connections
 
@@ -76,42 +75,43 @@ def get(app: Any) -> httpx.Response:
     async def call() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.get("/live")
+            return await client.get("/live", headers={"Origin": ORIGIN})
 
     return asyncio.run(call())
 
 
-def test_the_gateway_app_runs_an_event_stream_after_its_middleware_returned() -> None:
+def test_the_gateway_app_runs_an_event_stream_once_its_route_is_gone() -> None:
+    """The route's frames, and the request they hold, are freed before it runs."""
     log: list[str] = []
-    app, connections = make_app(GatewayApp, log)
+    app, connections = make_app(GatewayApp, log, cors=True)
     answer = get(app)
     assert answer.text == "held"
-    assert answer.headers["x-recorder"] == "yes"  # through the middleware's send
-    assert log == ["middleware returned", "serve"]
+    assert answer.headers["access-control-allow-origin"] == ORIGIN  # through CORS' send
+    assert log == ["serve, the route gone"]
     assert connections.event_streams() == 0
 
 
 def test_under_another_app_an_event_stream_runs_in_place() -> None:
     log: list[str] = []
-    app, _ = make_app(Starlette, log)
+    app, _ = make_app(Starlette, log, cors=True)
     answer = get(app)
     assert answer.text == "held"
-    assert log == ["serve", "middleware returned"]
+    assert log == ["serve"]
 
 
 def test_an_event_stream_that_never_runs_gives_its_slot_back() -> None:
     log: list[str] = []
-    app, connections = make_app(GatewayApp, log, fail=True)
-    with pytest.raises(RuntimeError, match="after the route"):
+    app, connections = make_app(GatewayApp, log, probe=Failing)
+    with pytest.raises(RuntimeError, match="after holding"):
         get(app)
-    assert log == ["middleware returned"]
+    assert log == []
     assert connections.event_streams() == 0
 
 
 def test_without_middleware_of_its_own_an_event_stream_writes_through_the_server() -> None:
     """Starlette's wrappers of `send` only note that a response started, for error
     handling that has returned: each frame skips them."""
-    app, connections = make_app(GatewayApp, [], middleware=False)
+    app, connections = make_app(GatewayApp, [])
     sent: list[Any] = []
 
     async def send(message: Any) -> None:
@@ -138,4 +138,22 @@ def test_without_middleware_of_its_own_an_event_stream_writes_through_the_server
     (probe,) = app.probes
     assert probe.send is send
     assert [message["type"] for message in sent] == ["http.response.start", "http.response.body"]
+    assert connections.event_streams() == 0
+
+
+def test_under_middleware_that_needs_a_started_response_an_event_stream_runs_in_place() -> None:
+    """Starlette's BaseHTTPMiddleware fails a route that returns before its response
+    starts: under middleware other than CORS, the gateway app holds nothing."""
+    log: list[str] = []
+    app, connections = make_app(GatewayApp, log)
+
+    async def passing(request: Request, call_next: Any) -> Any:
+        response = await call_next(request)
+        log.append("base middleware")
+        return response
+
+    app.add_middleware(BaseHTTPMiddleware, dispatch=passing)
+    answer = get(app)
+    assert answer.status_code == 200 and answer.text == "held"
+    assert log == ["serve", "base middleware"]  # in place: the route still there
     assert connections.event_streams() == 0
