@@ -106,8 +106,8 @@ class SharedRead:
     finished: float = 0.0
     _encoded: dict[tuple[int, bool], str] = field(default_factory=dict)
     # the frames readers made of it, by where they stood (see Reader.live_frames), and
-    # the position of the partition after them
-    frames: dict[Hashable, tuple[list[Any], int]] = field(default_factory=dict)
+    # the position of the partition after them; None: made once, not kept
+    frames: dict[Hashable, tuple[list[Any], int] | None] = field(default_factory=dict)
 
     def reaches(self, head: int) -> bool:
         """Whether this read still answers a reader at `after`: it was full, or it got
@@ -162,9 +162,13 @@ class Watcher:
     """One client's wake-ups: the (stream, partition) pairs whose head moved since it last
     looked, and whether to look at everything again (a resync or an epoch change)."""
 
-    def __init__(self, partitions: dict[str, frozenset[int] | None]) -> None:
+    def __init__(
+        self, partitions: dict[str, frozenset[int] | None], shared_reads: bool = False
+    ) -> None:
         # per stream, the partitions it reads (None: all)
         self.partitions = partitions
+        # whether it reads what moved through the hub's shared reads (`Hub.read`)
+        self.shared_reads = shared_reads
         self.changed: set[tuple[str, int]] = set()
         self.resync = False
         self.event = Wake()
@@ -324,19 +328,25 @@ class Hub:
             return
         feed.heads[partition] = head
         stream = feed.stream
-        woken = [watcher for watcher in feed.watchers if watcher.wants(stream, partition)]
-        if not woken:
+        readers: list[Watcher] = []
+        for watcher in feed.watchers:
+            if watcher.wants(stream, partition):
+                if watcher.shared_reads and feed.epoch is not None:
+                    readers.append(watcher)
+                else:  # it reads otherwise, or before the first head poll: at once
+                    watcher.wake(stream, partition)
+        if not readers:
             return
-        # Every caught-up watcher stands at the previous head and reads from there: the
+        # Every caught-up reader stands at the previous head and reads from there: the
         # read starts now, and they are woken once it is done, so that each finds it
         # made (one switch to a watcher's task per append, not two: wake, then wait for
-        # the read). A watcher elsewhere reads for itself, as before; a failed read
+        # the read). A reader elsewhere reads for itself, as before; a failed read
         # wakes them all the same.
         future = self._shared(stream, partition, previous, time.monotonic())
         if future.done():
-            _wake(woken, stream, partition, future)
+            _wake(readers, stream, partition, future)
         else:
-            future.add_done_callback(partial(_wake, woken, stream, partition))
+            future.add_done_callback(partial(_wake, readers, stream, partition))
 
     def _wake_poller(self) -> None:
         self._poll_now.set()

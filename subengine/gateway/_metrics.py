@@ -210,5 +210,6 @@ class GatewayMetrics:
     def sent(self, kind: str, frame_type: str | None, size: int) -> None:
         """`size` bytes sent on a connection of `kind`; a frame of `frame_type`, if any."""
         if frame_type is not None:
-            self._frames_sent[frame_type].inc()
-        self._bytes_sent[kind].inc(size)
+            frames = self._frames_sent.get(frame_type)
+            (frames or self.frames_sent.labels(frame_type)).inc()
+        (self._bytes_sent.get(kind) or self.bytes_sent.labels(kind)).inc(size)

@@ -44,6 +44,9 @@ class Selection:
         return frozenset(partition_for(key, count) for key in self.keys)
 
 
+# The most sets of frames a shared read keeps, each for the readers at one cursor.
+_FRAMES_KEPT = 4
+
 # The most bytes of event JSON a page holds (but for a single larger event): a page of
 # large events stays a size a client and the gateway hold at once, whatever its `limit`.
 PAGE_BYTES = 1 << 20
@@ -351,13 +354,18 @@ class Reader:
             return not await self.catch_up_frames(stream, READ_LIMIT), True
         head = max(shared.head, self.hub.head(stream, partition))
         # Every reader that stands where this one does (its whole cursor), with the same
-        # selection, gets the same frames from this read: they are made once, by the first.
+        # selection, gets the same frames from this read: the second makes and keeps
+        # them (the first only notes where it stood: readers whose cursors differ, with
+        # key filters say, keep no frames), a few at most per read.
         state = (self.selections[stream], head, self._state())
         made = shared.frames.get(state)
         if made is None:
             count = len(self.frames_out)
             self._live_frames(stream, partition, shared, head)
-            shared.frames[state] = (self.frames_out[count:], self.position(stream, partition))
+            if state not in shared.frames:
+                shared.frames[state] = None
+            elif sum(kept is not None for kept in shared.frames.values()) < _FRAMES_KEPT:
+                shared.frames[state] = (self.frames_out[count:], self.position(stream, partition))
         else:
             frames, position = made
             self.frames_out.extend(frames)

@@ -218,7 +218,8 @@ class Gateway:
                     raise StreamNotFound(name)
                 counts[name] = len(heads)
         return Watcher(
-            {name: selection.partitions(counts[name]) for name, selection in selections.items()}
+            {name: selection.partitions(counts[name]) for name, selection in selections.items()},
+            shared_reads=True,
         )
 
 

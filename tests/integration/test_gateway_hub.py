@@ -156,10 +156,11 @@ def test_the_next_watcher_of_a_stream_starts_from_the_heads_the_hub_knows(
     assert seen == {"head for the next watcher": 1, "head once no watcher came": 0}
 
 
-async def woken_readers(engine: subengine.Engine, dsn: str) -> list[list[Any]]:
-    """Four readers of 'orders' at its heads, woken by one append of two events: the
-    first two read all of it, the third only type B, the fourth stands one event
-    further back in another partition. Their frames, in order."""
+async def woken_readers(engine: subengine.Engine, dsn: str) -> tuple[list[list[Any]], int]:
+    """Five readers of 'orders' at its heads, woken by one append of two events: the
+    first three read all of it, the fourth only type B, the fifth stands one event
+    further back in another partition. Their frames, in order, and how many sets of
+    frames the read kept."""
     listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
     await listen_engine.open()
     await read_engine.open()
@@ -180,6 +181,7 @@ async def woken_readers(engine: subengine.Engine, dsn: str) -> list[list[Any]]:
         readers = [
             Reader(hub, {"orders": Selection("orders")}, start),
             Reader(hub, {"orders": Selection("orders")}, start),
+            Reader(hub, {"orders": Selection("orders")}, start),
             Reader(hub, {"orders": Selection("orders", types=frozenset({"B"}))}, start),
             Reader(
                 hub,
@@ -192,7 +194,9 @@ async def woken_readers(engine: subengine.Engine, dsn: str) -> list[list[Any]]:
         await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
         for reader in readers:
             await reader.live_frames("orders", partition)
-        return [reader.take_frames() for reader in readers]
+        shared = await hub.read("orders", partition, heads[partition])
+        kept = sum(frames is not None for frames in shared.frames.values())
+        return [reader.take_frames() for reader in readers], kept
     finally:
         await hub.close()
         await read_engine.close()
@@ -202,12 +206,14 @@ async def woken_readers(engine: subengine.Engine, dsn: str) -> list[list[Any]]:
 def test_readers_that_stand_at_the_same_cursor_share_the_frames_of_a_read(
     engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner
 ) -> None:
-    """A frame is made once for every reader at the same cursor with the same
-    selection (issue 26: 1,000 watchers of a stream each made the same frame); a reader
-    elsewhere, or with other filters, gets its own."""
-    same, twin, only_b, behind = runner.run(woken_readers(engine, dsn))
+    """The frames the second reader at a cursor made, with a selection, are the frames
+    of every later one (issue 26: 1,000 watchers of a stream each made the same frame);
+    a reader elsewhere, or with other filters, gets its own. The first reader at a
+    cursor keeps none: readers whose cursors all differ would keep a set each."""
+    (same, twin, third, only_b, behind), kept = runner.run(woken_readers(engine, dsn))
     assert len(same) == 1 and same[0].kind == "events"
-    assert twin[0] is same[0]
+    assert third[0] is twin[0] and twin[0] == same[0]
+    assert kept == 1
     assert [e["data"] for e in json.loads(same[0].data)["events"]] == [{"n": 10}, {"n": 11}]
     assert [e["data"] for e in json.loads(only_b[0].data)["events"]] == [{"n": 11}]
     assert behind[0].data == same[0].data and behind[0].cursor != same[0].cursor
@@ -227,7 +233,7 @@ async def read_made_when_woken(engine: subengine.Engine, dsn: str) -> Any:
     hub = Hub(listen_engine, read_engine, poll_interval=3600.0)
     try:
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
-        watcher = Watcher({"orders": None})
+        watcher = Watcher({"orders": None}, shared_reads=True)
         hub.add(watcher)
         await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
         watcher.take()
@@ -255,3 +261,31 @@ def test_a_watcher_woken_by_an_append_finds_its_read_made(
     shared = runner.run(read_made_when_woken(engine, dsn))
     assert shared is not None
     assert [json.loads(event.data) for event in shared.items] == [{"n": 1}]
+
+
+async def reads_when_woken(engine: subengine.Engine, dsn: str) -> int:
+    """A watcher that reads otherwise than through the hub (a remote worker's claim, a
+    Durable Streams reader) is woken by an append: the reads the hub made by then."""
+    listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
+    await listen_engine.open()
+    await read_engine.open()
+    hub = Hub(listen_engine, read_engine, poll_interval=3600.0)
+    try:
+        watcher = Watcher({"orders": None})
+        hub.add(watcher)
+        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
+        watcher.take()
+        engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
+        await asyncio.wait_for(watcher.event.wait(), 30)
+        return hub.reads
+    finally:
+        await hub.close()
+        await read_engine.close()
+        await listen_engine.close()
+
+
+def test_a_watcher_that_reads_otherwise_is_woken_at_once(
+    engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner
+) -> None:
+    """Only watchers that read through the hub wait for its read (and cost it)."""
+    assert runner.run(reads_when_woken(engine, dsn)) == 0
