@@ -58,6 +58,8 @@ P99_GOAL_100 = 0.015
 P99_GOAL_1000 = 0.050
 CATCH_UP_GOAL = 0.5
 READS_GOAL = 1.2
+# issue 26: beside the relay, as a ratio of its figure in the same run
+RELAY_GOALS = {("p50", 100): 1.1, ("p99", 1000): 1.0}
 MEMORY_GOAL = 20 * 1024
 
 
@@ -414,14 +416,23 @@ def goal_rows(
             ours, theirs = gateway.spread(what), plain.spread(what)
             assert ours is not None and theirs is not None
             goal = None if overload else goals.get((what, gateway.watchers))
+            relay = None if overload else RELAY_GOALS.get((what, gateway.watchers))
+            ratio = ours.median / theirs.median
+            texts, passes = [], []
+            if goal is not None:
+                texts.append(f"<= {goal * 1000:g} ms")
+                passes.append(ours.median <= goal)
+            if relay is not None:
+                texts.append(f"<= {relay:g}x")
+                passes.append(ratio <= relay)
             rows.append(
                 Row(
                     f"{what} latency, {gateway.watchers:,} watchers, {gateway.rate:g}/s",
                     ours.span(1000, 2) + " ms",
                     f"{theirs.median * 1000:,.2f} ms",
-                    f"{ours.median / theirs.median:.1f}x",
-                    "-" if goal is None else f"<= {goal * 1000:g} ms",
-                    None if goal is None else ours.median <= goal,
+                    f"{ratio:.1f}x",
+                    ", ".join(texts) or "-",
+                    all(passes) if passes else None,
                 )
             )
     http = Spread.of(catch_up["HTTP by cursor"])
