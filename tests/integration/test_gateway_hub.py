@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -40,14 +42,26 @@ class Recorded:
         sql.run_async = recording  # type: ignore[method-assign]
 
 
-async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[Recorded, list[Any]]:
-    """A reader at the head of 'orders', woken by an append, reads what moved (`live`:
-    "long-poll" or "sse"): the statements that cost, and the events' data it got."""
+@asynccontextmanager
+async def opened_hub(dsn: str, **options: Any) -> AsyncIterator[Hub]:
+    """A hub on engines of its own (its LISTEN and its reads), whose head poll runs once."""
     listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
     await listen_engine.open()
     await read_engine.open()
-    hub = Hub(listen_engine, read_engine, poll_interval=3600.0)
+    hub = Hub(listen_engine, read_engine, poll_interval=3600.0, **options)
     try:
+        yield hub
+    finally:
+        await hub.close()
+        await read_engine.close()
+        await listen_engine.close()
+
+
+async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[Recorded, list[Any]]:
+    """A reader at the head of 'orders', woken by an append, reads what moved (`live`:
+    "long-poll" or "sse"): the statements that cost, and the events' data it got."""
+    async with opened_hub(dsn) as hub:
+        read_engine = hub.read_engine
         recorded = Recorded(read_engine.sql)
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
         epoch, heads = (await read_engine.epochs_and_heads(["orders"]))["orders"]
@@ -72,10 +86,6 @@ async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[Recorded
             frames = [json.loads(f.data) for f in reader.take_frames() if f.kind == "events"]
             events = [event for frame in frames for event in frame["events"]]
         return recorded, [event["data"] for event in events]
-    finally:
-        await hub.close()
-        await read_engine.close()
-        await listen_engine.close()
 
 
 @pytest.mark.parametrize("live", ["long-poll", "sse"])
@@ -118,11 +128,7 @@ def test_a_read_with_no_event_after_the_position_still_says_the_epoch(
 async def next_watcher(engine: subengine.Engine, dsn: str, linger: float) -> dict[str, Any]:
     """A watcher of 'orders' leaves and another comes: what the hub knows of the stream
     right when the second one arrives, and once `linger` seconds passed with none."""
-    listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
-    await listen_engine.open()
-    await read_engine.open()
-    hub = Hub(listen_engine, read_engine, poll_interval=3600.0, linger=linger)
-    try:
+    async with opened_hub(dsn, linger=linger) as hub:
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
         (partition,) = [p for p, head in engine.heads("orders").items() if head]
         first = Watcher({"orders": None})
@@ -139,10 +145,6 @@ async def next_watcher(engine: subengine.Engine, dsn: str, linger: float) -> dic
             await asyncio.sleep(0.05)
         seen["head once no watcher came"] = hub.head("orders", partition)
         return seen
-    finally:
-        await hub.close()
-        await read_engine.close()
-        await listen_engine.close()
 
 
 def test_the_next_watcher_of_a_stream_starts_from_the_heads_the_hub_knows(
@@ -161,11 +163,8 @@ async def woken_readers(engine: subengine.Engine, dsn: str) -> tuple[list[list[A
     first three read all of it, the fourth only type B, the fifth stands one event
     further back in another partition. Their frames, in order, and how many sets of
     frames the read kept."""
-    listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
-    await listen_engine.open()
-    await read_engine.open()
-    hub = Hub(listen_engine, read_engine, poll_interval=3600.0)
-    try:
+    async with opened_hub(dsn) as hub:
+        read_engine = hub.read_engine
         engine.append("orders", [subengine.NewEvent(f"k{n}", "T", {"n": n}) for n in range(8)])
         epoch, heads = (await read_engine.epochs_and_heads(["orders"]))["orders"]
         assert heads is not None
@@ -197,10 +196,6 @@ async def woken_readers(engine: subengine.Engine, dsn: str) -> tuple[list[list[A
         shared = await hub.read("orders", partition, heads[partition])
         kept = sum(frames is not None for frames in shared.frames.values())
         return [reader.take_frames() for reader in readers], kept
-    finally:
-        await hub.close()
-        await read_engine.close()
-        await listen_engine.close()
 
 
 def test_readers_that_stand_at_the_same_cursor_share_the_frames_of_a_read(
@@ -227,11 +222,7 @@ def test_readers_that_stand_at_the_same_cursor_share_the_frames_of_a_read(
 async def read_made_when_woken(engine: subengine.Engine, dsn: str) -> Any:
     """A watcher at the head of 'orders' is woken by an append: the read from where it
     stands, if made by then (else None)."""
-    listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
-    await listen_engine.open()
-    await read_engine.open()
-    hub = Hub(listen_engine, read_engine, poll_interval=3600.0)
-    try:
+    async with opened_hub(dsn) as hub:
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
         watcher = Watcher({"orders": None}, shared_reads=True)
         hub.add(watcher)
@@ -246,10 +237,6 @@ async def read_made_when_woken(engine: subengine.Engine, dsn: str) -> Any:
             return done.value
         read.close()
         return None
-    finally:
-        await hub.close()
-        await read_engine.close()
-        await listen_engine.close()
 
 
 def test_a_watcher_woken_by_an_append_finds_its_read_made(
@@ -266,11 +253,7 @@ def test_a_watcher_woken_by_an_append_finds_its_read_made(
 async def reads_when_woken(engine: subengine.Engine, dsn: str) -> int:
     """A watcher that reads otherwise than through the hub (a remote worker's claim, a
     Durable Streams reader) is woken by an append: the reads the hub made by then."""
-    listen_engine, read_engine = subengine.AsyncEngine(dsn), subengine.AsyncEngine(dsn)
-    await listen_engine.open()
-    await read_engine.open()
-    hub = Hub(listen_engine, read_engine, poll_interval=3600.0)
-    try:
+    async with opened_hub(dsn) as hub:
         watcher = Watcher({"orders": None})
         hub.add(watcher)
         await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
@@ -278,10 +261,6 @@ async def reads_when_woken(engine: subengine.Engine, dsn: str) -> int:
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
         await asyncio.wait_for(watcher.event.wait(), 30)
         return hub.reads
-    finally:
-        await hub.close()
-        await read_engine.close()
-        await listen_engine.close()
 
 
 def test_a_watcher_that_reads_otherwise_is_woken_at_once(
