@@ -108,6 +108,7 @@ class SharedRead:
     # the frames readers made of it, by where they stood (see Reader.live_frames), and
     # the position of the partition after them; None: made once, not kept
     frames: dict[Hashable, tuple[list[Any], int] | None] = field(default_factory=dict)
+    frames_kept: int = 0  # of `frames`, those not None
 
     def reaches(self, head: int) -> bool:
         """Whether this read still answers a reader at `after`: it was full, or it got

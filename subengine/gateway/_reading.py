@@ -364,8 +364,9 @@ class Reader:
             self._live_frames(stream, partition, shared, head)
             if state not in shared.frames:
                 shared.frames[state] = None
-            elif sum(kept is not None for kept in shared.frames.values()) < _FRAMES_KEPT:
+            elif shared.frames_kept < _FRAMES_KEPT:
                 shared.frames[state] = (self.frames_out[count:], self.position(stream, partition))
+                shared.frames_kept += 1
         else:
             frames, position = made
             self.frames_out.extend(frames)
