@@ -56,7 +56,7 @@ async def open_event_stream(
     slot: Slot,
 ) -> EventStreamResponse:
     """The event stream of `selections`, which holds `slot` until it ends."""
-    watcher = await gateway.watcher(selections)
+    watcher = await gateway.watcher(selections, shared_reads=True)
     return EventStreamResponse(gateway, selections, start, heartbeat, watcher, principal, slot)
 
 

@@ -201,9 +201,13 @@ class Gateway:
             return StreamPosition(epoch, tuple(heads or ()))
         return _single(GatewayCursor.decode(after), stream)
 
-    async def watcher(self, selections: dict[str, Selection]) -> Watcher:
+    async def watcher(
+        self, selections: dict[str, Selection], shared_reads: bool = False
+    ) -> Watcher:
         """A watcher of the partitions the selections read (those of their keys, if any),
-        counted from what the hub knows of the streams it follows, else read."""
+        counted from what the hub knows of the streams it follows, else read; with
+        `shared_reads`, one the hub wakes once its read of a moved partition is done
+        (see `Watcher`)."""
         counts: dict[str, int] = {}
         for name in selections:
             known = self.hub.known(name)
@@ -219,7 +223,7 @@ class Gateway:
                 counts[name] = len(heads)
         return Watcher(
             {name: selection.partitions(counts[name]) for name, selection in selections.items()},
-            shared_reads=True,
+            shared_reads,
         )
 
 
