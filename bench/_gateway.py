@@ -16,6 +16,7 @@ import resource
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -100,6 +101,19 @@ class Server(bench.Child):
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         raise SystemExit("bench/gateway.py: no VmRSS in /proc/<pid>/status")
+
+    def hub_reads(self) -> int:
+        """The events the gateway read for its watchers so far: its hub's shared reads and
+        its pages read by cursor (its own metrics)."""
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=STOP_TIMEOUT) as answer:
+            text = answer.read().decode()
+        found = re.findall(
+            r"^subengine_gateway_(?:hub|page)_reads_total ([0-9.e+]+)$", text, re.MULTILINE
+        )
+        if len(found) != 2:
+            raise SystemExit("bench/gateway.py: the gateway's /metrics has no read counts")
+        return round(sum(float(value) for value in found))
 
     def cpu(self) -> float:
         """User and system CPU seconds so far."""

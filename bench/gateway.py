@@ -58,6 +58,8 @@ P99_GOAL_100 = 0.015
 P99_GOAL_1000 = 0.050
 CATCH_UP_GOAL = 0.5
 READS_GOAL = 1.2
+# issue 26: the gateway's reads of events (its metrics), per notification: one at most
+HUB_READS_GOAL = 1.0
 # issue 26: beside the relay, as a ratio of its figure in the same run
 RELAY_GOALS = {("p50", 100): 1.1, ("p99", 1000): 1.0}
 MEMORY_GOAL = 20 * 1024
@@ -90,6 +92,8 @@ class LatencyRun:
     xacts: int | None = None  # the database's transactions, when counted
     xact_seconds: float = 0.0  # the time they were counted over
     reads_per_notification: float | None = None
+    # the gateway's reads of events (hub and pages, by its metrics) per counted append
+    hub_reads_per_notification: float | None = None
     frames: int = 0  # events frames (or notifications) the watchers received
 
     def percentile(self, fraction: float) -> float:
@@ -162,6 +166,7 @@ async def latency_run(
         await appender.append(config.warmup, variant.rate)
         before = 0 if xacts is None else await xacts.after_idle()
         before_at = time.monotonic()
+        reads_before = server.hub_reads() if variant.server == GATEWAY else 0
         cpu_server, cpu_client, started = server.cpu(), time.process_time(), time.monotonic()
         done = await appender.append(variant.appends, variant.rate)
         heads: dict[int, int] = {}
@@ -171,6 +176,7 @@ async def latency_run(
         elapsed = time.monotonic() - started
         cpu_server = (server.cpu() - cpu_server) / elapsed
         cpu_client = (time.process_time() - cpu_client) / elapsed
+        reads = server.hub_reads() - reads_before if variant.server == GATEWAY else None
         for watcher in watchers:
             watcher.close()
         await asyncio.sleep(0.2)  # let the server see the disconnections
@@ -180,6 +186,8 @@ async def latency_run(
     latencies, missing = latencies_of(watchers, committed)
     run = LatencyRun(latencies, missing, cpu_server, cpu_client, elapsed)
     run.frames = sum(len(watcher.frames) for watcher in watchers)
+    if reads is not None:
+        run.hub_reads_per_notification = reads / variant.appends
     if variant.watchers == max(config.watchers):
         run.rss_per_connection = (rss_after - rss_before) / variant.watchers
     if xacts is not None:
@@ -464,6 +472,20 @@ def goal_rows(
                 f"{ratio:.2f}x" + (" (ref.)" if gateway is reference else ""),
                 "-" if overload else f"<= {READS_GOAL}x ref.",
                 None if overload else ratio <= READS_GOAL,
+            )
+        )
+    for gateway in gateways:
+        hub = gateway.spread("hub_reads_per_notification")
+        assert hub is not None
+        overload = gateway.rate != capped[gateway.watchers]
+        rows.append(
+            Row(
+                f"event reads/notif., {gateway.watchers:,} watchers, {gateway.rate:g}/s",
+                hub.span(1, 2),
+                "0 (none)",
+                "-",
+                "-" if overload else f"<= {HUB_READS_GOAL:g}",
+                None if overload else hub.median <= HUB_READS_GOAL,
             )
         )
     most = max(config.watchers)
