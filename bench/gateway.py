@@ -459,14 +459,19 @@ def goal_rows(
     reference = gateways[0]
     base = reference.spread("reads_per_notification")
     assert base is not None
+    # per gateway run: the database's transactions, then the gateway's own event reads
+    transactions: list[Row] = []
+    event_reads: list[Row] = []
     for gateway in gateways:
         reads = gateway.spread("reads_per_notification")
-        assert reads is not None
+        hub = gateway.spread("hub_reads_per_notification")
+        assert reads is not None and hub is not None
         ratio = reads.median / base.median if base.median > 0 else float("inf")
         overload = gateway.rate != capped[gateway.watchers]
-        rows.append(
+        which = f"{gateway.watchers:,} watchers, {gateway.rate:g}/s"
+        transactions.append(
             Row(
-                f"reads/notification, {gateway.watchers:,} watchers, {gateway.rate:g}/s",
+                f"reads/notification, {which}",
                 reads.span(1, 2),
                 "0 (none)",
                 f"{ratio:.2f}x" + (" (ref.)" if gateway is reference else ""),
@@ -474,13 +479,9 @@ def goal_rows(
                 None if overload else ratio <= READS_GOAL,
             )
         )
-    for gateway in gateways:
-        hub = gateway.spread("hub_reads_per_notification")
-        assert hub is not None
-        overload = gateway.rate != capped[gateway.watchers]
-        rows.append(
+        event_reads.append(
             Row(
-                f"event reads/notif., {gateway.watchers:,} watchers, {gateway.rate:g}/s",
+                f"event reads/notif., {which}",
                 hub.span(1, 2),
                 "0 (none)",
                 "-",
@@ -488,6 +489,7 @@ def goal_rows(
                 None if overload else hub.median <= HUB_READS_GOAL,
             )
         )
+    rows += transactions + event_reads
     most = max(config.watchers)
     memory = {
         server: Spread.of(
