@@ -17,6 +17,7 @@ import subengine
 from subengine.db._sql import SQL, Query
 from subengine.gateway._hub import Hub, Watcher
 from subengine.gateway._reading import Reader, Selection
+from subengine.model._errors import DatabaseUnavailable
 from subengine.model._gateway_cursor import StreamPosition
 
 HEAD_POLL = "subengine-gateway-head-poll"
@@ -268,3 +269,34 @@ def test_a_watcher_that_reads_otherwise_is_woken_at_once(
 ) -> None:
     """Only watchers that read through the hub wait for its read (and cost it)."""
     assert runner.run(reads_when_woken(engine, dsn)) == 0
+
+
+async def woken_after_a_failed_read(engine: subengine.Engine, dsn: str) -> bool:
+    """An event stream's watcher of 'orders', whose hub's read fails (PostgreSQL out of
+    reach of the read engine): whether the append still wakes it."""
+    async with opened_hub(dsn) as hub:
+        engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
+        watcher = Watcher({"orders": None}, shared_reads=True)
+        hub.add(watcher)
+        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
+        watcher.take()
+
+        async def unreachable(*args: Any, **options: Any) -> Any:
+            raise DatabaseUnavailable("the read engine lost PostgreSQL")
+
+        hub.read_engine.read_json = unreachable  # type: ignore[method-assign]
+        engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
+        try:
+            await asyncio.wait_for(watcher.event.wait(), 30)
+        except TimeoutError:
+            return False
+        changed, _ = watcher.take()
+        return len(changed) == 1
+
+
+def test_a_failed_read_still_wakes_the_watchers_that_waited_for_it(
+    engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner
+) -> None:
+    """Nothing silent (DESIGN.md, the gateway): a watcher the hub woke only after its
+    read is woken when the read fails too, and meets the failure in its own read."""
+    assert runner.run(woken_after_a_failed_read(engine, dsn))
