@@ -213,11 +213,10 @@ class _Feed:
     """What the hub knows of one watched stream."""
 
     stream: str
-    inbox: TaskInbox
+    inbox: TaskInbox = field(init=False)  # set once registered: it calls back the hub
     watchers: set[Watcher] = field(default_factory=set)
     epoch: int | None = None
     heads: list[int] = field(default_factory=list)
-    task: asyncio.Task[None] | None = None
     # the timer that stops following the stream, while it has no watcher
     drop: asyncio.TimerHandle | None = None
 
@@ -257,10 +256,9 @@ class Hub:
         for stream in watcher.partitions:
             feed = self._feeds.get(stream)
             if feed is None:
-                inbox = self.listen_engine.listener.register(stream)
-                feed = self._feeds[stream] = _Feed(stream, inbox)
-                feed.task = asyncio.get_running_loop().create_task(
-                    self._follow(feed), name=f"subengine-gateway-feed-{stream}"
+                feed = self._feeds[stream] = _Feed(stream)
+                feed.inbox = self.listen_engine.listener.register(
+                    stream, partial(self._follow, feed)
                 )
             elif feed.drop is not None:
                 feed.drop.cancel()
@@ -291,8 +289,6 @@ class Hub:
             return
         del self._feeds[feed.stream]
         self.listen_engine.listener.unregister(feed.inbox)
-        if feed.task is not None:
-            feed.task.cancel()
 
     def head(self, stream: str, partition: int) -> int:
         """The highest head of the partition the hub has heard of (0: none yet)."""
@@ -312,19 +308,20 @@ class Hub:
     def watched(self) -> int:
         return sum(len(feed.watchers) for feed in self._feeds.values())
 
-    async def _follow(self, feed: _Feed) -> None:
-        """Hand the notifications of one stream to the watchers of their partitions."""
-        while True:
-            await feed.inbox.wait(3600.0)
-            heads, resync = feed.inbox.take()
-            if feed.inbox.closed:
-                for watcher in list(feed.watchers):
-                    watcher.wake_all()
-                return
-            if resync:
-                self._wake_poller()
-            for partition, head in heads.items():
-                self._learn(feed, partition, head)
+    def _follow(self, feed: _Feed) -> None:
+        """Hand the notifications of one stream to the watchers of their partitions: its
+        inbox calls this, in the event loop, soon after they arrive (no task between)."""
+        if self._feeds.get(feed.stream) is not feed:
+            return  # no longer followed
+        heads, resync = feed.inbox.take()
+        if feed.inbox.closed:
+            for watcher in list(feed.watchers):
+                watcher.wake_all()
+            return
+        if resync:
+            self._wake_poller()
+        for partition, head in heads.items():
+            self._learn(feed, partition, head)
 
     def _learn(self, feed: _Feed, partition: int, head: int) -> None:
         if partition >= len(feed.heads):
@@ -464,7 +461,6 @@ class Hub:
     async def close(self) -> None:
         """Stop polling and following; every watcher is woken to notice."""
         self._closed = True
-        tasks = [feed.task for feed in self._feeds.values() if feed.task is not None]
         for feed in list(self._feeds.values()):
             if feed.drop is not None:
                 feed.drop.cancel()
@@ -473,7 +469,5 @@ class Hub:
             self.listen_engine.listener.unregister(feed.inbox)
         self._feeds.clear()
         if self._poller is not None:
-            tasks.append(self._poller)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)

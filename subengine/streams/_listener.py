@@ -143,23 +143,38 @@ class ThreadInbox(Inbox):
 
 
 class TaskInbox(Inbox):
-    """An inbox a coroutine waits on; offered to from its event loop only."""
+    """An inbox a coroutine waits on; offered to from its event loop only. With `ready`,
+    the inbox calls it instead, soon (in the loop's next round) after something arrives:
+    one call for every notification that arrived meanwhile, and no task of its own."""
 
-    def __init__(self, stream: str) -> None:
+    def __init__(self, stream: str, ready: Callable[[], None] | None = None) -> None:
         super().__init__(stream)
         self._event = asyncio.Event()
+        self._ready_call = ready
+        self._call_due = False
+
+    def _signal(self) -> None:
+        self._event.set()
+        if self._ready_call is not None and not self._call_due:
+            self._call_due = True
+            asyncio.get_running_loop().call_soon(self._call)
+
+    def _call(self) -> None:
+        self._call_due = False
+        assert self._ready_call is not None
+        self._ready_call()
 
     def offer(self, partition: int, head: int) -> None:
         self._offer(partition, head)
-        self._event.set()
+        self._signal()
 
     def resync(self) -> None:
         self._resync = True
-        self._event.set()
+        self._signal()
 
     def close(self) -> None:
         self._closed = True
-        self._event.set()
+        self._signal()
 
     def take(self) -> tuple[dict[int, int], bool]:
         taken = self._take()
@@ -377,10 +392,11 @@ class AsyncListener(_Inboxes):
         self._sql = sql
         self._task: asyncio.Task[None] | None = None
 
-    def register(self, stream: str) -> TaskInbox:
-        """A new inbox for a tail of `stream`; starts the listener if it is not running.
-        Call it from the event loop the tail runs in."""
-        inbox = TaskInbox(stream)
+    def register(self, stream: str, ready: Callable[[], None] | None = None) -> TaskInbox:
+        """A new inbox for a tail of `stream` (calling `ready` when something arrives, if
+        given: see `TaskInbox`); starts the listener if it is not running. Call it from
+        the event loop the tail runs in."""
+        inbox = TaskInbox(stream, ready)
         with self._lock:
             self._add(inbox)
             self._start()
