@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -178,6 +178,10 @@ class Watcher:
         self.changed: set[tuple[str, int]] = set()
         self.resync = False
         self.event = Wake()
+        # set by an event stream while its task waits with nothing else to do: it takes
+        # the frames of a shared read it fits from the hub itself, without being woken
+        # (False: wake it instead, to read for itself)
+        self.direct: Callable[[SharedRead], bool] | None = None
 
     def wants(self, stream: str, partition: int) -> bool:
         wanted = self.partitions.get(stream)
@@ -201,11 +205,17 @@ class Watcher:
 def _wake(
     watchers: list[Watcher], stream: str, partition: int, read: asyncio.Future[SharedRead]
 ) -> None:
-    """Wake the watchers of a partition that moved, once the read for them is done."""
-    if not read.cancelled():
-        read.exception()  # looked at: each watcher's own read raises it again, or reads anew
+    """Wake the watchers of a partition that moved, once the read for them is done; a
+    watcher that waits with nothing else to do is sent its frames instead, if the read
+    is from where it stands (one task writes them all, none is switched to)."""
+    shared = None
+    if not read.cancelled() and read.exception() is None:
+        shared = read.result()
+    # else: each watcher's own read raises the failure again, or reads anew
     for watcher in watchers:
-        watcher.wake(stream, partition)
+        direct = watcher.direct
+        if shared is None or direct is None or watcher.event.is_set() or not direct(shared):
+            watcher.wake(stream, partition)
 
 
 @dataclass(eq=False)

@@ -8,6 +8,7 @@ when scraped, not copied; a scrape never touches the database.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -191,11 +192,15 @@ class GatewayMetrics:
         )
         self.watcher_lag = Histogram(
             "subengine_gateway_watcher_lag_events",
-            "When an event stream wakes: the events between its cursor and the heads the "
-            "hub knows, in the partitions that moved.",
+            "When an event stream wakes, or the hub sends it a frame: the events between "
+            "its cursor and the heads the hub knows, in the partitions that moved.",
             buckets=_LAG_BUCKETS,
             registry=self.registry,
         )
+        # what `sent_soon` and `lag_soon` are to count
+        self._sent_soon: dict[tuple[str, str], tuple[int, int]] = {}
+        self._lags_soon: list[int] = []
+        self._counting_due = False
         self.registry.register(_StateCollector(connections, hub, listen_connects))
         self._webhooks = _WebhookCollector()
         self.registry.register(self._webhooks)
@@ -207,9 +212,37 @@ class GatewayMetrics:
     def watch_deliveries(self, deliveries: Deliveries) -> None:
         self._webhooks.deliveries = deliveries
 
-    def sent(self, kind: str, frame_type: str | None, size: int) -> None:
-        """`size` bytes sent on a connection of `kind`; a frame of `frame_type`, if any."""
+    def sent(self, kind: str, frame_type: str | None, size: int, frames: int = 1) -> None:
+        """`size` bytes sent on a connection of `kind`; `frames` frames of `frame_type`,
+        if any."""
         if frame_type is not None:
-            frames = self._frames_sent.get(frame_type)
-            (frames or self.frames_sent.labels(frame_type)).inc()
+            series = self._frames_sent.get(frame_type)
+            (series or self.frames_sent.labels(frame_type)).inc(frames)
         (self._bytes_sent.get(kind) or self.bytes_sent.labels(kind)).inc(size)
+
+    def sent_soon(self, kind: str, frame_type: str, size: int) -> None:
+        """`sent` of one frame, counted in the event loop's next round with the others
+        sent meanwhile: the hub's fan-out of a frame to many streams counts once, after."""
+        key = (kind, frame_type)
+        frames, total = self._sent_soon.get(key, (0, 0))
+        self._sent_soon[key] = (frames + 1, total + size)
+        self._count_soon()
+
+    def lag_soon(self, events: int) -> None:
+        """An observation of `watcher_lag`, made in the event loop's next round."""
+        self._lags_soon.append(events)
+        self._count_soon()
+
+    def _count_soon(self) -> None:
+        if not self._counting_due:
+            self._counting_due = True
+            asyncio.get_running_loop().call_soon(self._count)
+
+    def _count(self) -> None:
+        self._counting_due = False
+        sent, self._sent_soon = self._sent_soon, {}
+        lags, self._lags_soon = self._lags_soon, []
+        for (kind, frame_type), (frames, size) in sent.items():
+            self.sent(kind, frame_type, size, frames)
+        for events in lags:
+            self.watcher_lag.observe(events)

@@ -352,6 +352,20 @@ class Reader:
             # the stream was deleted and created again, which no notification says: a
             # page emits the reset and reads the new one from its beginning
             return not await self.catch_up_frames(stream, READ_LIMIT), True
+        return self.shared_frames(shared)
+
+    def fits(self, shared: SharedRead) -> bool:
+        """Whether `shared` is a read from where the cursor stands, in the epoch it is of:
+        `shared_frames` then emits its frames."""
+        stream = shared.stream
+        return (
+            self.epochs.get(stream) == shared.epoch
+            and self.position(stream, shared.partition) == shared.after
+        )
+
+    def shared_frames(self, shared: SharedRead) -> tuple[bool, bool]:
+        """`live_frames` once the hub's read is done, if it `fits`."""
+        stream, partition, before = shared.stream, shared.partition, shared.after
         head = max(shared.head, self.hub.head(stream, partition))
         # Every reader that stands where this one does (its whole cursor), with the same
         # selection, gets the same frames from this read: the second makes and keeps
@@ -377,6 +391,9 @@ class Reader:
 
     def _state(self) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
         """The whole cursor, as a key."""
+        if len(self.marks) == 1:  # most readers: one stream
+            ((stream, marks),) = self.marks.items()
+            return ((stream, self.epochs[stream], tuple(marks)),)
         return tuple(
             (stream, self.epochs[stream], tuple(marks)) for stream, marks in self.marks.items()
         )

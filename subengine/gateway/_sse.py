@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol
+from collections.abc import Awaitable, Coroutine
+from typing import Any, Protocol
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from subengine.gateway._connections import Slot
 
@@ -54,6 +55,39 @@ class HeldOpen:
         raise NotImplementedError
 
 
+def _body(body: bytes) -> Message:
+    return {"type": "http.response.body", "body": body, "more_body": True}
+
+
+async def _awaited(awaitable: Awaitable[None]) -> None:
+    await awaitable
+
+
+async def _finished(sending: Coroutine[Any, Any, None], waits_on: Any) -> None:
+    """Run to its end, in the current task, a coroutine begun outside any task that
+    stopped to wait on `waits_on` (a future, or None for a bare yield): what a task does
+    for the coroutine it runs."""
+    while True:
+        try:
+            # waited on without awaiting it here: the coroutine awaits it, and takes its
+            # result (or failure) when resumed
+            if waits_on is None:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.wait((waits_on,))
+        except asyncio.CancelledError as cancelled:
+            # the task is cancelled (the watchdog, a shutdown): so is the send
+            try:
+                waits_on = sending.throw(cancelled)
+            except StopIteration:
+                return
+            continue
+        try:
+            waits_on = sending.send(None)
+        except StopIteration:
+            return
+
+
 class Wakeable(Protocol):
     def set(self) -> None: ...
 
@@ -86,6 +120,13 @@ class EventStream:
         self.bytes_sent = 0
         self._timer: asyncio.TimerHandle | None = None  # of wait_until
         self._timer_deadline = 0.0
+        self.sent_at = time.monotonic()  # when the last write was handed to the server
+        # what `write_now` could not send at once: the send it began (and what it
+        # waits on), the bodies after it, or what the send raised; `flush` finishes them
+        self._unfinished: tuple[Coroutine[Any, Any, None], Any] | None = None
+        self._queued: list[bytes] = []
+        self._failure: BaseException | None = None
+        self._queued_size = 0  # of the body of the unfinished send
 
     async def _watch_disconnect(self) -> None:
         while True:
@@ -121,9 +162,13 @@ class EventStream:
         if self.gone:
             raise Gone
         body = text if isinstance(text, bytes) else text.encode()
+        await self._guarded(self._send(_body(body)), len(body))
+
+    async def _guarded(self, sending: Awaitable[None], size: int) -> None:
+        """Await a send of `size` bytes under the watchdog (`check`)."""
         self._writing_since = self._loop.time()
         try:
-            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+            await sending
         except asyncio.CancelledError:
             if not self._blocked or self._task is None:
                 raise
@@ -133,7 +178,53 @@ class EventStream:
             raise Gone from None
         finally:
             self._writing_since = None
-        self.bytes_sent += len(body)
+        self.bytes_sent += size
+        self.sent_at = time.monotonic()
+
+    def write_now(self, body: bytes) -> bool:
+        """Send `body` from outside the stream's task (the hub's wake-up of a stream that
+        waits in `wait_until`), without waiting: True once the server took it, which it
+        does at once while the socket takes data. Otherwise the send is left where it
+        stopped (the socket is full, or it failed), later bodies are queued behind it,
+        False is returned, and the stream's task must `flush` before it writes again."""
+        if self.pending:
+            self._queued.append(body)
+            return False
+        sent = self._send(_body(body))
+        sending = sent if isinstance(sent, Coroutine) else _awaited(sent)
+        try:
+            waits_on = sending.send(None)
+        except StopIteration:
+            self.bytes_sent += len(body)
+            self.sent_at = time.monotonic()
+            return True
+        except BaseException as error:  # met by the stream's task in `flush`
+            self._failure = error
+            return False
+        self._unfinished = (sending, waits_on)
+        self._queued_size = len(body)
+        return False
+
+    @property
+    def pending(self) -> bool:
+        """Whether `write_now` left something for `flush`."""
+        return self._unfinished is not None or self._failure is not None or bool(self._queued)
+
+    async def flush(self) -> None:
+        """In the stream's task: finish what `write_now` began, then send what it queued,
+        each as `write` would (Gone, Blocked); raise what a send of it raised."""
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            self._queued.clear()
+            if isinstance(failure, OSError):
+                raise Gone from None
+            raise failure
+        if self._unfinished is not None:
+            sending, waits_on = self._unfinished
+            self._unfinished = None
+            await self._guarded(_finished(sending, waits_on), self._queued_size)
+        while self._queued:
+            await self.write(self._queued.pop(0))
 
     async def wait(self, timeout: float) -> None:
         """Sleep until woken or for `timeout` seconds, whichever comes first (the caller

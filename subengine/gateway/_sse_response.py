@@ -9,13 +9,14 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 from starlette.types import Receive, Send
 
 from subengine.gateway._auth import Principal
 from subengine.gateway._connections import Slot
 from subengine.gateway._http import NO_STORE
-from subengine.gateway._hub import Watcher, dumps
+from subengine.gateway._hub import SharedRead, Watcher, dumps
 from subengine.gateway._reading import Reader, Selection
 from subengine.gateway._sse import Blocked, EventStream, Gone, HeldOpen, frame_text
 from subengine.gateway._state import Gateway
@@ -133,12 +134,10 @@ class EventStreamResponse(HeldOpen):
         await stream.write(text)
         self.gateway.metrics.sent(self.slot.kind, frame_type, stream.bytes_sent - sent_before)
 
-    async def _send_frames(self, stream: EventStream, reader: Reader) -> bool:
-        """Send the frames the reader made; whether there were any."""
-        frames = reader.take_frames()
-        for frame in frames:
+    async def _send_frames(self, stream: EventStream, reader: Reader) -> None:
+        """Send the frames the reader made."""
+        for frame in reader.take_frames():
             await self._write(stream, frame.kind, frame.wire)
-        return bool(frames)
 
     async def _catch_up(self, stream: EventStream, reader: Reader) -> None:
         limit = self.gateway.config.max_page_limit
@@ -149,13 +148,30 @@ class EventStreamResponse(HeldOpen):
                     pending.discard(name)
                 await self._send_frames(stream, reader)
 
+    def _direct(self, stream: EventStream, reader: Reader, shared: SharedRead) -> bool:
+        """Send the frames of the hub's shared read, from outside the stream's task, which
+        waits with nothing else to do (`Watcher.direct`). False: it is woken instead, to
+        read for itself (the read is not from where it stands, or more may follow) or to
+        finish a send that could not be made at once."""
+        if stream.closing or stream.gone or not reader.fits(shared):
+            return False
+        metrics = self.gateway.metrics  # counted once the fan-out is done
+        head = self.gateway.hub.head(shared.stream, shared.partition)
+        metrics.lag_soon(max(head - shared.after, 0))
+        more, _ = reader.shared_frames(shared)
+        sent = True
+        for frame in reader.take_frames():
+            sent = stream.write_now(frame.wire) and sent
+            metrics.sent_soon(self.slot.kind, frame.kind, len(frame.wire))
+        return sent and not more
+
     async def _run(
         self, stream: EventStream, reader: Reader, watcher: Watcher, ends: float
     ) -> None:
         caught_up = False
-        quiet_since = checked = time.monotonic()
+        checked = time.monotonic()
         # when to see whether a heartbeat is due: a frame sent meanwhile puts it off then
-        look_at = quiet_since + self.heartbeat
+        look_at = stream.sent_at + self.heartbeat
         # spread over time, so that streams opened together do not check together
         check_every = min(KEY_CHECK_SECONDS, self.heartbeat) * random.uniform(0.8, 1.2)
         pending: set[tuple[str, int]] = set()
@@ -164,10 +180,13 @@ class EventStreamResponse(HeldOpen):
         stalled: set[tuple[str, int]] = set()
         stall = _FIRST_STALL_SECONDS
         delay = _FIRST_RETRY_SECONDS
+        direct = partial(self._direct, stream, reader)
         watcher.wake_all()  # the first round catches up
         while True:
             changed, resync = watcher.take()
             try:
+                if stream.pending:
+                    await stream.flush()
                 if resync:
                     pending.clear()
                     await self._catch_up(stream, reader)
@@ -178,7 +197,6 @@ class EventStreamResponse(HeldOpen):
                             "caught-up",
                             frame_text("caught-up", "{}", reader.cursor.encode()),
                         )
-                        quiet_since = time.monotonic()
                 behind = reader.behind(changed)
                 if behind:
                     self.gateway.metrics.watcher_lag.observe(reader.lag(behind))
@@ -188,8 +206,7 @@ class EventStreamResponse(HeldOpen):
                     more, moved = await reader.live_frames(name, partition)
                     if more:
                         (pending if moved else stalled).add((name, partition))
-                    if await self._send_frames(stream, reader):
-                        quiet_since = time.monotonic()
+                    await self._send_frames(stream, reader)
                 now = time.monotonic()
                 if now >= checked + check_every:
                     checked = now
@@ -229,12 +246,11 @@ class EventStreamResponse(HeldOpen):
                 )
                 return
             if now >= look_at:
-                if now >= quiet_since + self.heartbeat:
+                if now >= stream.sent_at + self.heartbeat:
                     await self._write(stream, "heartbeat", ": hb\n\n")
-                    quiet_since = now
                     look_at = now + self.heartbeat
                     continue
-                look_at = quiet_since + self.heartbeat
+                look_at = stream.sent_at + self.heartbeat
             if stalled:
                 await stream.wait(min(look_at, ends, now + stall) - now)
                 pending |= stalled
@@ -242,7 +258,13 @@ class EventStreamResponse(HeldOpen):
                 stall = min(2 * stall, _LONGEST_STALL_SECONDS)
                 continue
             stall = _FIRST_STALL_SECONDS
-            await stream.wait_until(min(look_at, ends))
+            # nothing else to do: the hub may send the frames of its reads meanwhile; the
+            # task wakes for what it must do itself (a heartbeat, the key's check, the end)
+            watcher.direct = direct
+            try:
+                await stream.wait_until(min(look_at, checked + check_every, ends))
+            finally:
+                watcher.direct = None
 
     async def _still_allowed(self) -> bool:
         key = self.principal.key

@@ -5,6 +5,7 @@ access log keeps cursors, watch ids and tokens out."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from pathlib import Path
@@ -61,6 +62,87 @@ def test_a_client_whose_socket_takes_nothing_is_closed(
         # the gateway goes on serving others
         page = web.get(f"{gateway.url}/v1/streams/orders/events?limit=1", timeout=TIMEOUT)
         assert page.status_code == 200
+
+
+def test_a_live_client_that_stops_reading_for_a_while_loses_nothing(
+    engine: subengine.Engine, orders: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    # The hub sends a waiting stream its frames without waking its task; once the
+    # client's socket is full, a send must wait, and the stream's task finishes it and
+    # sends what came after, in order (issue 26).
+    blob = "z" * 16000
+    appends = 200  # about 3 MB: far more than the sockets between hold
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    with GatewayProcess(cli_env, tmp=tmp_path) as gateway:
+        client.connect(("127.0.0.1", gateway.port))
+        client.sendall(
+            b"GET /v1/streams/orders/events?live=sse&after=now HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        )
+        client.settimeout(30)
+        response = ChunkedResponse(client)
+        response.read_until(b"event: caught-up")
+        # the client reads nothing while every append (one event each) reaches it
+        for n in range(appends):
+            engine.append(orders, [subengine.NewEvent(f"k{n}", "t", {"n": n, "blob": blob})])
+        received: dict[int, list[int]] = {}
+        seen: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(seen) < appends:
+            assert time.monotonic() < deadline, f"{len(seen)} of {appends} events arrived"
+            for frame in response.frames():
+                if b"\nevent: events\n" in frame:
+                    data = json.loads(frame.split(b"\ndata: ", 1)[1])
+                    received.setdefault(data["partition"], []).extend(
+                        range(data["first"], data["last"] + 1)
+                    )
+                    seen.extend(event["data"]["n"] for event in data["events"])
+        client.close()
+    assert sorted(seen) == list(range(appends))  # each once
+    for positions in received.values():  # in order, no gap
+        assert positions == list(range(positions[0], positions[0] + len(positions)))
+
+
+class ChunkedResponse:
+    """The body of an HTTP/1.1 response with chunked encoding, read from a raw socket."""
+
+    def __init__(self, client: socket.socket) -> None:
+        self.client = client
+        self.raw = b""
+        self.body = b""
+        self.headers_done = False
+
+    def _read(self) -> None:
+        chunk = self.client.recv(1 << 16)
+        if not chunk:
+            raise AssertionError("the server closed the stream")
+        self.raw += chunk
+        if not self.headers_done:
+            head, found, rest = self.raw.partition(b"\r\n\r\n")
+            if not found:
+                return
+            assert head.startswith(b"HTTP/1.1 200"), head
+            self.headers_done, self.raw = True, rest
+        while True:
+            size_line, found, rest = self.raw.partition(b"\r\n")
+            if not found:
+                return
+            size = int(size_line, 16)
+            if len(rest) < size + 2:
+                return
+            self.body += rest[:size]
+            self.raw = rest[size + 2 :]
+
+    def read_until(self, marker: bytes) -> None:
+        while marker not in self.body:
+            self._read()
+
+    def frames(self) -> list[bytes]:
+        """The whole SSE frames received so far and not yet returned (reads if none)."""
+        while b"\n\n" not in self.body:
+            self._read()
+        *frames, self.body = self.body.split(b"\n\n")
+        return frames
 
 
 def test_cors_answers_only_configured_origins(

@@ -300,3 +300,56 @@ def test_a_failed_read_still_wakes_the_watchers_that_waited_for_it(
     """Nothing silent (DESIGN.md, the gateway): a watcher the hub woke only after its
     read is woken when the read fails too, and meets the failure in its own read."""
     assert runner.run(woken_after_a_failed_read(engine, dsn))
+
+
+async def sent_or_woken(engine: subengine.Engine, dsn: str) -> dict[str, Any]:
+    """Four event streams' watchers of 'orders' wait when an append comes: one takes the
+    frames from the hub (its `direct` says True), one cannot take them (False), one is
+    busy (no `direct`), one waits but was woken already. What each saw."""
+    async with opened_hub(dsn) as hub:
+        engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
+        names = ["takes", "cannot", "busy", "woken already"]
+        watchers = {name: Watcher({"orders": None}, shared_reads=True) for name in names}
+        offered: dict[str, list[Any]] = {name: [] for name in names}
+        for watcher in watchers.values():
+            hub.add(watcher)
+        for watcher in watchers.values():
+            await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
+            watcher.take()
+
+        def offer(name: str, answer: bool) -> Any:
+            def direct(shared: Any) -> bool:
+                offered[name].append(shared)
+                return answer
+
+            return direct
+
+        watchers["takes"].direct = offer("takes", True)
+        watchers["cannot"].direct = offer("cannot", False)
+        watchers["woken already"].direct = offer("woken already", True)
+        watchers["woken already"].wake_all()
+        (moved,) = engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
+        await asyncio.wait_for(watchers["busy"].event.wait(), 30)
+        return {
+            name: (
+                watcher.event.is_set(),
+                [(s.partition, s.after, len(s.items)) for s in offered[name]],
+            )
+            for name, watcher in watchers.items()
+        } | {"moved": (moved.partition, moved.position - 1, 1)}
+
+
+def test_a_waiting_event_stream_is_sent_the_read_and_the_others_are_woken(
+    engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner
+) -> None:
+    """Once its read is done, the hub offers it to each event stream that waits with
+    nothing else to do, and wakes the others, and those that could not take it (issue
+    26: no switch to each stream's task for a frame every one of them sends)."""
+    seen = runner.run(sent_or_woken(engine, dsn))
+    read = seen.pop("moved")
+    assert seen == {
+        "takes": (False, [read]),
+        "cannot": (True, [read]),
+        "busy": (True, []),
+        "woken already": (True, []),
+    }
