@@ -203,7 +203,15 @@ class GatewayApp(Starlette):
                 response.slot.release()
             raise
         for response, response_receive, response_send in held:  # one at most
+            response.sends_from_outside = _server_send(send)
             await response.serve(response_receive, response_send if self.user_middleware else send)
+
+
+def _server_send(send: Send) -> bool:
+    """Whether `send` is the server's own: a method of uvicorn's protocol (`subengine
+    serve`), which needs no task of its own to write, not a wrapper of an outer app."""
+    owner = getattr(send, "__self__", None)
+    return owner is not None and type(owner).__module__.startswith("uvicorn.protocols.")
 
 
 # the gateways open in this process, which `subengine serve` tells to end their streams

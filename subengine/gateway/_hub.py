@@ -4,7 +4,9 @@ Push only wakes (DESIGN.md, the gateway's first principle). A notification says 
 partition's head moved; the hub wakes only the watchers of that (stream, partition), and
 each then reads after its own cursor. Reads go through `read`, which runs one query per
 (stream, partition, position) however many watchers stand there, and encodes each event
-once for all of them. A head poll of every watched stream, every `poll_interval` seconds
+once for all of them. An event stream that waits with nothing else to do is not woken
+for a read from where it stands: the hub hands it the read, and it sends its frames
+(`Watcher.direct`). A head poll of every watched stream, every `poll_interval` seconds
 and whenever the listener (re)connects, is the safety net for lost notifications.
 
 What the hub knows of a stream (its epoch and heads) outlives the stream's last watcher
@@ -169,8 +171,9 @@ class Watcher:
         # per stream, the partitions it reads (None: all)
         self.partitions = partitions
         # whether it reads each partition that moved on its own, through the hub's
-        # shared reads (an event stream: `Reader.live_frames`): the hub then wakes it once
-        # its read of the partition is done. Others are woken at once: a long-poll, which
+        # shared reads (an event stream: `Reader.live_frames`): the hub then wakes it (or
+        # hands it the read, see `direct`) once its read of the partition is done. Others
+        # are woken at once: a long-poll, which
         # answers with what every partition woken together holds (an append to several
         # partitions wakes it once, not once per partition's read), and the readers that
         # read otherwise (Durable Streams, a remote worker's claim).
@@ -206,16 +209,21 @@ def _wake(
     watchers: list[Watcher], stream: str, partition: int, read: asyncio.Future[SharedRead]
 ) -> None:
     """Wake the watchers of a partition that moved, once the read for them is done; a
-    watcher that waits with nothing else to do is sent its frames instead, if the read
-    is from where it stands (one task writes them all, none is switched to)."""
+    watcher that waits with nothing else to do is handed the read instead, and sends its
+    frames from here (one after the other, without a switch to each one's task)."""
     shared = None
     if not read.cancelled() and read.exception() is None:
         shared = read.result()
     # else: each watcher's own read raises the failure again, or reads anew
     for watcher in watchers:
         direct = watcher.direct
-        if shared is None or direct is None or watcher.event.is_set() or not direct(shared):
-            watcher.wake(stream, partition)
+        if shared is not None and direct is not None and not watcher.event.is_set():
+            try:
+                if direct(shared):
+                    continue
+            except Exception:  # its task meets what is wrong; the others are served
+                log.exception("gateway: handing a read to an event stream failed")
+        watcher.wake(stream, partition)
 
 
 @dataclass(eq=False)
@@ -266,10 +274,11 @@ class Hub:
         for stream in watcher.partitions:
             feed = self._feeds.get(stream)
             if feed is None:
-                feed = self._feeds[stream] = _Feed(stream)
+                feed = _Feed(stream)
                 feed.inbox = self.listen_engine.listener.register(
                     stream, partial(self._follow, feed)
                 )
+                self._feeds[stream] = feed  # once registered: a failure leaves nothing
             elif feed.drop is not None:
                 feed.drop.cancel()
                 feed.drop = None
@@ -351,10 +360,10 @@ class Hub:
         if not readers:
             return
         # Every caught-up reader stands at the previous head and reads from there: the
-        # read starts now, and they are woken once it is done, so that each finds it
-        # made (one switch to a watcher's task per append, not two: wake, then wait for
-        # the read). A reader elsewhere reads for itself, as before; a failed read
-        # wakes them all the same.
+        # read starts now, and once it is done each waiting reader is handed it (no
+        # switch to its task) and the others are woken to find it made (one switch per
+        # append, not two: wake, then wait for the read). A reader elsewhere reads for
+        # itself, as before; a failed read wakes them all the same.
         future = self._shared(stream, partition, previous, time.monotonic())
         if future.done():
             _wake(readers, stream, partition, future)

@@ -43,6 +43,12 @@ class HeldOpen:
     app's own frames stay."""
 
     slot: Slot  # released when the response ends, however it ends
+    # Whether its writes may be begun outside its task (the hub's fan-out, see
+    # `EventStream.write_now`): the gateway's app says so when the send it writes
+    # through is the server's own, or that under the app's CORS middleware alone. Other
+    # middleware's sends may need to run in the response's task (a timeout, a context
+    # variable).
+    sends_from_outside = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         held = scope.get(HELD)
@@ -64,9 +70,9 @@ async def _awaited(awaitable: Awaitable[None]) -> None:
 
 
 async def _finished(sending: Coroutine[Any, Any, None], waits_on: Any) -> None:
-    """Run to its end, in the current task, a coroutine begun outside any task that
-    stopped to wait on `waits_on` (a future, or None for a bare yield): what a task does
-    for the coroutine it runs."""
+    """Run to its end, in the current task, a coroutine begun outside it (by
+    `EventStream.write_now`) that stopped to wait on `waits_on` (a future, or None for a
+    bare yield): what a task does for the coroutine it runs."""
     while True:
         try:
             # waited on without awaiting it here: the coroutine awaits it, and takes its
@@ -126,7 +132,7 @@ class EventStream:
         self._unfinished: tuple[Coroutine[Any, Any, None], Any] | None = None
         self._queued: list[bytes] = []
         self._failure: BaseException | None = None
-        self._queued_size = 0  # of the body of the unfinished send
+        self._unfinished_size = 0  # bytes of the body of the unfinished send
 
     async def _watch_disconnect(self) -> None:
         while True:
@@ -190,9 +196,9 @@ class EventStream:
         if self.pending:
             self._queued.append(body)
             return False
-        sent = self._send(_body(body))
-        sending = sent if isinstance(sent, Coroutine) else _awaited(sent)
         try:
+            sent = self._send(_body(body))
+            sending = sent if isinstance(sent, Coroutine) else _awaited(sent)
             waits_on = sending.send(None)
         except StopIteration:
             self.bytes_sent += len(body)
@@ -202,7 +208,7 @@ class EventStream:
             self._failure = error
             return False
         self._unfinished = (sending, waits_on)
-        self._queued_size = len(body)
+        self._unfinished_size = len(body)
         return False
 
     @property
@@ -222,7 +228,7 @@ class EventStream:
         if self._unfinished is not None:
             sending, waits_on = self._unfinished
             self._unfinished = None
-            await self._guarded(_finished(sending, waits_on), self._queued_size)
+            await self._guarded(_finished(sending, waits_on), self._unfinished_size)
         while self._queued:
             await self.write(self._queued.pop(0))
 
@@ -268,6 +274,9 @@ class EventStream:
         self._left.cancel()
         if self._timer is not None:
             self._timer.cancel()
+        if self._unfinished is not None:
+            self._unfinished[0].close()
+            self._unfinished = None
         try:
             async with asyncio.timeout(1.0):
                 await self._send({"type": "http.response.body", "body": b"", "more_body": False})

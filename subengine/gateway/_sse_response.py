@@ -156,14 +156,16 @@ class EventStreamResponse(HeldOpen):
         if stream.closing or stream.gone or not reader.fits(shared):
             return False
         metrics = self.gateway.metrics  # counted once the fan-out is done
-        head = self.gateway.hub.head(shared.stream, shared.partition)
-        metrics.lag_soon(max(head - shared.after, 0))
+        lag = max(self.gateway.hub.head(shared.stream, shared.partition) - shared.after, 0)
         more, _ = reader.shared_frames(shared)
         sent = True
         for frame in reader.take_frames():
             sent = stream.write_now(frame.wire) and sent
             metrics.sent_soon(self.slot.kind, frame.kind, len(frame.wire))
-        return sent and not more
+        if sent and not more:
+            metrics.lag_soon(lag)  # else the woken task counts its wake-up
+            return True
+        return False
 
     async def _run(
         self, stream: EventStream, reader: Reader, watcher: Watcher, ends: float
@@ -180,13 +182,13 @@ class EventStreamResponse(HeldOpen):
         stalled: set[tuple[str, int]] = set()
         stall = _FIRST_STALL_SECONDS
         delay = _FIRST_RETRY_SECONDS
-        direct = partial(self._direct, stream, reader)
+        direct = partial(self._direct, stream, reader) if self.sends_from_outside else None
         watcher.wake_all()  # the first round catches up
         while True:
             changed, resync = watcher.take()
+            if stream.pending:  # what the hub's fan-out could not send at once, first
+                await stream.flush()
             try:
-                if stream.pending:
-                    await stream.flush()
                 if resync:
                     pending.clear()
                     await self._catch_up(stream, reader)

@@ -303,12 +303,13 @@ def test_a_failed_read_still_wakes_the_watchers_that_waited_for_it(
 
 
 async def sent_or_woken(engine: subengine.Engine, dsn: str) -> dict[str, Any]:
-    """Four event streams' watchers of 'orders' wait when an append comes: one takes the
-    frames from the hub (its `direct` says True), one cannot take them (False), one is
-    busy (no `direct`), one waits but was woken already. What each saw."""
+    """Five event streams' watchers of 'orders' wait when an append comes: one takes the
+    frames from the hub (its `direct` says True), one cannot take them (False), one fails
+    to (raises), one is busy (no `direct`), one waits but was woken already. What each
+    saw."""
     async with opened_hub(dsn) as hub:
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
-        names = ["takes", "cannot", "busy", "woken already"]
+        names = ["takes", "cannot", "fails", "busy", "woken already"]
         watchers = {name: Watcher({"orders": None}, shared_reads=True) for name in names}
         offered: dict[str, list[Any]] = {name: [] for name in names}
         for watcher in watchers.values():
@@ -317,15 +318,18 @@ async def sent_or_woken(engine: subengine.Engine, dsn: str) -> dict[str, Any]:
             await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
             watcher.take()
 
-        def offer(name: str, answer: bool) -> Any:
+        def offer(name: str, answer: bool | None) -> Any:
             def direct(shared: Any) -> bool:
                 offered[name].append(shared)
+                if answer is None:
+                    raise RuntimeError("a stream's frames could not be made")
                 return answer
 
             return direct
 
         watchers["takes"].direct = offer("takes", True)
         watchers["cannot"].direct = offer("cannot", False)
+        watchers["fails"].direct = offer("fails", None)
         watchers["woken already"].direct = offer("woken already", True)
         watchers["woken already"].wake_all()
         (moved,) = engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
@@ -343,13 +347,35 @@ def test_a_waiting_event_stream_is_sent_the_read_and_the_others_are_woken(
     engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner
 ) -> None:
     """Once its read is done, the hub offers it to each event stream that waits with
-    nothing else to do, and wakes the others, and those that could not take it (issue
-    26: no switch to each stream's task for a frame every one of them sends)."""
+    nothing else to do, and wakes the others, and those that could not take it or
+    failed to (issue 26: no switch to each stream's task for a frame every one of them
+    sends)."""
     seen = runner.run(sent_or_woken(engine, dsn))
     read = seen.pop("moved")
     assert seen == {
         "takes": (False, [read]),
         "cannot": (True, [read]),
+        "fails": (True, [read]),  # woken all the same, and the others are served
         "busy": (True, []),
         "woken already": (True, []),
     }
+
+
+async def after_a_failed_follow(dsn: str) -> tuple[int, bool]:
+    """A watcher added to a hub whose listener is closed (its engine closed first): the
+    streams the hub still follows, and whether the hub then closes."""
+    async with opened_hub(dsn) as hub:
+        await hub.listen_engine.close()
+        with pytest.raises(DatabaseUnavailable):
+            hub.add(Watcher({"orders": None}))
+        followed = hub.watched() + len(hub._feeds)
+        await hub.close()
+        return followed, True
+
+
+def test_a_stream_the_hub_could_not_follow_leaves_nothing_behind(
+    dsn: str, orders: str, runner: asyncio.Runner
+) -> None:
+    """A failed LISTEN registration keeps no half-made feed, which the next watcher of
+    the stream would take as followed, and on which the hub's close would fail."""
+    assert runner.run(after_a_failed_follow(dsn)) == (0, True)

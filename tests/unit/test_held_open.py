@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
+import time
 import weakref
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+import web
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
@@ -37,6 +41,7 @@ class Probe(HeldOpen):
         gc.collect()
         self.log.append("serve" if self.request() is not None else "serve, the route gone")
         self.send = send
+        self.from_outside = self.sends_from_outside
         try:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"held"})
@@ -157,3 +162,36 @@ def test_under_middleware_that_needs_a_started_response_an_event_stream_runs_in_
     assert answer.status_code == 200 and answer.text == "held"
     assert log == ["serve", "base middleware"]  # in place: the route still there
     assert connections.event_streams() == 0
+
+
+def served_by_uvicorn(app: Any) -> httpx.Response:
+    """A GET of /live from `app` served by uvicorn on a loopback port."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        return web.get(f"http://127.0.0.1:{port}/live", headers={"Origin": ORIGIN}, timeout=30)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.mark.parametrize("cors", [False, True])
+def test_an_event_stream_may_be_written_from_outside_its_task_only_through_the_server(
+    cors: bool,
+) -> None:
+    """The hub writes frames to waiting event streams from outside their tasks (issue 26):
+    only through uvicorn's own send (under the app's CORS middleware or none), which needs
+    no task; through any other, each stream's task writes."""
+    app, _ = make_app(GatewayApp, [], cors=cors)
+    assert served_by_uvicorn(app).text == "held"
+    assert [probe.from_outside for probe in app.probes] == [True]
+    app, _ = make_app(GatewayApp, [], cors=cors)
+    assert get(app).text == "held"  # httpx's in-process transport: its own send
+    assert [probe.from_outside for probe in app.probes] == [False]
