@@ -42,7 +42,7 @@ class GatewayConfig:
     max_wait: float = 60.0
     default_wait: float = 30.0
     # seconds a write may stay blocked on a client's socket before the stream is closed
-    # with `error: slow`
+    # (a `close` frame of code `slow`)
     write_timeout: float = 30.0
     # seconds a watch id stays valid
     watch_ttl: float = 86_400.0
