@@ -173,10 +173,10 @@ class Watcher:
         # whether it reads each partition that moved on its own, through the hub's
         # shared reads (an event stream: `Reader.live_frames`): the hub then wakes it (or
         # hands it the read, see `direct`) once its read of the partition is done. Others
-        # are woken at once: a long-poll, which
-        # answers with what every partition woken together holds (an append to several
-        # partitions wakes it once, not once per partition's read), and the readers that
-        # read otherwise (Durable Streams, a remote worker's claim).
+        # are woken at once: a long-poll, which answers with what every partition woken
+        # together holds (an append to several partitions wakes it once, not once per
+        # partition's read), and the readers that read otherwise (Durable Streams, a
+        # remote worker's claim).
         self.shared_reads = shared_reads
         self.changed: set[tuple[str, int]] = set()
         self.resync = False
