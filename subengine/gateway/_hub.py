@@ -166,7 +166,10 @@ class Watcher:
     looked, and whether to look at everything again (a resync or an epoch change)."""
 
     def __init__(
-        self, partitions: dict[str, frozenset[int] | None], shared_reads: bool = False
+        self,
+        partitions: dict[str, frozenset[int] | None],
+        shared_reads: bool = False,
+        page_reads: bool = False,
     ) -> None:
         # per stream, the partitions it reads (None: all)
         self.partitions = partitions
@@ -178,6 +181,9 @@ class Watcher:
         # partition's read), and the readers that read otherwise (Durable Streams, a
         # remote worker's claim).
         self.shared_reads = shared_reads
+        # a long-poll's: woken at once, it then reads what moved through the hub's shared
+        # reads too, so the hub starts the read of a moved partition as it wakes it
+        self.page_reads = page_reads
         self.changed: set[tuple[str, int]] = set()
         self.resync = False
         self.event = Wake()
@@ -224,6 +230,12 @@ def _wake(
             except Exception:  # its task meets what is wrong; the others are served
                 log.exception("gateway: handing a read to an event stream failed")
         watcher.wake(stream, partition)
+
+
+def _looked_at(read: asyncio.Future[SharedRead]) -> None:
+    """Mark a failure of a read as seen (whoever asks for the read meets it again)."""
+    if not read.cancelled():
+        read.exception()
 
 
 @dataclass(eq=False)
@@ -351,13 +363,15 @@ class Hub:
         feed.heads[partition] = head
         stream = feed.stream
         readers: list[Watcher] = []
+        paging = False  # a long-poll woken here reads from the previous head soon
         for watcher in feed.watchers:
             if watcher.wants(stream, partition):
                 if watcher.shared_reads and feed.epoch is not None:
                     readers.append(watcher)
                 else:  # it reads otherwise, or before the first head poll: at once
                     watcher.wake(stream, partition)
-        if not readers:
+                    paging = paging or watcher.page_reads
+        if feed.epoch is None or not (readers or paging):
             return
         # Every caught-up reader stands at the previous head and reads from there: the
         # read starts now, and once it is done each waiting reader is handed it (no
@@ -365,6 +379,9 @@ class Hub:
         # append, not two: wake, then wait for the read). A reader elsewhere reads for
         # itself, as before; a failed read wakes them all the same.
         future = self._shared(stream, partition, previous, time.monotonic())
+        if not readers:  # the long-polls take it up, woken already
+            future.add_done_callback(_looked_at)  # a failure is theirs to meet
+            return
         if future.done():
             _wake(readers, stream, partition, future)
         else:
@@ -442,13 +459,13 @@ class Hub:
             # the read is the hub's own task: a watcher that leaves (its task cancelled)
             # while others wait on it cancels nothing of theirs
             future = asyncio.ensure_future(self._read(stream, partition, after))
+            self.reads += 1
             self._reads[key] = future
             self._evict(now)
         return future
 
     async def _read(self, stream: str, partition: int, after: int) -> SharedRead:
         shared = SharedRead(stream, partition, after, self.head(stream, partition))
-        self.reads += 1
         try:
             shared.epoch, shared.items = await self.read_engine.read_json(
                 stream, partition, after, READ_LIMIT

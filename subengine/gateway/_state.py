@@ -202,12 +202,12 @@ class Gateway:
         return _single(GatewayCursor.decode(after), stream)
 
     async def watcher(
-        self, selections: dict[str, Selection], shared_reads: bool = False
+        self, selections: dict[str, Selection], shared_reads: bool = False, page_reads: bool = False
     ) -> Watcher:
         """A watcher of the partitions the selections read (those of their keys, if any),
         counted from what the hub knows of the streams it follows, else read; with
-        `shared_reads`, one the hub wakes once its read of a moved partition is done
-        (see `Watcher`)."""
+        `shared_reads`, one the hub wakes once its read of a moved partition is done;
+        with `page_reads`, one woken at once whose read the hub starts (see `Watcher`)."""
         counts: dict[str, int] = {}
         for name in selections:
             known = self.hub.known(name)
@@ -224,6 +224,7 @@ class Gateway:
         return Watcher(
             {name: selection.partitions(counts[name]) for name, selection in selections.items()},
             shared_reads,
+            page_reads,
         )
 
 

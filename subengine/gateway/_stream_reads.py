@@ -218,7 +218,7 @@ async def _long_poll(
     started = reader.cursor.encode()
     now = time.monotonic()
     deadline = answer_by = now + gathering.wait
-    watcher = await gateway.watcher(reader.selections)
+    watcher = await gateway.watcher(reader.selections, page_reads=True)
     gateway.hub.add(watcher)
     gone = asyncio.ensure_future(_disconnected(request.receive))
     ended = [gone, asyncio.ensure_future(gateway.closing.wait())]

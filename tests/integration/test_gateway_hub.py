@@ -18,6 +18,7 @@ from subengine.db._sql import SQL, Query
 from subengine.gateway._hub import Hub, Watcher
 from subengine.gateway._reading import Reader, Selection
 from subengine.model._errors import DatabaseUnavailable
+from subengine.model._events import Tombstone
 from subengine.model._gateway_cursor import StreamPosition
 
 HEAD_POLL = "subengine-gateway-head-poll"
@@ -379,3 +380,30 @@ def test_a_stream_the_hub_could_not_follow_leaves_nothing_behind(
     """A failed LISTEN registration keeps no half-made feed, which the next watcher of
     the stream would take as followed, and on which the hub's close would fail."""
     assert runner.run(after_a_failed_follow(dsn)) == (0, True)
+
+
+async def long_poll_woken(engine: subengine.Engine, dsn: str) -> tuple[int, int, Any]:
+    """A long-poll's watcher of 'orders', woken by an append: the reads the hub had
+    started when it woke, those once the long-poll read the moved partition, and what
+    that read found."""
+    async with opened_hub(dsn) as hub:
+        engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
+        watcher = Watcher({"orders": None}, page_reads=True)
+        hub.add(watcher)
+        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
+        watcher.take()
+        (moved,) = engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
+        await asyncio.wait_for(watcher.event.wait(), 30)
+        started = hub.reads
+        shared = await hub.read("orders", moved.partition, moved.position - 1)
+        events = [json.loads(e.data) for e in shared.items if not isinstance(e, Tombstone)]
+        return started, hub.reads, events
+
+
+def test_a_long_poll_is_woken_at_once_with_its_read_under_way(
+    engine: subengine.Engine, dsn: str, orders: str, runner: asyncio.Runner
+) -> None:
+    """A long-poll is woken as soon as the hub hears of an append (it answers with every
+    partition an append moved), and the hub starts the read from the previous head then,
+    the one the long-poll asks for next: one read, begun a few loop rounds sooner."""
+    assert runner.run(long_poll_woken(engine, dsn)) == (1, 1, [{"n": 1}])
