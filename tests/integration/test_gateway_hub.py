@@ -59,6 +59,16 @@ async def opened_hub(dsn: str, **options: Any) -> AsyncIterator[Hub]:
         await listen_engine.close()
 
 
+async def following(hub: Hub, *watchers: Watcher) -> None:
+    """Add `watchers` to the hub and wait until its first head poll has woken each (what
+    it woke them for is taken): their next wake-up is an append's."""
+    for watcher in watchers:
+        hub.add(watcher)
+    for watcher in watchers:
+        await asyncio.wait_for(watcher.event.wait(), 30)
+        watcher.take()
+
+
 async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[Recorded, list[Any]]:
     """A reader at the head of 'orders', woken by an append, reads what moved (`live`:
     "long-poll" or "sse"): the statements that cost, and the events' data it got."""
@@ -71,9 +81,7 @@ async def woken(engine: subengine.Engine, dsn: str, live: str) -> tuple[Recorded
         start = {"orders": StreamPosition(epoch, tuple(heads))}
         reader = Reader(hub, {"orders": Selection("orders")}, start)
         watcher = Watcher({"orders": None})
-        hub.add(watcher)
-        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
-        watcher.take()
+        await following(hub, watcher)
         recorded.on = True
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
         await asyncio.wait_for(watcher.event.wait(), 30)
@@ -227,9 +235,7 @@ async def read_made_when_woken(engine: subengine.Engine, dsn: str) -> Any:
     async with opened_hub(dsn) as hub:
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
         watcher = Watcher({"orders": None}, shared_reads=True)
-        hub.add(watcher)
-        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
-        watcher.take()
+        await following(hub, watcher)
         (moved,) = engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
         await asyncio.wait_for(watcher.event.wait(), 30)
         read = hub.read("orders", moved.partition, moved.position - 1)
@@ -257,9 +263,7 @@ async def reads_when_woken(engine: subengine.Engine, dsn: str) -> int:
     Durable Streams reader) is woken by an append: the reads the hub made by then."""
     async with opened_hub(dsn) as hub:
         watcher = Watcher({"orders": None})
-        hub.add(watcher)
-        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
-        watcher.take()
+        await following(hub, watcher)
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
         await asyncio.wait_for(watcher.event.wait(), 30)
         return hub.reads
@@ -278,9 +282,7 @@ async def woken_after_a_failed_read(engine: subengine.Engine, dsn: str) -> bool:
     async with opened_hub(dsn) as hub:
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
         watcher = Watcher({"orders": None}, shared_reads=True)
-        hub.add(watcher)
-        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
-        watcher.take()
+        await following(hub, watcher)
 
         async def unreachable(*args: Any, **options: Any) -> Any:
             raise DatabaseUnavailable("the read engine lost PostgreSQL")
@@ -313,11 +315,7 @@ async def sent_or_woken(engine: subengine.Engine, dsn: str) -> dict[str, Any]:
         names = ["takes", "cannot", "fails", "busy", "woken already"]
         watchers = {name: Watcher({"orders": None}, shared_reads=True) for name in names}
         offered: dict[str, list[Any]] = {name: [] for name in names}
-        for watcher in watchers.values():
-            hub.add(watcher)
-        for watcher in watchers.values():
-            await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
-            watcher.take()
+        await following(hub, *watchers.values())
 
         def offer(name: str, answer: bool | None) -> Any:
             def direct(shared: Any) -> bool:
@@ -389,9 +387,7 @@ async def long_poll_woken(engine: subengine.Engine, dsn: str) -> tuple[int, int,
     async with opened_hub(dsn) as hub:
         engine.append("orders", [subengine.NewEvent("a", "T", {"n": 0})])
         watcher = Watcher({"orders": None}, page_reads=True)
-        hub.add(watcher)
-        await asyncio.wait_for(watcher.event.wait(), 30)  # the first head poll
-        watcher.take()
+        await following(hub, watcher)
         (moved,) = engine.append("orders", [subengine.NewEvent("a", "T", {"n": 1})])
         await asyncio.wait_for(watcher.event.wait(), 30)
         started = hub.reads
