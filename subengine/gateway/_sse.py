@@ -127,12 +127,12 @@ class EventStream:
         self._timer: asyncio.TimerHandle | None = None  # of wait_until
         self._timer_deadline = 0.0
         self.sent_at = time.monotonic()  # when the last write was handed to the server
-        # what `write_now` could not send at once: the send it began (and what it
-        # waits on), the bodies after it, or what the send raised; `flush` finishes them
-        self._unfinished: tuple[Coroutine[Any, Any, None], Any] | None = None
+        # what `write_now` could not send at once: the send it began (what it waits on,
+        # and the bytes of its body), the bodies after it, or what the send raised;
+        # `flush` finishes them
+        self._unfinished: tuple[Coroutine[Any, Any, None], Any, int] | None = None
         self._queued: list[bytes] = []
-        self._failure: BaseException | None = None
-        self._unfinished_size = 0  # bytes of the body of the unfinished send
+        self._failure: Exception | None = None
 
     async def _watch_disconnect(self) -> None:
         while True:
@@ -204,11 +204,10 @@ class EventStream:
             self.bytes_sent += len(body)
             self.sent_at = time.monotonic()
             return True
-        except BaseException as error:  # met by the stream's task in `flush`
+        except Exception as error:  # met by the stream's task in `flush`
             self._failure = error
             return False
-        self._unfinished = (sending, waits_on)
-        self._unfinished_size = len(body)
+        self._unfinished = (sending, waits_on, len(body))
         return False
 
     @property
@@ -226,9 +225,9 @@ class EventStream:
                 raise Gone from None
             raise failure
         if self._unfinished is not None:
-            sending, waits_on = self._unfinished
+            sending, waits_on, size = self._unfinished
             self._unfinished = None
-            await self._guarded(_finished(sending, waits_on), self._unfinished_size)
+            await self._guarded(_finished(sending, waits_on), size)
         while self._queued:
             await self.write(self._queued.pop(0))
 
