@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,44 @@ def test_a_watch_is_read_by_its_id_until_its_key_is_revoked(
                 break
     assert kinds[0] == "events" and "caught-up" in kinds and kinds[-1] == "close"
     assert web.get(url, timeout=TIMEOUT).status_code == 403
+
+
+def test_a_revoked_key_ends_an_event_stream_that_frames_keep_busy(
+    engine: subengine.Engine, keys: dict[str, Any], gateway: GatewayProcess
+) -> None:
+    """While appends flow, the hub hands a waiting event stream its frames without waking
+    its task (issue 26); the stream still wakes to look at its key, and ends once the
+    key is revoked."""
+    url = f"{gateway.url}/v1/streams/orders/events?live=sse&after=now&heartbeat=1"
+    reader = next(key.id for key in engine.api_keys() if key.name == "reader")
+    stop = threading.Event()
+
+    def appending() -> None:
+        for n in range(600):  # 30 s at most
+            if stop.wait(0.05):
+                return
+            engine.append("orders", [subengine.NewEvent("a", "t", {"n": n})])
+
+    appender = threading.Thread(target=appending, daemon=True)
+    try:
+        with web.stream("GET", url, headers=bearer(keys["reader"]), timeout=TIMEOUT) as response:
+            assert response.status_code == 200
+            kinds: list[str] = []
+            for frame in sse_frames(response.iter_lines()):
+                kinds.append(frame.kind)
+                if frame.kind == "caught-up":
+                    appender.start()
+                if frame.kind == "events" and kinds.count("events") == 5:
+                    engine.revoke_api_key(reader)  # frames keep coming meanwhile
+                if frame.kind == "close":
+                    assert frame.data["code"] == "forbidden"
+                    break
+                assert appender.is_alive() or not appender.ident, "the appends ended first"
+    finally:
+        stop.set()
+        if appender.ident:
+            appender.join(30)
+    assert kinds[-1] == "close" and kinds.count("events") >= 5
 
 
 def test_tokens_never_reach_the_gateways_output(
