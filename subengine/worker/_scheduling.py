@@ -106,7 +106,9 @@ class Slots:
         it or has suspects, after a poll interval, or when the partitions found run out.
         It waits for the poller when nothing can be taken, and after draining a partition
         when nothing new can have come (still holding that partition's lock: the next
-        event there needs no lock statement).
+        event there needs no lock statement). A slot that passed over partitions because
+        another slot held them looks again instead: the holder may have moved on, and
+        left them with work that no other slot knows of.
         """
         while not stop.is_set():
             seen = self._wakeup.count()
@@ -115,7 +117,7 @@ class Slots:
             # ones it found are used up
             cut_off = len(queue) == self._look_limit
             looked_at = time.monotonic()
-            chosen = self._choose(queue, held)
+            chosen, passed_over = self._choose(queue, held)
             self._metrics.looked_for_work(chosen is not None)
             if chosen is None:
                 self._idle(db, held, stop, seen)
@@ -139,15 +141,17 @@ class Slots:
                     break  # look again
                 if next_time is None:
                     if queue:  # on to the next partition the look found
-                        chosen = self._choose(queue, held)
+                        chosen, passed = self._choose(queue, held)
+                        passed_over = passed_over or passed
                         continue
-                    if drained:
+                    if drained and not passed_over:
                         self._idle(db, held, stop, seen)
                     break  # look again
                 if queue and queue[0].next_time < next_time:
                     # an older event waits elsewhere: go there, and come back in its turn
                     bisect.insort(queue, Candidate(chosen, next_time), key=lambda c: c.next_time)
-                    chosen = self._choose(queue, held)
+                    chosen, passed = self._choose(queue, held)
+                    passed_over = passed_over or passed
 
     def _idle(self, db: Db, held: Held, stop: threading.Event, seen: int) -> None:
         """Nothing to do: wait for news after `seen`, then take what a notification
@@ -206,27 +210,30 @@ class Slots:
         self._board.defer(look.deferred)
         return [Candidate(key, next_time) for key, next_time in look.work]
 
-    def _choose(self, queue: list[Candidate], held: Held) -> tuple[str, int] | None:
+    def _choose(self, queue: list[Candidate], held: Held) -> tuple[tuple[str, int] | None, bool]:
         """Take candidates off the front of `queue` until one is the held partition or can
         be locked, skipping partitions that wait out a database error (the ones others
         hold leave the queue: their holders serve them). Else the held partition if it
         still has work and the look was cut short (older ones are all held by others);
-        else None, with nothing held."""
+        else None, with nothing held. With it, whether a partition was left because
+        another slot held it."""
         cut_off = len(queue) == self._look_limit
+        passed_over = False
         while queue:
             candidate = queue.pop(0)
             if self._backoff.waiting(candidate.key):
                 continue
             if candidate.key == held.key:
-                return held.key
+                return held.key, passed_over
             if held.try_lock(candidate.key, lock_key(self._schema, *candidate.key)):
-                return candidate.key
+                return candidate.key, passed_over
+            passed_over = True
         if (
             held.key is not None
             and held.has_work
             and cut_off
             and not self._backoff.waiting(held.key)
         ):
-            return held.key
+            return held.key, passed_over
         held.release()
-        return None
+        return None, passed_over

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -21,6 +23,29 @@ from subengine.outside import _webhooks
 from subengine.outside._webhook_batches import ClaimedBatch
 from subengine.outside._webhooks import WebhookDefinition, WebhookStream
 from subengine.worker import _held
+
+
+@contextmanager
+def _running(worker: DeliveryWorker) -> Iterator[None]:
+    """`worker` run in a thread, stopped and joined on exit; what it raised fails."""
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run(stop)
+        except BaseException as error:
+            failed.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive(), "the delivery worker did not stop"
+    assert not failed, failed
 
 
 @pytest.fixture
@@ -62,23 +87,47 @@ def test_delivery_slots_lock_partitions_by_one_statement_where_the_setting_says_
 
     # one slot, four partitions with events, batches of 5: it switches partitions
     worker = DeliveryWorker(engine, [declared], {declared.name: (hook, stream)}, send, 1)
-    stop = threading.Event()
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            worker.run(stop)
-        except BaseException as error:
-            failed.append(error)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
+    with _running(worker):
         wait_for(lambda: sum(through - after for _, after, through in sent) == 40, "the batches")
-    finally:
-        stop.set()
-        thread.join(30)
-    assert not thread.is_alive(), "the delivery worker did not stop"
-    assert not failed, failed
     assert len({partition for partition, _, _ in sent}) == 4
     assert providers and set(providers) == {"builtin"}
+
+
+def test_a_slot_that_passed_over_a_held_partition_looks_again_once_its_own_drains(
+    dsn: str, sql: psycopg.Connection[Any]
+) -> None:
+    # Invariant 7: a partition that another holder had when the slot looked may be free
+    # once the slot drains its own, its work known to no other slot. The slot looks again
+    # rather than wait for news (the next poll, and heartbeat, is a minute away here).
+    settings = subengine.Settings(dsn=dsn, poll_interval=60.0, heartbeat_interval=60.0)
+    mine = next(f"m{i}" for i in range(100) if subengine.partition_for(f"m{i}", 2) == 0)
+    held = next(f"h{i}" for i in range(100) if subengine.partition_for(f"h{i}", 2) == 1)
+    with (
+        subengine.Engine(settings=settings) as engine,
+        psycopg.connect(dsn, autocommit=True) as holder,
+    ):
+        engine.create_stream("s", partitions=2)
+        older = datetime.now(UTC) - timedelta(hours=1)
+        engine.append("s", [NewEvent(held, "T", {}, occurred_at=older)])
+        engine.append("s", [NewEvent(mine, "T", {"n": n}) for n in range(5)])
+        stream = WebhookStream("s")
+        definition = WebhookDefinition("https://receiver.example/hook", (stream,), max_events=1)
+        engine.put_webhook("hook", definition, {"s": "beginning"})
+        sql.execute("UPDATE subengine.webhooks SET state = 'active'")
+        with engine.db() as db:
+            (hook,) = db.run(_webhooks.deliverable())
+        declared = _webhooks.engine_subscription(hook.serial, 0, stream, 1, hook.starts[0])
+        holder.execute(
+            "SELECT pg_advisory_lock(%s)", [_locks.lock_key("subengine", declared.name, 1)]
+        )
+        sent: list[tuple[int, int]] = []
+
+        def send(route: Route, partition: int, batch: ClaimedBatch) -> None:
+            sent.append((partition, batch.through))
+            if (partition, batch.through) == (0, 5):  # the other holder moves on
+                holder.execute("SELECT pg_advisory_unlock_all()")
+
+        worker = DeliveryWorker(engine, [declared], {declared.name: (hook, stream)}, send, 1)
+        with _running(worker):
+            wait_for(lambda: len(sent) == 6, "the held partition's batch", timeout=10)
+    assert sent == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 1)]
