@@ -18,10 +18,11 @@ from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
-import httpcore
 import pytest
 import trustme
+from helpers import wait_for
 
+from subengine.gateway import _callbacks
 from subengine.gateway._callbacks import (
     CallbackClient,
     CallbackPolicy,
@@ -60,11 +61,16 @@ class Server(ThreadingHTTPServer):
         self.answer = answer
         self.requests: list[Received] = []
         self.connections = 0
+        self.hung_up = 0  # connections the receiver ended
         self.release = threading.Event()  # ends answers that wait
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
         self.connections += 1
         return True
+
+    def shutdown_request(self, request: Any) -> None:
+        super().shutdown_request(request)
+        self.hung_up += 1
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up early is expected here."""
@@ -72,6 +78,7 @@ class Server(ThreadingHTTPServer):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keeps connections open between requests
+    served = 0  # requests of this connection so far, for answers that count them
 
     def do_POST(self) -> None:
         server = cast(Server, self.server)
@@ -501,26 +508,104 @@ def test_connections_are_kept_open_between_deliveries(
     assert (len(receiver.requests), receiver.connections) == (3, 1)
 
 
-def test_the_default_tls_context_is_made_at_the_first_delivery_only(
-    receivers: Callable[[Answer], Receiver],
-    clients: Callable[..., CallbackClient],
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_kept_connection_the_receiver_closed_is_replaced(
+    receivers: Callable[[Answer], Receiver], clients: Callable[..., CallbackClient]
 ) -> None:
-    # it costs about 17 ms of CPU in every gateway process, most of which deliver nothing
-    made: list[ssl.SSLContext] = []
-    default = httpcore.default_ssl_context
+    def then_close(handler: Handler) -> None:
+        ok(handler)
+        handler.close_connection = True  # without saying so
 
-    def counted() -> ssl.SSLContext:
-        made.append(default())
-        return made[-1]
-
-    monkeypatch.setattr(httpcore, "default_ssl_context", counted)
+    receiver = receivers(then_close)
     client = clients()
-    assert made == []
-    receiver = receivers(ok)
+    for n in range(1, 3):
+        assert client.post(receiver.url(), BODY, HEADERS).status == 200
+        wait_for(lambda: receiver.server.hung_up == n, "the receiver to hang up")  # noqa: B023
+    assert (len(receiver.requests), receiver.connections) == (2, 2)
+
+
+def test_a_kept_connection_closed_instead_of_an_answer_is_tried_once_more_on_a_new_one(
+    receivers: Callable[[Answer], Receiver], clients: Callable[..., CallbackClient]
+) -> None:
+    # the receiver's idle timeout can end a connection as a request goes out on it
+    def second_unanswered(handler: Handler) -> None:
+        handler.served += 1
+        if handler.served == 2:
+            handler.close_connection = True
+        else:
+            ok(handler)
+
+    receiver = receivers(second_unanswered)
+    client = clients()
     for _ in range(2):
         assert client.post(receiver.url(), BODY, HEADERS).status == 200
-    assert len(made) == 1
+    assert (len(receiver.requests), receiver.connections) == (3, 2)
+
+
+def test_a_chunked_answer_and_one_that_ends_at_close_are_read_whole(
+    receivers: Callable[[Answer], Receiver], clients: Callable[..., CallbackClient]
+) -> None:
+    def chunked(handler: Handler) -> None:
+        handler.send_response(200)
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        handler.wfile.write(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+
+    def until_close(handler: Handler) -> None:
+        handler.send_response(200)
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.wfile.write(b"the whole answer")
+        handler.close_connection = True
+
+    def interim_first(handler: Handler) -> None:
+        handler.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        handler.reply(201, b"made", x_final="yes")
+
+    client = clients()
+    assert client.post(receivers(chunked).url(), BODY, HEADERS).body == b"abcde"
+    assert client.post(receivers(until_close).url(), BODY, HEADERS).body == b"the whole answer"
+    answer = client.post(receivers(interim_first).url(), BODY, HEADERS)
+    assert (answer.status, answer.body, answer.headers["x-final"]) == (201, b"made", "yes")
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"webhook-signature": SIGNATURE + "\r\nx-injected: 1"},
+        {"bad name": "value"},
+        {"webhook-id": "caf\u00e9\u20ac"},
+    ],
+)
+def test_a_request_header_that_is_not_valid_http_is_refused_before_connecting(
+    headers: dict[str, str],
+    receivers: Callable[[Answer], Receiver],
+    clients: Callable[..., CallbackClient],
+) -> None:
+    receiver = receivers(ok)
+    with pytest.raises(InvalidInput, match=r"^a callback request header is not valid HTTP$"):
+        clients().post(receiver.url(), BODY, headers)
+    assert receiver.connections == 0
+
+
+def test_an_answer_that_is_not_http_is_unreachable_in_one_line(
+    clients: Callable[..., CallbackClient],
+) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def babble() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
+
+        thread = threading.Thread(target=babble, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/hook"
+        with pytest.raises(CallbackUnreachable, match=r"not HTTP/1\.1"):
+            clients(QUICK).post(url, BODY, HEADERS)
+        thread.join(5)
 
 
 def test_a_closed_client_makes_no_connections_afterwards(
@@ -586,6 +671,30 @@ def test_tls_verifies_the_url_host_while_connecting_to_the_checked_address(
         answer = client.post(f"https://hooks.example:{receiver.port}/hook", BODY, HEADERS)
         assert answer.status == 200
         assert names == ["hooks.example"]
+
+
+def test_the_default_tls_context_is_made_at_the_first_https_delivery_only(
+    receivers: Callable[[Answer], Receiver],
+    clients: Callable[..., CallbackClient],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # it costs about 17 ms of CPU in every gateway process, most of which deliver nothing
+    ca = trustme.CA()
+    made: list[ssl.SSLContext] = []
+
+    def counted() -> ssl.SSLContext:
+        made.append(trusting(ca))
+        return made[-1]
+
+    monkeypatch.setattr(_callbacks, "_default_ssl_context", counted)
+    client = clients(resolve=answers("127.0.0.1"))
+    assert client.post(receivers(ok).url(), BODY, HEADERS).status == 200
+    assert made == []
+    with tls_receiver("hooks.example", ca) as (receiver, _):
+        for _ in range(2):
+            answer = client.post(f"https://hooks.example:{receiver.port}/hook", BODY, HEADERS)
+            assert answer.status == 200
+    assert len(made) == 1
 
 
 def test_tls_refuses_a_certificate_for_another_host(
