@@ -11,11 +11,12 @@ import ssl
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -603,9 +604,94 @@ def test_an_answer_that_is_not_http_is_unreachable_in_one_line(
         thread = threading.Thread(target=babble, daemon=True)
         thread.start()
         url = f"http://127.0.0.1:{listener.getsockname()[1]}/hook"
-        with pytest.raises(CallbackUnreachable, match=r"not HTTP/1\.1"):
+        with pytest.raises(CallbackUnreachable, match=r"not HTTP/1\.1") as raised:
             clients(QUICK).post(url, BODY, HEADERS)
+        assert "\n" not in str(raised.value)
         thread.join(5)
+
+
+@contextmanager
+def raw_receiver(answer: bytes) -> Iterator[tuple[str, list[int]]]:
+    """A receiver that reads each request (Content-Length bodies) and writes `answer`
+    as it is; its URL, and the requests each of its connections got."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    served: list[int] = []
+    stop = threading.Event()
+
+    def answer_requests(conn: socket.socket) -> None:
+        data = b""
+        while True:
+            head, end, rest = data.partition(b"\r\n\r\n")
+            if end:
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r")[0])
+                if len(rest) >= length:
+                    served[-1] += 1
+                    data = rest[length:]
+                    conn.sendall(answer)
+                    continue
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            served.append(0)
+            with conn, suppress(OSError):  # the client may hang up as it likes
+                conn.settimeout(None)
+                answer_requests(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/hook", served
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def test_bytes_after_an_answer_are_not_taken_for_it_and_end_the_connection(
+    clients: Callable[..., CallbackClient],
+) -> None:
+    ok_then_more = (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        b"HTTP/1.1 500 Oops\r\nX-Extra: 1\r\nContent-Length: 3\r\n\r\nbad"
+    )
+    for answer in (ok_then_more, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok and junk"):
+        with raw_receiver(answer) as (url, served):
+            client = clients()
+            for _ in range(2):
+                got = client.post(url, BODY, HEADERS)
+                assert (got.status, got.body, "x-extra" in got.headers) == (200, b"ok", False)
+            assert served == [1, 1]  # none of them kept
+
+
+def test_an_upgrade_answer_is_unreachable_not_an_error_of_the_client(
+    clients: Callable[..., CallbackClient],
+) -> None:
+    upgrade = b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+    with (
+        raw_receiver(upgrade) as (url, _),
+        pytest.raises(CallbackUnreachable, match=r"not HTTP/1\.1"),
+    ):
+        clients(QUICK).post(url, BODY, HEADERS)
+
+
+def test_answer_headers_past_the_limit_end_the_request(
+    clients: Callable[..., CallbackClient],
+) -> None:
+    endless = b"HTTP/1.1 200 OK\r\nX-Big: " + b"x" * (2 * _callbacks.MAX_HEAD_BYTES)
+    with (
+        raw_receiver(endless) as (url, _),
+        pytest.raises(CallbackUnreachable, match="headers are larger than 65536 bytes"),
+    ):
+        clients(QUICK).post(url, BODY, HEADERS)
 
 
 def test_a_closed_client_makes_no_connections_afterwards(
@@ -695,6 +781,21 @@ def test_the_default_tls_context_is_made_at_the_first_https_delivery_only(
             answer = client.post(f"https://hooks.example:{receiver.port}/hook", BODY, HEADERS)
             assert answer.status == 200
     assert len(made) == 1
+
+
+def test_the_default_tls_context_trusts_the_systems_authorities_as_well_as_certifis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clients: Callable[..., CallbackClient]
+) -> None:
+    # an internal receiver (--callback-allow) has a certificate of the company's own
+    # authority, which the system trusts (here through SSL_CERT_FILE) and certifi does not
+    ca = trustme.CA()
+    bundle = tmp_path / "company-ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+    with tls_receiver("hooks.example", ca) as (receiver, _):
+        client = clients(resolve=answers("127.0.0.1"))
+        answer = client.post(f"https://hooks.example:{receiver.port}/hook", BODY, HEADERS)
+        assert answer.status == 200
 
 
 def test_tls_refuses_a_certificate_for_another_host(
