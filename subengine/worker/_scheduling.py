@@ -106,9 +106,9 @@ class Slots:
         it or has suspects, after a poll interval, or when the partitions found run out.
         It waits for the poller when nothing can be taken, and after draining a partition
         when nothing new can have come (still holding that partition's lock: the next
-        event there needs no lock statement). A slot that passed over partitions because
-        another slot held them looks again instead: the holder may have moved on, and
-        left them with work that no other slot knows of.
+        event there needs no lock statement). Before it waits, a slot that passed over
+        partitions because another slot held them tries those again: the holder may
+        have moved on, and left them with work that no other slot knows of.
         """
         while not stop.is_set():
             seen = self._wakeup.count()
@@ -117,7 +117,8 @@ class Slots:
             # ones it found are used up
             cut_off = len(queue) == self._look_limit
             looked_at = time.monotonic()
-            chosen, passed_over = self._choose(queue, held)
+            passed: list[Candidate] = []  # left because another slot held them
+            chosen = self._choose(queue, held, passed)
             self._metrics.looked_for_work(chosen is not None)
             if chosen is None:
                 self._idle(db, held, stop, seen)
@@ -141,17 +142,21 @@ class Slots:
                     break  # look again
                 if next_time is None:
                     if queue:  # on to the next partition the look found
-                        chosen, passed = self._choose(queue, held)
-                        passed_over = passed_over or passed
+                        chosen = self._choose(queue, held, passed)
                         continue
-                    if drained and not passed_over:
+                    if drained and passed:  # those the look found that others held
+                        queue.extend(passed)
+                        passed.clear()
+                        chosen = self._choose(queue, held, passed, keep=True)
+                        if chosen is not None:
+                            continue
+                    if drained:
                         self._idle(db, held, stop, seen)
                     break  # look again
                 if queue and queue[0].next_time < next_time:
                     # an older event waits elsewhere: go there, and come back in its turn
                     bisect.insort(queue, Candidate(chosen, next_time), key=lambda c: c.next_time)
-                    chosen, passed = self._choose(queue, held)
-                    passed_over = passed_over or passed
+                    chosen = self._choose(queue, held, passed)
 
     def _idle(self, db: Db, held: Held, stop: threading.Event, seen: int) -> None:
         """Nothing to do: wait for news after `seen`, then take what a notification
@@ -210,30 +215,35 @@ class Slots:
         self._board.defer(look.deferred)
         return [Candidate(key, next_time) for key, next_time in look.work]
 
-    def _choose(self, queue: list[Candidate], held: Held) -> tuple[tuple[str, int] | None, bool]:
+    def _choose(
+        self,
+        queue: list[Candidate],
+        held: Held,
+        passed: list[Candidate],
+        keep: bool = False,
+    ) -> tuple[str, int] | None:
         """Take candidates off the front of `queue` until one is the held partition or can
-        be locked, skipping partitions that wait out a database error (the ones others
-        hold leave the queue: their holders serve them). Else the held partition if it
-        still has work and the look was cut short (older ones are all held by others);
-        else None, with nothing held. With it, whether a partition was left because
-        another slot held it."""
+        be locked, skipping partitions that wait out a database error; the ones others
+        hold leave the queue for `passed`. Else the held partition if it still has work
+        and the look was cut short (older ones are all held by others); else None, with
+        nothing held unless `keep`."""
         cut_off = len(queue) == self._look_limit
-        passed_over = False
         while queue:
             candidate = queue.pop(0)
             if self._backoff.waiting(candidate.key):
                 continue
             if candidate.key == held.key:
-                return held.key, passed_over
+                return held.key
             if held.try_lock(candidate.key, lock_key(self._schema, *candidate.key)):
-                return candidate.key, passed_over
-            passed_over = True
+                return candidate.key
+            passed.append(candidate)
         if (
             held.key is not None
             and held.has_work
             and cut_off
             and not self._backoff.waiting(held.key)
         ):
-            return held.key, passed_over
-        held.release()
-        return None, passed_over
+            return held.key
+        if not keep:
+            held.release()
+        return None
