@@ -44,8 +44,8 @@ def _running(worker: DeliveryWorker) -> Iterator[None]:
     finally:
         stop.set()
         thread.join(30)
+        assert not failed, failed  # what the worker raised, though the test failed first
     assert not thread.is_alive(), "the delivery worker did not stop"
-    assert not failed, failed
 
 
 @pytest.fixture
