@@ -19,9 +19,10 @@ import subengine
 from subengine import NewEvent
 from subengine.db import _locks
 from subengine.gateway._delivery_turns import DeliveryWorker, Route
+from subengine.model._declarations import Subscription
 from subengine.outside import _webhooks
 from subengine.outside._webhook_batches import ClaimedBatch
-from subengine.outside._webhooks import WebhookDefinition, WebhookStream
+from subengine.outside._webhooks import Deliverable, WebhookDefinition, WebhookStream
 from subengine.worker import _held
 
 
@@ -48,6 +49,22 @@ def _running(worker: DeliveryWorker) -> Iterator[None]:
     assert not thread.is_alive(), "the delivery worker did not stop"
 
 
+def _active_webhook(
+    engine: subengine.Engine, sql: psycopg.Connection[Any], name: str, max_events: int
+) -> tuple[Deliverable, WebhookStream, Subscription]:
+    """An active webhook of the whole stream `name` from its beginning: as its delivery
+    worker sees it, its stream, and its engine subscription."""
+    stream = WebhookStream(name)
+    callback = "https://receiver.example/hook"
+    definition = WebhookDefinition(callback, (stream,), max_events=max_events)
+    engine.put_webhook("hook", definition, {name: "beginning"})
+    sql.execute("UPDATE subengine.webhooks SET state = 'active'")
+    with engine.db() as db:
+        (hook,) = db.run(_webhooks.deliverable())
+    declared = _webhooks.engine_subscription(hook.serial, 0, stream, max_events, hook.starts[0])
+    return hook, stream, declared
+
+
 @pytest.fixture
 def pals_engine(dsn: str) -> Iterator[subengine.Engine]:
     settings = subengine.Settings(dsn=dsn, lock_provider="pals", poll_interval=0.2)
@@ -61,13 +78,7 @@ def test_delivery_slots_lock_partitions_by_one_statement_where_the_setting_says_
     engine = pals_engine
     engine.create_stream("s", partitions=4)
     engine.append("s", [NewEvent(f"k{n}", "T", {"n": n}) for n in range(40)])
-    stream = WebhookStream("s")
-    definition = WebhookDefinition("https://receiver.example/hook", (stream,), max_events=5)
-    engine.put_webhook("hook", definition, {"s": "beginning"})
-    sql.execute("UPDATE subengine.webhooks SET state = 'active'")
-    with engine.db() as db:
-        (hook,) = db.run(_webhooks.deliverable())
-    declared = _webhooks.engine_subscription(hook.serial, 0, stream, 5, hook.starts[0])
+    hook, stream, declared = _active_webhook(engine, sql, "s", 5)
 
     def engine_batch(*args: Any) -> None:
         raise AssertionError("every batch here is plain")
@@ -110,13 +121,7 @@ def test_a_slot_that_passed_over_a_held_partition_looks_again_once_its_own_drain
         older = datetime.now(UTC) - timedelta(hours=1)
         engine.append("s", [NewEvent(held, "T", {}, occurred_at=older)])
         engine.append("s", [NewEvent(mine, "T", {"n": n}) for n in range(5)])
-        stream = WebhookStream("s")
-        definition = WebhookDefinition("https://receiver.example/hook", (stream,), max_events=1)
-        engine.put_webhook("hook", definition, {"s": "beginning"})
-        sql.execute("UPDATE subengine.webhooks SET state = 'active'")
-        with engine.db() as db:
-            (hook,) = db.run(_webhooks.deliverable())
-        declared = _webhooks.engine_subscription(hook.serial, 0, stream, 1, hook.starts[0])
+        hook, stream, declared = _active_webhook(engine, sql, "s", 1)
         holder.execute(
             "SELECT pg_advisory_lock(%s)", [_locks.lock_key("subengine", declared.name, 1)]
         )
