@@ -5,6 +5,7 @@ switches its partitions."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -104,12 +105,15 @@ def test_delivery_slots_lock_partitions_by_one_statement_where_the_setting_says_
     assert providers and set(providers) == {"builtin"}
 
 
-def test_a_slot_that_passed_over_a_held_partition_looks_again_once_its_own_drains(
-    dsn: str, sql: psycopg.Connection[Any]
+@pytest.mark.parametrize("moves_on", [True, False])
+def test_a_slot_tries_a_partition_it_passed_over_again_once_its_own_drains(
+    moves_on: bool, dsn: str, sql: psycopg.Connection[Any]
 ) -> None:
     # Invariant 7: a partition that another holder had when the slot looked may be free
-    # once the slot drains its own, its work known to no other slot. The slot looks again
-    # rather than wait for news (the next poll, and heartbeat, is a minute away here).
+    # once the slot drains its own, its work known to no other slot. The slot tries it
+    # again rather than wait for news (the next poll, and heartbeat, is a minute away
+    # here); when it is still held, the slot waits holding its own partition's lock, so
+    # that the next event there needs no lock statement.
     settings = subengine.Settings(dsn=dsn, poll_interval=60.0, heartbeat_interval=60.0)
     mine = next(f"m{i}" for i in range(100) if subengine.partition_for(f"m{i}", 2) == 0)
     held = next(f"h{i}" for i in range(100) if subengine.partition_for(f"h{i}", 2) == 1)
@@ -122,17 +126,30 @@ def test_a_slot_that_passed_over_a_held_partition_looks_again_once_its_own_drain
         engine.append("s", [NewEvent(held, "T", {}, occurred_at=older)])
         engine.append("s", [NewEvent(mine, "T", {"n": n}) for n in range(5)])
         hook, stream, declared = _active_webhook(engine, sql, "s", 1)
-        holder.execute(
-            "SELECT pg_advisory_lock(%s)", [_locks.lock_key("subengine", declared.name, 1)]
-        )
+        keys = [_locks.lock_key("subengine", declared.name, p) for p in (0, 1)]
+        holder.execute("SELECT pg_advisory_lock(%s)", [keys[1]])
         sent: list[tuple[int, int]] = []
 
         def send(route: Route, partition: int, batch: ClaimedBatch) -> None:
             sent.append((partition, batch.through))
-            if (partition, batch.through) == (0, 5):  # the other holder moves on
+            if moves_on and (partition, batch.through) == (0, 5):  # the other holder moves on
                 holder.execute("SELECT pg_advisory_unlock_all()")
+
+        def own_lock_held() -> bool:
+            holders = sql.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND (classid::bigint << 32 | objid::bigint) = %s AND pid <> %s",
+                [keys[0], holder.info.backend_pid],
+            ).fetchone()
+            return holders is not None and holders[0] == 1
 
         worker = DeliveryWorker(engine, [declared], {declared.name: (hook, stream)}, send, 1)
         with _running(worker):
-            wait_for(lambda: len(sent) == 6, "the held partition's batch", timeout=10)
-    assert sent == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 1)]
+            if moves_on:
+                wait_for(lambda: len(sent) == 6, "the held partition's batch", timeout=10)
+            else:
+                wait_for(lambda: len(sent) == 5, "the slot's own batches", timeout=10)
+                time.sleep(0.5)  # the slot tries the held partition, then waits
+                assert own_lock_held()
+    mine_sent = [(0, n) for n in range(1, 6)]
+    assert sent == ([*mine_sent, (1, 1)] if moves_on else mine_sent)
