@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from subengine.engine._durable_streams import DurableStreams
@@ -18,12 +18,6 @@ log = logging.getLogger("subengine.gateway")
 
 # seconds between two runs of the sweeper (expired streams, deleted streams' events)
 SWEEP_SECONDS = 1.0
-# A catch-up reader given a page short of the tail asks for the next one as soon as it
-# has taken this one in: the gateway reads that page meanwhile, keeps it this long for
-# the request, and holds at most this many such pages (reading or read) at a time, so
-# that reads ahead take few of the pool's connections (10 by default).
-READ_AHEAD_SECONDS = 5.0
-READ_AHEAD_PAGES = 4
 
 Page = list[tuple[int, Any]]
 
@@ -41,10 +35,6 @@ class DurableStreamsState:
         self.store = DurableStreams(self.gateway.engine, self.max_page_bytes)
         self._poke = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
-        # (engine stream, epoch, position) -> (when it is dropped, the page's read)
-        self._ahead: dict[tuple[str, int, int], tuple[float, asyncio.Task[Page]]] = {}
-        # every read ahead not finished, taken or not: cancelled at close
-        self._reading: set[asyncio.Task[Page]] = set()
 
     def start(self) -> None:
         self._sweeper = asyncio.get_running_loop().create_task(
@@ -80,17 +70,8 @@ class DurableStreamsState:
         one read ahead for it, if any)."""
         if found.view:
             return await read_view(self.gateway.read_engine, found, after, self.max_page_bytes)
-        self._expire()
-        ahead = self._ahead.pop((found.stream, found.epoch, after), None)
-        if ahead is not None:
-            try:
-                page = await asyncio.shield(ahead[1])
-            except Exception:  # read it again here, where a failure reaches the client
-                pass
-            else:
-                self.gateway.metrics.pages_read_ahead.labels("used").inc()
-                return page
-        return await self.store.read(found, after)
+        page: Page | None = await self.gateway.reads_ahead.take(_ahead_key(found, after))
+        return await self.store.read(found, after) if page is None else page
 
     def read_ahead(self, found: CatalogStream, after: int) -> None:
         """Start reading the page of `found` after `after`, which the reader of the page
@@ -99,30 +80,8 @@ class DurableStreamsState:
         read a moment earlier, and reads on from its end."""
         if found.view or found.inherited or after >= found.tail:
             return
-        self._expire()
-        key = (found.stream, found.epoch, after)
-        if key in self._ahead or len(self._ahead) >= READ_AHEAD_PAGES:
-            return
-        task = asyncio.ensure_future(self.store.read(found, after))
-        self._reading.add(task)
-        task.add_done_callback(self._finished)
-        self._ahead[key] = (time.monotonic() + READ_AHEAD_SECONDS, task)
-
-    def _expire(self) -> None:
-        """Drop the pages read ahead that nobody asked for in time."""
-        now = time.monotonic()
-        for key, (deadline, task) in list(self._ahead.items()):
-            if deadline <= now:
-                del self._ahead[key]
-                task.cancel()
-                self.gateway.metrics.pages_read_ahead.labels("unused").inc()
-
-    def _finished(self, task: asyncio.Task[Page]) -> None:
-        """A read ahead ended. One that failed fails again when asked for (the request
-        reads anew), or is dropped: its error is not the event loop's to report."""
-        self._reading.discard(task)
-        if not task.cancelled():
-            task.exception()
+        read = partial(self.store.read, found, after)
+        self.gateway.reads_ahead.start(_ahead_key(found, after), read)
 
     def poke(self) -> None:
         """Sweep soon (a stream was deleted or found expired)."""
@@ -135,18 +94,17 @@ class DurableStreamsState:
             except TimeoutError:
                 pass
             self._poke.clear()
-            self._expire()
             try:
                 await self.store.sweep()
             except Exception as error:  # the next run tries again
                 log.warning("durable streams: the sweep failed: %s", error)
 
     async def close(self) -> None:
-        tasks: list[asyncio.Task[Any]] = list(self._reading)
-        self._ahead.clear()
-        for task in tasks:
-            task.cancel()
         if self._sweeper is not None:
             self._sweeper.cancel()
-            tasks.append(self._sweeper)
-        await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+
+
+def _ahead_key(found: CatalogStream, after: int) -> tuple[str, str, int, int]:
+    """The key of the page of `found` after position `after`, among pages read ahead."""
+    return ("durable-streams", found.stream, found.epoch, after)

@@ -172,12 +172,13 @@ class GatewayMetrics:
         self._bytes_sent = {kind: self.bytes_sent.labels(kind) for kind in KINDS}
         self.pages_read_ahead = Counter(
             "subengine_gateway_pages_read_ahead",
-            "Durable Streams catch-up pages read ahead, while the reader took in the page "
-            "before, by outcome: used by the next request, or unused (dropped unasked).",
+            "Catch-up pages read ahead (both APIs), while the reader took in the page before, "
+            "by outcome: used by the next request, unused (dropped unasked), or at_end "
+            "(it reached the end of the stream: the request reads afresh).",
             ["outcome"],
             registry=self.registry,
         )
-        for outcome in ("used", "unused"):
+        for outcome in ("used", "unused", "at_end"):
             self.pages_read_ahead.labels(outcome)
         self.long_polls_waiting = Gauge(
             "subengine_gateway_long_polls_waiting",

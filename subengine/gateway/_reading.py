@@ -10,7 +10,7 @@ first, so nothing is skipped silently (DESIGN.md, the gateway's principles 1 and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, NamedTuple
@@ -128,14 +128,13 @@ class Reader:
 
     # catching up by cursor
 
-    async def _read_page(
-        self, stream: str, limit: int, max_bytes: int, oversize: bool = True
-    ) -> EncodedPage:
-        """A page of `stream` after the cursor, its events' JSON made by PostgreSQL. A
-        changed epoch emits a `reset` frame and reads the stream again from its
-        beginning. The cursor then names every partition."""
+    def _reads(
+        self, stream: str, limit: int, max_bytes: int, oversize: bool
+    ) -> Callable[[Sequence[int]], Awaitable[EncodedPage]]:
+        """The read of a page of `stream` after some positions, its events' JSON made by
+        PostgreSQL."""
         selection = self.selections[stream]
-        read = partial(
+        return partial(
             self.hub.read_engine.read_page_json,
             stream,
             limit=limit,
@@ -145,8 +144,24 @@ class Reader:
             max_bytes=max_bytes,
             oversize=oversize,
         )
-        self.hub.pages += 1
-        page = await read(self.marks[stream])
+
+    async def _read_page(
+        self,
+        stream: str,
+        limit: int,
+        max_bytes: int,
+        oversize: bool = True,
+        ahead: EncodedPage | None = None,
+    ) -> EncodedPage:
+        """A page of `stream` after the cursor (`ahead`, when it was read from there in
+        the cursor's epoch). A changed epoch emits a `reset` frame and reads the stream
+        again from its beginning. The cursor then names every partition."""
+        read = self._reads(stream, limit, max_bytes, oversize)
+        if ahead is not None and ahead.epoch == self.epochs[stream]:
+            page = ahead
+        else:
+            self.hub.pages += 1
+            page = await read(self.marks[stream])
         if page.epoch != self.epochs[stream]:
             self._reset(stream, self.epochs[stream], page.epoch)
             page = await read(())
@@ -163,13 +178,43 @@ class Reader:
             page = replace(page, tombstones=gaps)
         return page
 
+    def read_ahead(self, stream: str, limit: int) -> Callable[[], Awaitable[EncodedPage | None]]:
+        """The read of the page of `stream` after the cursor as it stands, which a pull's
+        next request will ask for (`page(..., ahead=)`): None when that page reaches the
+        heads it finds, so that the request reads afresh and sees what was appended
+        since, or when the stream was created again."""
+        read = self._reads(stream, limit, PAGE_BYTES, True)
+        marks, epoch = tuple(self.marks[stream]), self.epochs[stream]
+
+        async def page() -> EncodedPage | None:
+            self.hub.pages += 1
+            found = await read(marks)
+            if found.epoch != epoch or not found.fits:
+                return None
+            ends = list(marks)
+            for tombstone in found.tombstones:
+                ends[tombstone.partition] = tombstone.gap_to
+            for partition, position, _ in found.events:
+                ends[partition] = position
+            if all(end >= head for end, head in zip(ends, found.heads, strict=True)):
+                return None
+            return found
+
+        return page
+
     async def page(
-        self, stream: str, limit: int, max_bytes: int = PAGE_BYTES, oversize: bool = True
+        self,
+        stream: str,
+        limit: int,
+        max_bytes: int = PAGE_BYTES,
+        oversize: bool = True,
+        ahead: EncodedPage | None = None,
     ) -> Taken:
         """One page of `stream` after the cursor (at most `limit` events and, but for a
-        first event larger than it when `oversize`, `max_bytes` of their JSON). Moves
+        first event larger than it when `oversize`, `max_bytes` of their JSON; `ahead`,
+        the page `read_ahead` read from the cursor with the same bounds, if any). Moves
         the cursor."""
-        return self._take_page(await self._read_page(stream, limit, max_bytes, oversize))
+        return self._take_page(await self._read_page(stream, limit, max_bytes, oversize, ahead))
 
     async def live_page(
         self,

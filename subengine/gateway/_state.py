@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from subengine.engine._async_engine import AsyncEngine
 from subengine.engine._engine import Engine
+from subengine.gateway._ahead import ReadsAhead
 from subengine.gateway._auth import Authenticator
 from subengine.gateway._callbacks import CallbackClient, CallbackPolicy
 from subengine.gateway._connections import Connections, Sessions
@@ -90,6 +91,8 @@ class Gateway:
     # the in-flight long-poll of each subscriber's session
     sessions: Sessions = field(init=False)
     metrics: GatewayMetrics = field(init=False)
+    # catch-up pages read ahead of the requests that will ask for them, for both APIs
+    reads_ahead: ReadsAhead = field(init=False)
     # webhooks: a sync engine for their changes and deliveries, the callbacks' client
     sync_engine: Engine = field(init=False)
     callbacks: CallbackClient = field(init=False)
@@ -111,6 +114,7 @@ class Gateway:
         self.sessions = Sessions()
         listener = self.engine.listener
         self.metrics = GatewayMetrics(self.connections, self.hub, lambda: listener.connects)
+        self.reads_ahead = ReadsAhead(self.metrics.pages_read_ahead)
         self.sync_engine = Engine(settings=self.engine.settings)
         self.callbacks = CallbackClient(self.config.callback_policy)
         if self.config.deliver:
@@ -152,6 +156,7 @@ class Gateway:
         self.closing.set()
         if self._watchdog is not None:
             self._watchdog.cancel()
+        await self.reads_ahead.close()
         # what is in flight finishes on the connections it has; nothing waits any more
         # for a connection PostgreSQL does not give (the database may be gone)
         self.sync_engine.stop_waiting()

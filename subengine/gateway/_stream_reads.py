@@ -122,12 +122,26 @@ async def read_events(request: Request) -> Response | EventStreamResponse:
     try:
         start = await gateway.start_of(stream, request)
         reader = Reader(gateway.hub, {stream: selection}, {stream: start})
-        taken = await reader.page(stream, limit)
+        ahead = await gateway.reads_ahead.take(_ahead_key(selection, limit, start))
+        taken = await reader.page(stream, limit, ahead=ahead)
         answer = _page(reader, taken.events, taken.tombstones, taken.up_to_date)
+        if not taken.up_to_date:
+            # the reader asks for the next page as soon as it has taken in this one
+            after = reader.cursor.streams[stream]
+            gateway.reads_ahead.start(
+                _ahead_key(selection, limit, after), reader.read_ahead(stream, limit)
+            )
     finally:
         slot.release()
     gateway.metrics.sent(PULL, None, len(answer.body))
     return answer
+
+
+def _ahead_key(
+    selection: Selection, limit: int, after: StreamPosition
+) -> tuple[str, Selection, int, StreamPosition]:
+    """The key of a pull's page among the pages read ahead: what it reads, from where."""
+    return ("v1", selection, limit, after)
 
 
 def _page(

@@ -13,11 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 
 import subengine
 from subengine.db._sql import Query
 from subengine.engine._durable_streams import DurableStreams, NewStream
 from subengine.gateway import GatewayConfig, close_all_streams, create_app
+from subengine.gateway._ahead import ReadsAhead
 from subengine.gateway._ds_http import DsError
 from subengine.gateway._ds_reads import _look_again
 from subengine.gateway._ds_state import DurableStreamsState
@@ -45,7 +47,8 @@ async def append(store: DurableStreams, path: str, *messages: Any) -> None:
 
 
 def state_of(engine: subengine.AsyncEngine) -> DurableStreamsState:
-    gateway = SimpleNamespace(engine=engine, read_engine=engine)
+    outcomes = Counter("pages", "pages read ahead", ["outcome"], registry=CollectorRegistry())
+    gateway = SimpleNamespace(engine=engine, read_engine=engine, reads_ahead=ReadsAhead(outcomes))
     return DurableStreamsState(gateway, long_poll_timeout=30.0)  # type: ignore[arg-type]
 
 
