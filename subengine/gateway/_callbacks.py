@@ -519,11 +519,16 @@ class CallbackClient:
         kept for the next one when the answer allows it, else closed."""
         answer = _Answer(self.policy.max_response_bytes)
         parser = answer.parser = httptools.HttpResponseParser(answer)
-        kept = False
+        kept = sent = False
         head = 0  # bytes received before the headers ended
         try:
             sock.settimeout(_left(deadline))
-            sock.sendall(request)
+            try:
+                sock.sendall(request)
+                sent = True
+            except (ConnectionResetError, BrokenPipeError):
+                # the receiver stopped reading: it may have answered first (413, say)
+                pass
             while not (answer.complete or answer.truncated):
                 sock.settimeout(_left(deadline))
                 data = sock.recv(_READ_SIZE)
@@ -542,7 +547,7 @@ class CallbackClient:
                     answer.trailing = True  # what follows the answer is none of ours
                 if not answer.headers_done and head > MAX_HEAD_BYTES:
                     raise _HeadTooLarge
-            kept = answer.complete and answer.keep_alive and not answer.trailing
+            kept = sent and answer.complete and answer.keep_alive and not answer.trailing
         except (_Stale, ConnectionResetError, BrokenPipeError):
             raise (_ClosedEarly if answer.started else _Stale) from None
         finally:

@@ -611,9 +611,11 @@ def test_an_answer_that_is_not_http_is_unreachable_in_one_line(
 
 
 @contextmanager
-def raw_receiver(answer: bytes) -> Iterator[tuple[str, list[int]]]:
+def raw_receiver(answer: bytes, early: bool = False) -> Iterator[tuple[str, list[int]]]:
     """A receiver that reads each request (Content-Length bodies) and writes `answer`
-    as it is; its URL, and the requests each of its connections got."""
+    as it is; its URL, and the requests each of its connections got. An `early` one
+    answers once it has the request's head and closes the connection without reading
+    the body (as a server refusing a body too large may)."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.05)
     served: list[int] = []
@@ -623,6 +625,10 @@ def raw_receiver(answer: bytes) -> Iterator[tuple[str, list[int]]]:
         data = b""
         while True:
             head, end, rest = data.partition(b"\r\n\r\n")
+            if end and early:
+                served[-1] += 1
+                conn.sendall(answer)
+                return
             if end:
                 length = int(head.lower().split(b"content-length: ")[1].split(b"\r")[0])
                 if len(rest) >= length:
@@ -670,6 +676,18 @@ def test_bytes_after_an_answer_are_not_taken_for_it_and_end_the_connection(
                 got = client.post(url, BODY, HEADERS)
                 assert (got.status, got.body, "x-extra" in got.headers) == (200, b"ok", False)
             assert served == [1, 1]  # none of them kept
+
+
+def test_an_answer_sent_before_the_body_was_read_is_the_answer(
+    clients: Callable[..., CallbackClient],
+) -> None:
+    too_large = b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    big = b"x" * (8 << 20)  # more than the sockets' buffers hold: the send fails midway
+    with raw_receiver(too_large, early=True) as (url, served):
+        client = clients()
+        for _ in range(2):  # the connection is not kept
+            assert client.post(url, big, HEADERS).status == 413
+        assert served == [1, 1]
 
 
 def test_an_upgrade_answer_is_unreachable_not_an_error_of_the_client(
