@@ -173,12 +173,13 @@ class GatewayMetrics:
         self.pages_read_ahead = Counter(
             "subengine_gateway_pages_read_ahead",
             "Catch-up pages read ahead (both APIs), while the reader took in the page before, "
-            "by outcome: used by the next request, unused (dropped unasked), or at_end "
-            "(it reached the end of the stream: the request reads afresh).",
+            "by outcome: used by the next request, unused (dropped unasked, or its request "
+            "gave up), at_end (it reached the end of the stream: the request reads afresh) "
+            "or failed (its read failed: the request reads afresh).",
             ["outcome"],
             registry=self.registry,
         )
-        for outcome in ("used", "unused", "at_end"):
+        for outcome in ("used", "unused", "at_end", "failed"):
             self.pages_read_ahead.labels(outcome)
         self.long_polls_waiting = Gauge(
             "subengine_gateway_long_polls_waiting",

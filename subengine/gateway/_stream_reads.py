@@ -39,6 +39,7 @@ from subengine.gateway._sse_response import (
 from subengine.gateway._state import Gateway, gateway_of
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 from subengine.model._names import validate_key, validate_type
+from subengine.streams._read import EncodedPage
 
 # A subscriber's session id, which a long-poll may name (docs/gateway.md, "Long-poll").
 SESSION = re.compile(r"[A-Za-z0-9._~-]{1,128}")
@@ -122,7 +123,7 @@ async def read_events(request: Request) -> Response | EventStreamResponse:
     try:
         start = await gateway.start_of(stream, request)
         reader = Reader(gateway.hub, {stream: selection}, {stream: start})
-        ahead = await gateway.reads_ahead.take(_ahead_key(selection, limit, start))
+        ahead = await _page_read_ahead(gateway, selection, limit, start)
         taken = await reader.page(stream, limit, ahead=ahead)
         answer = _page(reader, taken.events, taken.tombstones, taken.up_to_date)
         if not taken.up_to_date:
@@ -142,6 +143,20 @@ def _ahead_key(
 ) -> tuple[str, Selection, int, StreamPosition]:
     """The key of a pull's page among the pages read ahead: what it reads, from where."""
     return ("v1", selection, limit, after)
+
+
+async def _page_read_ahead(
+    gateway: Gateway, selection: Selection, limit: int, start: StreamPosition
+) -> EncodedPage | None:
+    """The page read ahead for a pull from `start`, if there is one and its stream is
+    still the one it was read from: a stream deleted (and maybe created again) since is
+    read anew, which says so (404, or a reset)."""
+    page: EncodedPage | None = await gateway.reads_ahead.take(_ahead_key(selection, limit, start))
+    if page is None:
+        return None
+    found = await gateway.read_engine.epochs_and_heads([selection.stream])
+    epoch, heads = found.get(selection.stream, (None, None))
+    return page if epoch == page.epoch and heads is not None else None
 
 
 def _page(

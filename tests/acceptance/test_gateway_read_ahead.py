@@ -6,6 +6,7 @@ before it asked."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -91,3 +92,25 @@ def test_a_page_read_ahead_is_only_for_a_request_of_the_same_selection(
     assert pull(url, cursor, 10)[0] == list(range(10, 20))  # every key: not that page
     assert pull(url, cursor, 10, key="k1", include_data="true")[0] == [15]
     assert outcomes(gateway)["used"] == 1
+
+
+def test_a_page_read_ahead_of_a_stream_deleted_since_is_not_served(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    url, _, cursor = first_page(engine, orders, gateway, 30)
+    time.sleep(0.5)  # the second page is read meanwhile (in a few milliseconds)
+    engine.delete_stream(orders)
+    engine.create_stream(orders, 2)
+    engine.append(orders, [subengine.NewEvent("b", "created", {"n": 100})])
+    answer = web.get(url, params={"after": cursor, "limit": 10}, timeout=TIMEOUT)
+    assert answer.status_code == 200, answer.text
+    page = answer.json()
+    assert [r["stream"] for r in page["resets"]] == [orders]
+    assert [e["data"]["n"] for e in page["events"]] == [100]
+    # deleted and not created again: not found, though a page was read ahead before
+    append(engine, orders, 2, start=101)
+    _, cursor, done = pull(url, "beginning", 1)
+    assert not done
+    time.sleep(0.5)
+    engine.delete_stream(orders)
+    assert web.get(url, params={"after": cursor, "limit": 1}, timeout=TIMEOUT).status_code == 404
