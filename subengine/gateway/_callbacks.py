@@ -330,6 +330,14 @@ class _ClosedEarly(Exception):
     """The connection ended in the middle of the answer."""
 
 
+class _Unread(Exception):
+    """The receiver answered 2xx before it read the whole request."""
+
+
+# what a socket raises when the peer has reset or closed the connection under a send
+_BROKEN = (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
+
+
 class _HeadTooLarge(Exception):
     """The answer's status line and headers passed MAX_HEAD_BYTES."""
 
@@ -498,6 +506,10 @@ class CallbackClient:
             raise CallbackUnreachable(
                 target.host, "the connection closed early or the answer is not HTTP/1.1"
             ) from None
+        except _Unread:
+            raise CallbackUnreachable(
+                target.host, "the callback answered 2xx before it read the whole batch"
+            ) from None
         except _HeadTooLarge:
             raise CallbackUnreachable(
                 target.host, f"the answer's headers are larger than {MAX_HEAD_BYTES} bytes"
@@ -526,7 +538,7 @@ class CallbackClient:
             try:
                 sock.sendall(request)
                 sent = True
-            except (ConnectionResetError, BrokenPipeError):
+            except _BROKEN:
                 # the receiver stopped reading: it may have answered first (413, say)
                 pass
             while not (answer.complete or answer.truncated):
@@ -548,19 +560,22 @@ class CallbackClient:
                 if not answer.headers_done and head > MAX_HEAD_BYTES:
                     raise _HeadTooLarge
             kept = sent and answer.complete and answer.keep_alive and not answer.trailing
-        except (_Stale, ConnectionResetError, BrokenPipeError):
+        except (_Stale, *_BROKEN):
             raise (_ClosedEarly if answer.started else _Stale) from None
         finally:
             if kept:
                 self._keep(origin, sock)
             else:
                 sock.close()
+        status = answer.status or parser.get_status_code()
+        if not sent and 200 <= status < 300:
+            raise _Unread  # it cannot have taken the batch
         names: dict[str, str] = {}
         for name, value in answer.headers:
             key, text = name.decode("latin-1").lower(), value.decode("latin-1")
             names[key] = f"{names[key]}, {text}" if key in names else text
         return CallbackResponse(
-            status=answer.status or parser.get_status_code(),
+            status=status,
             headers=names,
             body=b"".join(answer.body),
             truncated=answer.truncated,
