@@ -4,7 +4,7 @@ wake-up that idle slots wait on; both shared by the poller and the slots of one 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from subengine.model._declarations import Subscription
 
@@ -100,14 +100,23 @@ class Board:
             self._whole.clear()
             return pairs, whole
 
-    def take_few(self, limit: int) -> list[tuple[str, int]]:
+    def take_few(
+        self,
+        limit: int,
+        mine: tuple[str, int] | None = None,
+        others: Collection[tuple[str, int]] = (),
+    ) -> list[tuple[str, int]]:
         """Up to `limit` suspects, for a slot that takes them without a look, when the
-        suspects are only pairs (a notification's, not a reconnection's); the others
-        stay for the other slots and the looks."""
+        suspects are only pairs (a notification's, not a reconnection's): first `mine`,
+        the partition whose lock the slot holds, and none whose lock another slot of the
+        worker holds (`others`: that slot takes them, without a lock statement). The
+        others stay for the other slots and the looks."""
         with self._lock:
             if self._whole or not self._pairs:
                 return []
-            pairs = sorted(self._pairs)[:limit]
+            first = [mine] if mine in self._pairs else []
+            rest = sorted(p for p in self._pairs if p != mine and p not in others)
+            pairs = (first + rest)[:limit]
             self._pairs.difference_update(pairs)
             return pairs
 
@@ -138,22 +147,38 @@ class Board:
         with self._lock:
             return bool(self._pairs or self._whole)
 
+    def pending_for(self, others: Collection[tuple[str, int]]) -> bool:
+        """Whether there are suspects for a slot: any but those of partitions whose lock
+        another slot of the worker holds (`others`), which are that slot's to take."""
+        with self._lock:
+            return bool(self._whole) or any(p not in others for p in self._pairs)
+
 
 class Wakeup:
     """A counter of notifications that idle slots wait on; no wake-up is lost between
-    a slot's look for work and its wait, because it waits only if the count is unchanged."""
+    a slot's look for work and its wait, because it waits only if the count is unchanged.
+    A second counter says which wake-ups ask every slot to look for work (a poll that
+    found some, a reconnection, the worker stopping): the others (an append's
+    notification) only put suspects on the board, for the slots that take them."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
         self._count = 0
+        self._looks = 0
 
     def count(self) -> int:
         with self._condition:
             return self._count
 
-    def notify(self) -> None:
+    def looks(self) -> int:
+        """How many wake-ups so far asked every slot to look."""
+        with self._condition:
+            return self._looks
+
+    def notify(self, look: bool = True) -> None:
         with self._condition:
             self._count += 1
+            self._looks += look
             self._condition.notify_all()
 
     def wait(self, seen: int, timeout: float | None) -> bool:

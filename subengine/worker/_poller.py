@@ -97,7 +97,8 @@ class Poller:
                 if grown is not None and self._board.grew(*grown):
                     self._metrics.notification_received()
                     self._metrics.woke(by_notification=True)
-                    self._wakeup.notify()
+                    # for the slots that take its suspects: no other needs to look
+                    self._wakeup.notify(look=False)
 
     def _poll_once(self, db: Db, beat: bool) -> None:
         """One poll: the heads' sums and whether any partition has work (and the

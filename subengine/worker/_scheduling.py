@@ -51,6 +51,8 @@ class Slots:
         self._backoff = state.backoff
         self._metrics = state.metrics
         self._look_limit = state.look_limit
+        # every slot's lock: a notified partition whose lock one slot holds is its to take
+        self._held: list[Held] = []
 
     def run(self, stop: threading.Event) -> None:
         """One slot, in a thread of its own, until `stop`: a connection for its batches
@@ -63,6 +65,7 @@ class Slots:
             state.lock_provider,
             session_settings=state.sessions,
         )
+        self._held.append(held)
         try:
             while not stop.is_set():
                 try:
@@ -105,13 +108,14 @@ class Slots:
         partitions the look found, its own included; it looks again when the poller woke
         it or has suspects, after a poll interval, or when the partitions found run out.
         It waits for the poller when nothing can be taken, and after draining a partition
-        when nothing new can have come (still holding that partition's lock: the next
-        event there needs no lock statement). Before it waits, a slot that passed over
+        when nothing new can have come (still holding that partition's lock, unless the
+        provider gives it back in a statement of its own: the next event there then
+        needs no lock statement). Before it waits, a slot that passed over
         partitions because another slot held them tries those again: the holder may
         have moved on, and left them with work that no other slot knows of.
         """
         while not stop.is_set():
-            seen = self._wakeup.count()
+            seen, looks = self._wakeup.count(), self._wakeup.looks()
             queue = self._look(held)
             # a full look may have left out partitions with work: look again when the
             # ones it found are used up
@@ -121,7 +125,7 @@ class Slots:
             chosen = self._choose(queue, held, passed)
             self._metrics.looked_for_work(chosen is not None)
             if chosen is None:
-                self._idle(db, held, stop, seen)
+                self._idle(db, held, stop, seen, looks)
                 continue
             while chosen is not None and not stop.is_set():
                 name, partition = chosen
@@ -151,29 +155,43 @@ class Slots:
                         if chosen is not None:
                             continue
                     if drained:
-                        self._idle(db, held, stop, seen)
+                        self._idle(db, held, stop, seen, looks)
                     break  # look again
                 if queue and queue[0].next_time < next_time:
                     # an older event waits elsewhere: go there, and come back in its turn
                     bisect.insort(queue, Candidate(chosen, next_time), key=lambda c: c.next_time)
                     chosen = self._choose(queue, held, passed)
 
-    def _idle(self, db: Db, held: Held, stop: threading.Event, seen: int) -> None:
-        """Nothing to do: wait for news after `seen`, then take what a notification
-        brought, if that is all there is."""
-        self._wait(seen)
-        self._take_notified(db, held, stop)
+    def _idle(self, db: Db, held: Held, stop: threading.Event, seen: int, looks: int) -> None:
+        """Nothing to do: wait for news after `seen`, and take what notifications bring,
+        until the slot must look again: a wake-up asked every slot to look (after
+        `looks`), a backoff ended, or a notified partition was not drained here. A
+        notification that brought this slot nothing (another slot took its partitions)
+        or only partitions it drained leaves it waiting without a statement: nothing
+        else can have come, or a poll would say so."""
+        while not stop.is_set():
+            held.settle()
+            if not self._wait(held, seen):
+                return  # a backoff ended
+            seen = self._wakeup.count()
+            if not self._take_notified(db, held, stop) or self._wakeup.looks() != looks:
+                return
 
-    def _take_notified(self, db: Db, held: Held, stop: threading.Event) -> None:
+    def _take_notified(self, db: Db, held: Held, stop: threading.Event) -> bool:
         """After a wait with nothing to do: when what woke the slot is a few partitions
-        that grew (a notification), handle them before looking, one batch each. The slot
-        knew of no other work, and the events that woke it are the newest there are, so
-        taking them first passes no older event (invariant 7); it saves a look before
-        the handler runs. Every partition it does not drain (it cannot lock it, it waits
-        out an error or a retry, it is stopped or paused, or the slot stops) goes back
-        to the board for the look, which comes next and marks its row: a row the fast
-        path leaves must not stay unmarked, or no look would find its events."""
-        pairs = self._board.take_few(CANDIDATES_PER_SLOT)
+        that grew (a notification), handle them before looking, one batch each (first
+        the one whose lock it holds; none another slot holds). The slot knew of no other
+        work, and the events that woke it are the newest there are, so taking them
+        first passes no older event (invariant 7); it saves a look before the handler
+        runs. Every partition it does not drain (it cannot lock it, it waits out an
+        error or a retry, it is stopped or paused, or the slot stops) goes back to the
+        board for the look, which comes next and marks its row: a row the fast path
+        leaves must not stay unmarked, or no look would find its events. Whether it
+        drained all it took and left nothing on the board that only a look takes."""
+        pairs = self._board.take_few(CANDIDATES_PER_SLOT, held.key, self._others(held))
+        if not pairs:
+            return not self._board.pending_for(self._others(held))
+        settled = True
         for n, key in enumerate(pairs):
             drained = False
             try:
@@ -193,14 +211,20 @@ class Slots:
             finally:
                 if not drained:
                     self._board.put_back([key])
+                    settled = False
+        return settled
 
-    def _wait(self, seen: int) -> None:
+    def _others(self, held: Held) -> set[tuple[str, int]]:
+        """The partitions whose locks the worker's other slots hold."""
+        return {other.key for other in self._held if other is not held and other.key is not None}
+
+    def _wait(self, held: Held, seen: int) -> bool:
         """Wait until the poller (or a slot) has news after `seen`, unless the board
-        has suspects already, or a partition's backoff ends first."""
-        if self._board.pending():
-            return
+        has suspects for this slot already, or a partition's backoff ends first (False)."""
+        if self._board.pending_for(self._others(held)):
+            return True
         timeout = self._backoff.next_retry_in()
-        self._wakeup.wait(seen, None if math.isinf(timeout) else timeout)
+        return self._wakeup.wait(seen, None if math.isinf(timeout) else timeout)
 
     def _look(self, held: Held) -> list[Candidate]:
         """The partitions with work, oldest next event first (at most a few per slot),
