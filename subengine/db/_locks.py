@@ -61,11 +61,7 @@ def unlock_partition(key: int) -> Query[None]:
 class PartitionLocks(Protocol):
     """A slot's partition locks on its lock connection: `take(key, held)` takes the lock
     `key` and, only if it got it, gives back `held` (None: none held); whether it got it
-    (the `rows` provider always gets it, and keeps no one off the partition).
-    `release_costs` says whether giving `held` back costs `take` a statement of its own
-    (pals'), so that an idle slot had better give its lock back before it waits."""
-
-    release_costs: bool
+    (the `rows` provider always gets it, and keeps no one off the partition)."""
 
     def take(self, key: int, held: int | None) -> bool: ...
 
@@ -85,8 +81,6 @@ def partition_locks(provider: str, db: Db) -> PartitionLocks:
 
 
 class _StatementLocks:
-    release_costs = False  # lock_partition takes one and gives the other back
-
     def __init__(self, db: Db) -> None:
         self._db = db
 
@@ -101,8 +95,6 @@ class _StatementLocks:
 
 
 class _PalsLocks:
-    release_costs = True  # pals takes a lock in one statement, gives it back in another
-
     def __init__(self, db: Db) -> None:
         # imported here: a process that takes no partition lock (most commands) does not
         # pay for SQLAlchemy's import, a third of the command line's start-up
@@ -181,8 +173,6 @@ def _psycopg_errors() -> Iterator[None]:
 
 
 class _NoLocks:
-    release_costs = False
-
     def close(self) -> None:
         pass
 

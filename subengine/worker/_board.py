@@ -92,11 +92,17 @@ class Board:
                 known[stream] += head
             return [s for s in self._names if totals.get(s, 0) != known[s]]
 
-    def take(self) -> tuple[list[tuple[str, int]], list[str]]:
-        """The suspects, for a look, which is now responsible for them."""
+    def take(
+        self, others: Collection[tuple[str, int]] = ()
+    ) -> tuple[list[tuple[str, int]], list[str]]:
+        """The suspects, for a look, which is now responsible for them: all but those of
+        partitions whose lock another slot of the worker holds (`others`), which stay for
+        that slot (it takes them, or looks, as soon as it can; a look here could not
+        lock them, and would leave that slot waiting for a poll)."""
         with self._lock:
-            pairs, whole = sorted(self._pairs), sorted(self._whole)
-            self._pairs.clear()
+            pairs = sorted(p for p in self._pairs if p not in others)
+            whole = sorted(self._whole)
+            self._pairs.difference_update(pairs)
             self._whole.clear()
             return pairs, whole
 

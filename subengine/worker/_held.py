@@ -83,14 +83,6 @@ class Held:
         self.key, self._lock_key, self.has_work = key, lock_key, True
         return True
 
-    def settle(self) -> None:
-        """Before the slot waits for news: give the lock back now when the provider
-        would give it back in a statement of its own at the next switch (pals), which
-        would then delay the next batch; else keep it (the next event of its partition
-        then needs no lock statement at all)."""
-        if self._locks is not None and self._locks.release_costs:
-            self.release()
-
     def release(self) -> None:
         if self._lock_key is None:
             return

@@ -108,9 +108,8 @@ class Slots:
         partitions the look found, its own included; it looks again when the poller woke
         it or has suspects, after a poll interval, or when the partitions found run out.
         It waits for the poller when nothing can be taken, and after draining a partition
-        when nothing new can have come (still holding that partition's lock, unless the
-        provider gives it back in a statement of its own: the next event there then
-        needs no lock statement). Before it waits, a slot that passed over
+        when nothing new can have come (still holding that partition's lock: the next
+        event there needs no lock statement). Before it waits, a slot that passed over
         partitions because another slot held them tries those again: the holder may
         have moved on, and left them with work that no other slot knows of.
         """
@@ -140,7 +139,7 @@ class Slots:
                 if (
                     (cut_off and not queue)
                     or self._wakeup.count() != seen
-                    or self._board.pending()
+                    or self._board.pending_for(self._others(held))
                     or time.monotonic() - looked_at >= self._state.settings.poll_interval
                 ):
                     break  # look again
@@ -163,14 +162,12 @@ class Slots:
                     chosen = self._choose(queue, held, passed)
 
     def _idle(self, db: Db, held: Held, stop: threading.Event, seen: int, looks: int) -> None:
-        """Nothing to do: wait for news after `seen`, and take what notifications bring,
-        until the slot must look again: a wake-up asked every slot to look (after
-        `looks`), a backoff ended, or a notified partition was not drained here. A
-        notification that brought this slot nothing (another slot took its partitions)
-        or only partitions it drained leaves it waiting without a statement: nothing
-        else can have come, or a poll would say so."""
+        """Nothing to do: wait for news after `seen`, take what notifications bring, then
+        look again (work no append announces, a retry come due say, is older than the
+        appends: invariant 7). A notification that brings this slot nothing (another
+        slot took its partitions) leaves it waiting without a statement, unless a
+        wake-up since `looks` asked every slot to look."""
         while not stop.is_set():
-            held.settle()
             if not self._wait(held, seen):
                 return  # a backoff ended
             seen = self._wakeup.count()
@@ -186,16 +183,18 @@ class Slots:
         runs. Every partition it does not drain (it cannot lock it, it waits out an
         error or a retry, it is stopped or paused, or the slot stops) goes back to the
         board for the look, which comes next and marks its row: a row the fast path
-        leaves must not stay unmarked, or no look would find its events. Whether it
-        drained all it took and left nothing on the board that only a look takes."""
+        leaves must not stay unmarked, or no look would find its events. Whether the
+        board had nothing for it: nothing taken, and nothing only a look takes."""
         pairs = self._board.take_few(CANDIDATES_PER_SLOT, held.key, self._others(held))
         if not pairs:
             return not self._board.pending_for(self._others(held))
-        settled = True
         for n, key in enumerate(pairs):
             drained = False
             try:
-                if stop.is_set() or key[0] in self._state.left or self._backoff.waiting(key):
+                if key[0] in self._state.left:
+                    drained = True  # not this worker's any more: no look is to mark it
+                    continue
+                if stop.is_set() or self._backoff.waiting(key):
                     continue
                 if key != held.key and not held.try_lock(key, lock_key(self._schema, *key)):
                     continue
@@ -211,8 +210,7 @@ class Slots:
             finally:
                 if not drained:
                     self._board.put_back([key])
-                    settled = False
-        return settled
+        return False
 
     def _others(self, held: Held) -> set[tuple[str, int]]:
         """The partitions whose locks the worker's other slots hold."""
@@ -228,9 +226,10 @@ class Slots:
 
     def _look(self, held: Held) -> list[Candidate]:
         """The partitions with work, oldest next event first (at most a few per slot),
-        after marking the board's suspects; the ones a batch held go back to the board."""
+        after marking the board's suspects (but those another slot holds the lock of);
+        the ones a batch held go back to the board."""
         serving = self._state.serving()
-        pairs, whole = self._board.take()
+        pairs, whole = self._board.take(self._others(held))
         try:
             look = held.run(lambda db: find_work(db, serving, pairs, whole, self._look_limit))
         except BaseException:

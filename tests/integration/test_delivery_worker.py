@@ -153,3 +153,43 @@ def test_a_slot_tries_a_partition_it_passed_over_again_once_its_own_drains(
                 assert own_lock_held()
     mine_sent = [(0, n) for n in range(1, 6)]
     assert sent == ([*mine_sent, (1, 1)] if moves_on else mine_sent)
+
+
+def test_a_slot_looks_after_a_notified_batch_for_work_no_append_announced(
+    dsn: str, sql: psycopg.Connection[Any]
+) -> None:
+    # Invariant 7: a partition another holder had when the slot took its notification
+    # is passed over; the holder lets go, which no notification says. The next append
+    # elsewhere wakes the slot, which delivers it and then looks: it finds the older
+    # event then, not at the next poll (a minute away here).
+    settings = subengine.Settings(dsn=dsn, poll_interval=60.0, heartbeat_interval=60.0)
+    free = next(f"f{i}" for i in range(100) if subengine.partition_for(f"f{i}", 2) == 0)
+    held = next(f"h{i}" for i in range(100) if subengine.partition_for(f"h{i}", 2) == 1)
+    with (
+        subengine.Engine(settings=settings) as engine,
+        psycopg.connect(dsn, autocommit=True) as holder,
+    ):
+        engine.create_stream("s", partitions=2)
+        hook, stream, declared = _active_webhook(engine, sql, "s", 1)
+        key = _locks.lock_key("subengine", declared.name, 1)
+        holder.execute("SELECT pg_advisory_lock(%s)", [key])
+        sent: list[int] = []
+        worker = DeliveryWorker(
+            engine,
+            [declared],
+            {declared.name: (hook, stream)},
+            lambda route, partition, batch: sent.append(partition),
+            1,
+        )
+        marked = (
+            "SELECT next_time IS NOT NULL FROM subengine.subscription_positions"
+            " WHERE subscription = %s AND partition = 1"
+        )
+        with _running(worker):
+            time.sleep(0.5)  # the slot's first look finds nothing: it waits
+            engine.append("s", [NewEvent(held, "T", {})])
+            # the slot could not lock that partition, and its look marked the row
+            wait_for(lambda: sql.execute(marked, [declared.name]).fetchone() == (True,))
+            holder.execute("SELECT pg_advisory_unlock(%s)", [key])
+            engine.append("s", [NewEvent(free, "T", {})])
+            wait_for(lambda: sorted(sent) == [0, 1], "both batches", timeout=20)

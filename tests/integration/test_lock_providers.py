@@ -9,13 +9,12 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import two_workers_drain_once_in_order, wait_for
+from helpers import two_workers_drain_once_in_order
 
 import subengine
 from subengine import Subscription
@@ -85,35 +84,6 @@ def test_the_advisory_providers_exclude_each_other(
     assert not first.take(key, None)
     second.release(key)
     assert _advisory_holders(sql, key) == []
-
-
-@pytest.mark.parametrize(("provider", "kept"), [("builtin", True), ("pals", False)])
-def test_an_idle_slot_keeps_its_lock_where_giving_it_back_costs_no_statement(
-    provider: str, kept: bool, dsn: str, sql: psycopg.Connection[Any]
-) -> None:
-    # builtin: the next event of the partition needs no lock statement, and a switch
-    # gives the lock back in the statement that takes the next; pals gives a lock back
-    # in a statement of its own, which the slot runs before it waits, not before the
-    # next batch
-    settings = subengine.Settings(dsn=dsn, lock_provider=provider, poll_interval=0.5)
-    with subengine.Engine(settings=settings) as engine:
-        engine.create_stream("orders", partitions=1)
-        sub = Subscription("billing", "orders")
-        sub.handler()(lambda event, conn: None)
-        stop = threading.Event()
-        worker = Worker(engine, [sub])
-        thread = threading.Thread(target=worker.run, args=(stop,))
-        thread.start()
-        try:
-            time.sleep(0.5)  # its first look, which finds nothing: the slot waits
-            engine.append("orders", [subengine.NewEvent("k", "T", {})])
-            wait_for(lambda: engine.subscription_positions("billing")[0].position == 1)
-            time.sleep(0.5)  # the slot has gone back to waiting
-            key = lock_key("subengine", "billing", 0)
-            assert len(_advisory_holders(sql, key)) == (1 if kept else 0)
-        finally:
-            stop.set()
-            thread.join(30)
 
 
 def test_the_rows_provider_takes_no_advisory_lock(

@@ -33,6 +33,15 @@ def test_a_slot_takes_its_own_partition_first_and_none_another_slot_holds() -> N
     assert not suspects.pending()
 
 
+def test_a_look_leaves_the_partitions_other_slots_hold_for_them() -> None:
+    # a look could not lock them, and would leave their holder waiting for a poll
+    suspects = board()
+    pairs, whole = suspects.take(others={("billing", 0)})
+    assert ("billing", 0) not in pairs and len(pairs) == 7 and whole == []
+    assert not suspects.pending_for({("billing", 0)})
+    assert suspects.take_few(4, mine=("billing", 0)) == [("billing", 0)]
+
+
 def test_whole_subscriptions_are_for_a_look_only() -> None:
     suspects = board()
     suspects.heads_read([("orders", 0, 1)], everything=True)
