@@ -66,6 +66,24 @@ def _active_webhook(
     return hook, stream, declared
 
 
+def _key_in(partition: int) -> str:
+    """A key of `partition` of a stream of 2."""
+    return next(f"k{i}" for i in range(100) if subengine.partition_for(f"k{i}", 2) == partition)
+
+
+@contextmanager
+def _slow_polls(dsn: str) -> Iterator[tuple[subengine.Engine, psycopg.Connection[Any]]]:
+    """An engine whose polls (and heartbeats) are a minute apart, with a stream "s" of 2
+    partitions, and a connection of its own to hold partition locks as another holder."""
+    settings = subengine.Settings(dsn=dsn, poll_interval=60.0, heartbeat_interval=60.0)
+    with (
+        subengine.Engine(settings=settings) as engine,
+        psycopg.connect(dsn, autocommit=True) as holder,
+    ):
+        engine.create_stream("s", partitions=2)
+        yield engine, holder
+
+
 @pytest.fixture
 def pals_engine(dsn: str) -> Iterator[subengine.Engine]:
     settings = subengine.Settings(dsn=dsn, lock_provider="pals", poll_interval=0.2)
@@ -114,14 +132,8 @@ def test_a_slot_tries_a_partition_it_passed_over_again_once_its_own_drains(
     # again rather than wait for news (the next poll, and heartbeat, is a minute away
     # here); when it is still held, the slot waits holding its own partition's lock, so
     # that the next event there needs no lock statement.
-    settings = subengine.Settings(dsn=dsn, poll_interval=60.0, heartbeat_interval=60.0)
-    mine = next(f"m{i}" for i in range(100) if subengine.partition_for(f"m{i}", 2) == 0)
-    held = next(f"h{i}" for i in range(100) if subengine.partition_for(f"h{i}", 2) == 1)
-    with (
-        subengine.Engine(settings=settings) as engine,
-        psycopg.connect(dsn, autocommit=True) as holder,
-    ):
-        engine.create_stream("s", partitions=2)
+    mine, held = _key_in(0), _key_in(1)
+    with _slow_polls(dsn) as (engine, holder):
         older = datetime.now(UTC) - timedelta(hours=1)
         engine.append("s", [NewEvent(held, "T", {}, occurred_at=older)])
         engine.append("s", [NewEvent(mine, "T", {"n": n}) for n in range(5)])
@@ -162,14 +174,8 @@ def test_a_slot_looks_after_a_notified_batch_for_work_no_append_announced(
     # is passed over; the holder lets go, which no notification says. The next append
     # elsewhere wakes the slot, which delivers it and then looks: it finds the older
     # event then, not at the next poll (a minute away here).
-    settings = subengine.Settings(dsn=dsn, poll_interval=60.0, heartbeat_interval=60.0)
-    free = next(f"f{i}" for i in range(100) if subengine.partition_for(f"f{i}", 2) == 0)
-    held = next(f"h{i}" for i in range(100) if subengine.partition_for(f"h{i}", 2) == 1)
-    with (
-        subengine.Engine(settings=settings) as engine,
-        psycopg.connect(dsn, autocommit=True) as holder,
-    ):
-        engine.create_stream("s", partitions=2)
+    free, held = _key_in(0), _key_in(1)
+    with _slow_polls(dsn) as (engine, holder):
         hook, stream, declared = _active_webhook(engine, sql, "s", 1)
         key = _locks.lock_key("subengine", declared.name, 1)
         holder.execute("SELECT pg_advisory_lock(%s)", [key])
