@@ -213,8 +213,11 @@ class Slots:
         return False
 
     def _others(self, held: Held) -> set[tuple[str, int]]:
-        """The partitions whose locks the worker's other slots hold."""
-        return {other.key for other in self._held if other is not held and other.key is not None}
+        """The partitions whose locks the worker's other slots hold, but this slot's own
+        (which two slots may both hold with the `rows` provider)."""
+        keys = {other.key for other in self._held if other is not held and other.key is not None}
+        keys.discard(held.key)
+        return keys
 
     def _wait(self, held: Held, seen: int) -> bool:
         """Wait until the poller (or a slot) has news after `seen`, unless the board
