@@ -185,9 +185,10 @@ class Slots:
         board for the look, which comes next and marks its row: a row the fast path
         leaves must not stay unmarked, or no look would find its events. Whether the
         board had nothing for it: nothing taken, and nothing only a look takes."""
-        pairs = self._board.take_few(CANDIDATES_PER_SLOT, held.key, self._others(held))
+        others = self._others(held)
+        pairs = self._board.take_few(CANDIDATES_PER_SLOT, held.key, others)
         if not pairs:
-            return not self._board.pending_for(self._others(held))
+            return not self._board.pending_for(others)
         for n, key in enumerate(pairs):
             drained = False
             try:
