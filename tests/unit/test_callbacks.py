@@ -687,6 +687,7 @@ def test_bytes_after_an_answer_are_not_taken_for_it_and_end_the_connection(
             assert served == [1, 1]  # none of them kept
 
 
+@contextmanager
 def early_receiver(
     answer: bytes, tls: bool, clients: Callable[..., CallbackClient]
 ) -> Iterator[tuple[str, list[int], CallbackClient]]:
@@ -712,7 +713,7 @@ def test_an_answer_sent_before_the_body_was_read_is_the_answer(
     # over https too, where the answer can be read after the failed send most times,
     # not always (OpenSSL may refuse to read once a write failed): not tested there
     too_large = b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\nRetry-After: 7\r\n\r\n"
-    with contextmanager(early_receiver)(too_large, False, clients) as (url, served, client):
+    with early_receiver(too_large, False, clients) as (url, served, client):
         for _ in range(2):  # the connection is not kept
             answer = client.post(url, BIG, HEADERS)
             assert (answer.status, answer.headers["retry-after"]) == (413, "7")
@@ -727,7 +728,7 @@ def test_a_2xx_sent_before_the_body_was_read_is_no_delivery(
     # over https the answer may not be read at all (see above): a failure either way
     reason = "2xx before it read the whole batch" if not tls else "2xx before|closed early"
     with (
-        contextmanager(early_receiver)(accepted, tls, clients) as (url, _, client),
+        early_receiver(accepted, tls, clients) as (url, _, client),
         pytest.raises(CallbackUnreachable, match=reason),
     ):
         client.post(url, BIG, HEADERS)
