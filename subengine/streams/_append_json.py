@@ -61,6 +61,28 @@ def prepare_json(
     decodes them, or None: take the general path. Raises InvalidInput as `prepare` does
     for a bad stream name or expected_version (what it checks after the events)."""
     validate_stream_name(stream)
+    packed = _packed(events, settings)
+    if packed is None:
+        return None
+    params, keys = packed
+    expected_keys, expected_values = _expected_versions(expected_version, keys)
+    return {
+        "stream": stream,
+        **params,
+        "expected_keys": expected_keys,
+        "expected_versions": expected_values,
+    }
+
+
+def json_events(events: Sequence[Any], settings: Settings) -> dict[str, Any] | None:
+    """The parameters of the `json_events` part for `events`, as `prepare_json` checks
+    them (None: take the general path), for a statement that names the stream itself."""
+    packed = _packed(events, settings)
+    return None if packed is None else packed[0]
+
+
+def _packed(events: Sequence[Any], settings: Settings) -> tuple[dict[str, Any], list[str]] | None:
+    """The `json_events` parameters of `events` and their keys, or None."""
     sent: list[Any] | None = None  # events as sent, where an id or a time was rewritten
     keys: list[str] = []
     for index, event in enumerate(events):
@@ -90,14 +112,11 @@ def prepare_json(
         return None
     if _MAYBE_NUL in payload or not _every_event_fits(sent, payload, settings.max_event_bytes):
         return None
-    expected_keys, expected_values = _expected_versions(expected_version, keys)
-    return {
-        "stream": stream,
+    params = {
         "events": Jsonb(payload, dumps=_as_it_is),
         "new_ids": new_event_id_bytes(len(sent)),
-        "expected_keys": expected_keys,
-        "expected_versions": expected_values,
     }
+    return params, keys
 
 
 def append_json(params: dict[str, Any]) -> Query[list[Appended]]:
