@@ -39,7 +39,7 @@ from subengine.outside._durable_streams import (
     ProducerCheck,
 )
 from subengine.streams._append import append_events, prepare
-from subengine.streams._append_json import append_json, prepare_json
+from subengine.streams._append_json import append_json, json_events, prepare_json
 from subengine.streams._streams import create_stream
 
 log = logging.getLogger("subengine.gateway")
@@ -344,6 +344,10 @@ class DurableStreams:
         """Append `body` (its messages) to the stream at `path`, and close it when
         `close`; an empty body with `close` only closes it. Raises StreamNotFound and
         BadMessage; every other refusal is an `Appended` outcome."""
+        if not close and seq is None and producer is None:
+            plain = await self._append_plain(path, content_type, body)
+            if plain is not None:
+                return plain
         async with self.engine.connection() as conn:
             found: CatalogStream | None = await self._run(conn, catalog.lock_stream(path))
             if found is not None and found.expired:
@@ -360,6 +364,32 @@ class DurableStreams:
             if outcome.outcome not in ("appended", "closed_only"):
                 await conn.rollback()
             return outcome
+
+    async def _append_plain(
+        self, path: str, content_type: str | None, body: bytes
+    ) -> Appended | None:
+        """An append of JSON messages alone, in one statement (`catalog.append_plain`),
+        or None when nothing was written: then the general path below checks, refuses or
+        appends. Both append the same events and answer the same; the general path
+        takes five round trips (BEGIN, the lock, the append, the catalog, COMMIT), which
+        were 0.6 to 0.8 ms of a Durable Streams append at 100/s (issue 26)."""
+        if content_type is None or catalog.media_type(content_type) != "application/json":
+            return None
+        try:
+            messages = json_messages(body, allow_empty=False)
+        except BadMessage:
+            return None  # the general path names it, after what it checks first
+        events = json_events(
+            [{"key": MESSAGE_KEY, "type": MESSAGE_TYPE, "data": m} for m in messages],
+            self.engine.settings,
+        )
+        if events is None:
+            return None
+        async with self.engine.connection(autocommit=True) as conn:  # one statement
+            found, positions = await self._run(conn, catalog.append_plain(path, events))
+        if found is None or not positions:
+            return None
+        return Appended("appended", found, positions[-1], False)
 
     async def _append_checked(
         self,

@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from subengine.db._sql import Query, Result, first_row, nothing, rowcount
+from subengine.streams._append import translate_error
 
 # The events of a Durable Streams stream: one key (so one partition), two types.
 MESSAGE_KEY = "durable-stream"
@@ -287,6 +288,26 @@ def appended(
         "seq": None if producer is None else producer.seq,
     }
     return Query("ds_appended", params, nothing)
+
+
+def append_plain(
+    path: str, events: dict[str, Any]
+) -> Query[tuple[CatalogStream | None, list[int] | None]]:
+    """The append of JSON messages (`events`: json_events' parameters) to the stream at
+    `path` in one statement, when the stream takes it as it is: the stream as locked
+    (None: none) and the positions appended (None: nothing written; the general path
+    decides)."""
+
+    def read(result: Result) -> tuple[CatalogStream | None, list[int] | None]:
+        row = first_row(result)
+        if row is None:
+            return None, None
+        return _stream(row), row[-1]
+
+    # as append_json's errors (an engine stream deleted under it: StreamNotFound)
+    return Query(
+        "ds_append_plain", {"path": path, **events}, read, lambda e: translate_error(e, path)
+    )
 
 
 def producer_state(stream: str, producer: str) -> Query[tuple[int, int] | None]:

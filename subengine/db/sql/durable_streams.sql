@@ -93,6 +93,46 @@ VALUES (%(path)s, %(stream)s, %(content_type)s, %(ttl_seconds)s::bigint,
 ON CONFLICT (path) DO NOTHING
 RETURNING stream
 
+-- name: ds_append_plain
+-- The whole of an append of JSON messages (json_events) without Stream-Seq, producer or
+-- close, in one statement: with the connection in autocommit, one transaction and one
+-- round trip where the general path takes five (issue 26). The stream's row is locked as
+-- ds_lock_stream locks it; when the stream takes such an append as it is (neither closed,
+-- expired nor deleted, its Content-Type JSON), the messages are appended to its engine
+-- stream as append_json appends them, and the new tail and a TTL stream's new deadline
+-- are recorded as ds_appended records them. Returns the row as locked and the positions
+-- appended, NULL when nothing was written: the general path decides then.
+WITH found AS MATERIALIZED (
+{ds_row}
+{ds_row_from}
+ WHERE d.path = %(path)s
+   FOR UPDATE OF d
+),
+plain AS MATERIALIZED (
+    SELECT f.stream FROM found f
+     WHERE NOT f.closed AND NOT f.deleted AND NOT f.expired
+       -- catalog.media_type's, for the content types HTTP carries (Latin-1: "C" lowers
+       -- only ASCII letters, so no other letter becomes one of these)
+       AND lower(btrim(split_part(f.content_type, ';', 1), E' \t') COLLATE "C")
+           = 'application/json'
+),
+stored AS MATERIALIZED (
+    SELECT a.position
+      FROM plain p
+     CROSS JOIN ({json_events}) AS x
+     CROSS JOIN LATERAL {schema}.append_events(
+            p.stream, x.ids, x.keys, x.types, x.data, x.metadata, x.occurred_at,
+            NULL, NULL, x.generated_ids) AS a
+),
+recorded AS (
+    UPDATE {schema}.durable_streams d
+       SET tail = (SELECT max(s.position) FROM stored s),
+           deadline = CASE WHEN d.ttl_seconds IS NOT NULL
+                           THEN now() + d.ttl_seconds * interval '1 second' ELSE d.deadline END
+     WHERE d.path = %(path)s AND EXISTS (SELECT FROM stored)
+)
+SELECT f.*, (SELECT array_agg(s.position ORDER BY s.position) FROM stored s) FROM found f
+
 -- name: ds_appended
 -- What an append changed of a stream: its tail, last Stream-Seq, closed state (and the
 -- producer request that closed it), and a TTL stream's deadline.
