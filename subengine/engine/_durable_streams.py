@@ -6,7 +6,9 @@ An append locks the stream's catalog row, checks it (closed, content type, produ
 Stream-Seq), appends the messages as engine events through `append_events`, stores a byte
 stream's bytes beside them, and records the new tail, Stream-Seq, closed state and
 producer state, all in one transaction: a producer's state commits with its data or not
-at all, and survives restarts and any number of gateway processes.
+at all, and survives restarts and any number of gateway processes. An append of JSON
+messages with nothing else to check (no Stream-Seq, producer or close) is that
+transaction in one statement, when the stream takes it as it is (`_append_plain`).
 
 A fork (`engine/_ds_forks.py`) is created like a stream, with the ranges it inherits;
 a stream that forks read is deleted softly (its row and engine stream stay, the path
