@@ -58,6 +58,8 @@ _SECRET_OPTIONS = frozenset(
     {"password", "sslpassword", "oauth_client_secret", "scram_client_key", "scram_server_key"}
 )
 _HIDDEN = "(hidden)"
+# the attribute of an error made without secrets that keeps may_succeed_later's verdict
+_MAY_SUCCEED_LATER = "subengine_may_succeed_later"
 _QUOTED = re.compile(r'"[^"]*"|\'[^\']*\'')
 
 
@@ -257,6 +259,9 @@ def may_succeed_later(error: psycopg.Error) -> bool:
     """Whether a failed connection attempt may succeed if tried again: True for a server
     that refuses connections, is starting or shutting down, has no slot free, or does not
     answer; False for a wrong password, role, database, host name or DSN."""
+    judged = getattr(error, _MAY_SUCCEED_LATER, None)
+    if judged is not None:
+        return bool(judged)  # before its secrets were hidden (`_without_secrets`)
     if isinstance(error, psycopg.ProgrammingError):
         return False  # the DSN does not parse
     text = str(error)
@@ -401,7 +406,11 @@ def _without_secrets(error: psycopg.Error, dsn: str) -> psycopg.Error:
     text = safe_message(error, dsn)
     if text == one_line(str(error)):
         return error
-    return type(error)(text)
+    hidden = type(error)(text)
+    # whether a retry may help is read in the server's words, which hiding a secret may
+    # cut (a password "xis" in "does not exist"): judged here, on the words as written
+    setattr(hidden, _MAY_SUCCEED_LATER, may_succeed_later(error))
+    return hidden
 
 
 def _secrets(dsn: str) -> list[str] | None:
