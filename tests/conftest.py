@@ -57,6 +57,7 @@ from helpers import (  # noqa: F401  (re-exported for tests that still import fr
     subengine_command,
     wait_for,
     wait_replayed,
+    watched_runner,
     write_readme_app,
 )
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -247,8 +248,9 @@ def engine(dsn: str) -> Iterator[subengine.Engine]:
 
 @pytest.fixture
 def runner() -> Iterator[asyncio.Runner]:
-    """An event loop for a synchronous test that runs async code, closed after it."""
-    with asyncio.Runner() as runner:
+    """An event loop for a synchronous test that runs async code, closed after it; a
+    test whose loop hangs fails with its tasks' stacks (`watched_runner`)."""
+    with watched_runner() as runner:
         yield runner
 
 

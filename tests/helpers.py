@@ -9,6 +9,7 @@ Fixtures live in conftest.py; plain functions and classes live here, imported by
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -1358,3 +1359,49 @@ def two_workers_drain_once_in_order(
     for partition, head in heads.items():
         # once each (the primary key), and handled in position order per partition
         assert [p for q, p in rows if q == partition] == list(range(1, head + 1))
+
+
+# How long a test's event loop may run before it is taken as stuck, in seconds: far
+# longer than any test takes, far shorter than a stalled suite (CI gives a run 90 minutes).
+LOOP_LIMIT = float(os.environ.get("SUBENGINE_TEST_LOOP_LIMIT", "240"))
+
+
+@contextmanager
+def watched_runner(limit: float = LOOP_LIMIT) -> Iterator[asyncio.Runner]:
+    """An asyncio Runner whose loop, when it still runs `limit` seconds after the Runner
+    was made, prints the stack of each of its tasks to stderr and cancels them: a test
+    that hangs fails, saying where it waited, instead of stalling the suite. (A test once
+    hung with its loop idle and every database connection idle, which no thread's stack
+    explains.)"""
+    stop = threading.Event()
+    with asyncio.Runner() as runner:
+        loop = runner.get_loop()  # made here: the watchdog thread must not make it
+
+        def watch() -> None:
+            if stop.wait(limit):
+                return
+            while not loop.is_running():  # in the test's own code: wait for its next run
+                if stop.wait(1.0):
+                    return
+            loop.call_soon_threadsafe(_stuck, loop, limit)
+
+        watchdog = threading.Thread(target=watch, name="runner-watchdog", daemon=True)
+        watchdog.start()
+        try:
+            yield runner
+        finally:
+            stop.set()
+            watchdog.join()
+
+
+def _stuck(loop: asyncio.AbstractEventLoop, limit: float) -> None:
+    tasks = asyncio.all_tasks(loop)
+    print(
+        f"the test's event loop still ran after {limit:g} s: its {len(tasks)} tasks, "
+        "then cancelled",
+        file=sys.stderr,
+    )
+    for task in tasks:
+        task.print_stack(file=sys.stderr)
+    for task in tasks:
+        task.cancel()
