@@ -168,7 +168,7 @@ def test_an_append_of_json_messages_alone_moves_a_ttl_streams_deadline(
     assert statements.taken()[:2] == ["ds_append_plain", "ds_lock_stream"]
 
 
-def test_concurrent_appends_of_json_messages_and_of_sequenced_ones_number_densely(
+def test_concurrent_appends_of_json_messages_and_of_producers_number_densely(
     async_engine: subengine.AsyncEngine, runner: asyncio.Runner, sql: psycopg.Connection[Any]
 ) -> None:
     store = DurableStreams(async_engine, max_page_bytes=1 << 20)
