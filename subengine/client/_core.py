@@ -29,6 +29,8 @@ from subengine.client._items import (
     reset_from_json,
     tombstone_from_json,
 )
+from subengine.model._errors import InvalidInput
+from subengine.model._event_fields import read_fields
 from subengine.model._events import Tombstone
 from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine.model._json import loads
@@ -81,26 +83,40 @@ class Reconnect:
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    """What a reader reads of one stream: its keys and types (empty: all) and whether
-    events carry their data."""
+    """What a reader reads of one stream: its keys and types (empty: all), whether
+    events carry their data, and the fields they carry (None: all; docs/gateway.md)."""
 
     keys: tuple[str, ...] = ()
     types: tuple[str, ...] = ()
     include_data: bool = True
+    fields: tuple[str, ...] | None = None
 
     def params(self) -> list[tuple[str, str]]:
         params = [("key", key) for key in self.keys] + [("type", t) for t in self.types]
-        if not self.include_data:
+        if self.fields is not None:
+            params.append(("fields", ",".join(self.fields)))
+        elif not self.include_data:
             params.append(("include_data", "false"))
         return params
 
 
-def selection_of(keys: Iterable[str], types: Iterable[str], include_data: bool) -> Selection:
-    """A Selection from a reader's arguments (a lone string is one key or type)."""
+def selection_of(
+    keys: Iterable[str],
+    types: Iterable[str],
+    include_data: bool,
+    fields: Iterable[str] | None = None,
+) -> Selection:
+    """A Selection from a reader's arguments (a lone string is one key, type or field),
+    its fields checked as the gateway checks them."""
+    if fields is not None:
+        fields = (fields,) if isinstance(fields, str) else tuple(fields)
+        # raises InvalidInput naming an unknown field, or include_data=False beside fields
+        read_fields(fields, None if include_data else False)
     return Selection(
         (keys,) if isinstance(keys, str) else tuple(keys),
         (types,) if isinstance(types, str) else tuple(types),
         include_data,
+        fields,
     )
 
 
@@ -296,7 +312,7 @@ class ReadCore:
         """The new items of a page (or long-poll answer), each with the cursor after it."""
         items: list[Item] = [reset_from_json(reset) for reset in body["resets"]]
         items += [tombstone_from_json(tombstone) for tombstone in body["tombstones"]]
-        items += [event_from_json(event) for event in body["events"]]
+        items += [event_from_json(event, self.stream) for event in body["events"]]
         delivered = self._batch(str(body["cursor"]), items)
         if body["up_to_date"]:
             self.up_to_date = True
@@ -321,7 +337,8 @@ class ReadCore:
         body = loads(data)
         items: list[Item] = []
         if kind == "events":
-            items = [event_from_json(event) for event in body["events"]]
+            stream = body["stream"]
+            items = [event_from_json(event, stream) for event in body["events"]]
         elif kind == "tombstone":
             items = [tombstone_from_json(body)]
         elif kind == "reset":
@@ -429,16 +446,28 @@ def _cursors_after_each(
 @dataclass(frozen=True, slots=True)
 class StreamOptions:
     """What a watch reads of one of its streams: where it starts (`after`: a cursor of
-    this stream, "beginning" or "now"; or `since`: a time) and its filters."""
+    this stream, "beginning" or "now"; or `since`: a time), its filters and the fields
+    its events carry (None: all)."""
 
     after: str | None = None
     since: str | datetime | None = None
     keys: tuple[str, ...] | list[str] = ()
     types: tuple[str, ...] | list[str] = ()
     include_data: bool = True
+    fields: tuple[str, ...] | list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.fields is not None:
+            if isinstance(self.fields, str):
+                raise InvalidInput("StreamOptions.fields must be a list of field names")
+            read_fields(self.fields, None if self.include_data else False)
 
     def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"include_data": self.include_data}
+        body: dict[str, Any] = (
+            {"include_data": self.include_data}
+            if self.fields is None
+            else {"fields": list(self.fields)}
+        )
         if self.since is not None:
             body["since"] = (
                 self.since.isoformat() if isinstance(self.since, datetime) else self.since

@@ -13,20 +13,21 @@ from subengine.model._events import Tombstone
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """An event as the gateway sent it. `data` is None when the read asked for metadata
-    only (`include_data=False`)."""
+    """An event as the gateway sent it. A field the read did not ask for (`fields`) is
+    None, and so is `data` when it asked for metadata only (`include_data=False`); its
+    stream and place are always there."""
 
     stream: str
     partition: int
     position: int
-    id: uuid.UUID
-    key: str
-    key_version: int
-    type: str
+    id: uuid.UUID | None
+    key: str | None
+    key_version: int | None
+    type: str | None
     data: Any
-    metadata: dict[str, Any]
-    occurred_at: datetime
-    recorded_at: datetime
+    metadata: dict[str, Any] | None
+    occurred_at: datetime | None
+    recorded_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,19 +45,23 @@ class Reset:
 Item = Event | Tombstone | Reset
 
 
-def event_from_json(body: dict[str, Any]) -> Event:
+def event_from_json(body: dict[str, Any], stream: str | None = None) -> Event:
+    """The Event of an event's JSON; `stream` is the one it is of when the JSON does not
+    say (a read that left `stream` out of its `fields`)."""
+    get = body.get
+    event_id, occurred, recorded = get("id"), get("occurred_at"), get("recorded_at")
     return Event(
-        stream=body["stream"],
+        stream=body["stream"] if stream is None else get("stream", stream),
         partition=body["partition"],
         position=body["position"],
-        id=uuid.UUID(body["id"]),
-        key=body["key"],
-        key_version=body["key_version"],
-        type=body["type"],
-        data=body.get("data"),
-        metadata=body.get("metadata") or {},
-        occurred_at=datetime.fromisoformat(body["occurred_at"]),
-        recorded_at=datetime.fromisoformat(body["recorded_at"]),
+        id=None if event_id is None else uuid.UUID(event_id),
+        key=get("key"),
+        key_version=get("key_version"),
+        type=get("type"),
+        data=get("data"),
+        metadata=(get("metadata") or {}) if "metadata" in body else None,
+        occurred_at=None if occurred is None else datetime.fromisoformat(occurred),
+        recorded_at=None if recorded is None else datetime.fromisoformat(recorded),
     )
 
 

@@ -44,7 +44,8 @@ class Reader:
     `after=cursor`.
 
     `after` is a cursor, "beginning" (the default) or "now"; `since` a time instead.
-    `keys` and `types` filter; `include_data=False` reads metadata only;
+    `keys` and `types` filter; `include_data=False` reads metadata only, and `fields`
+    only the fields it names (with each event's stream and place; docs/gateway.md);
     `follow=False` ends the iteration once caught up instead of going live. `api_key` is
     sent as `Authorization: Bearer`. `client`, when given, is used and left open.
     """
@@ -59,6 +60,7 @@ class Reader:
         keys: Iterable[str] = (),
         types: Iterable[str] = (),
         include_data: bool = True,
+        fields: Iterable[str] | None = None,
         follow: bool = True,
         api_key: str | None = None,
         heartbeat: float = 15.0,
@@ -70,7 +72,7 @@ class Reader:
     ) -> None:
         core = ReadCore(
             stream,
-            selection_of(keys, types, include_data),
+            selection_of(keys, types, include_data, fields),
             after=after,
             since=since,
             api_key=api_key,

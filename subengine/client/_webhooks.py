@@ -113,6 +113,11 @@ class Subscriber:
                     f"stream {name!r}: a subscriber starts from its cursor or start, "
                     "not from StreamOptions.after or since"
                 )
+            if options.fields is not None:
+                raise ValueError(
+                    f"stream {name!r}: a webhook's events carry every field but what "
+                    "include_data leaves out, not StreamOptions.fields"
+                )
             self._selections[name] = selection_of(options.keys, options.types, include_data)
         self._callback = callback
         self._start = start

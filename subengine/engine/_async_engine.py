@@ -34,6 +34,7 @@ from subengine.engine._configure import configured
 from subengine.model._cursor import Cursor
 from subengine.model._declarations import Retention
 from subengine.model._errors import DatabaseUnavailable
+from subengine.model._event_fields import ALL_FIELDS
 from subengine.model._events import Appended, Event, NewEvent, PartitionState, Stream, Tombstone
 from subengine.model._records import (
     DeadLetter,
@@ -322,7 +323,7 @@ class AsyncEngine:
         *,
         keys: Iterable[str] | None = None,
         types: Iterable[str] | None = None,
-        include_data: bool = True,
+        fields: frozenset[str] = ALL_FIELDS,
         max_bytes: int | None = None,
         oversize: bool = True,
     ) -> EncodedPage:
@@ -334,7 +335,7 @@ class AsyncEngine:
             limit,
             keys=keys,
             types=types,
-            include_data=include_data,
+            fields=fields,
             max_bytes=max_bytes,
             oversize=oversize,
         )

@@ -98,7 +98,7 @@ async def read_view(
             raise DsError(410, "retention removed the events after this offset", headers)
         if item.position > found.tail or (messages and size >= max_bytes):
             break
-        text = event_json(item, True)
+        text = event_json(item)
         messages.append((item.position, text))
         size += len(text)
     return messages

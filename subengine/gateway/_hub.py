@@ -35,6 +35,7 @@ import orjson
 
 from subengine.engine._async_engine import AsyncEngine
 from subengine.model._errors import DatabaseUnavailable
+from subengine.model._event_fields import ALL_FIELDS
 from subengine.model._events import Tombstone
 from subengine.streams._listener import TaskInbox
 from subengine.streams._read import RawEvent
@@ -52,18 +53,38 @@ _CACHED_SECONDS = 2.0
 FEED_LINGER_SECONDS = 5.0
 
 
-def event_json(event: RawEvent, include_data: bool) -> str:
-    """An event as the gateway sends it (docs/gateway.md, "Reading events"), its data and
-    metadata spliced in as the JSON text PostgreSQL gave. (Catch-up pages have the same
-    text made by PostgreSQL: `subengine.streams._read.read_page_json`.)"""
-    head = (
-        f'{{"stream":{_text(event.stream)},"partition":{event.partition},'
-        f'"position":{event.position},"id":"{event.id}","key":{_text(event.key)},'
-        f'"key_version":{event.key_version},"type":{_text(event.type)},'
-        f'"metadata":{event.metadata},"occurred_at":"{event.occurred_at.isoformat()}",'
-        f'"recorded_at":"{event.recorded_at.isoformat()}"'
-    )
-    return f'{head},"data":{event.data}}}' if include_data else head + "}"
+def event_json(event: RawEvent, fields: frozenset[str] = ALL_FIELDS) -> str:
+    """An event as the gateway sends it (docs/gateway.md, "Reading events"), with
+    `fields` alone (`subengine.model._event_fields`), its data and metadata spliced in
+    as the JSON text PostgreSQL gave. (Catch-up pages have the same text made by
+    PostgreSQL: `subengine.streams._read.read_page_json`.)"""
+    if fields is ALL_FIELDS:  # most reads, in one format string
+        return (
+            f'{{"stream":{_text(event.stream)},"partition":{event.partition},'
+            f'"position":{event.position},"id":"{event.id}","key":{_text(event.key)},'
+            f'"key_version":{event.key_version},"type":{_text(event.type)},'
+            f'"metadata":{event.metadata},"occurred_at":"{event.occurred_at.isoformat()}",'
+            f'"recorded_at":"{event.recorded_at.isoformat()}","data":{event.data}}}'
+        )
+    parts = [f'"stream":{_text(event.stream)}'] if "stream" in fields else []
+    parts.append(f'"partition":{event.partition},"position":{event.position}')
+    if "id" in fields:
+        parts.append(f'"id":"{event.id}"')
+    if "key" in fields:
+        parts.append(f'"key":{_text(event.key)}')
+    if "key_version" in fields:
+        parts.append(f'"key_version":{event.key_version}')
+    if "type" in fields:
+        parts.append(f'"type":{_text(event.type)}')
+    if "metadata" in fields:
+        parts.append(f'"metadata":{event.metadata}')
+    if "occurred_at" in fields:
+        parts.append(f'"occurred_at":"{event.occurred_at.isoformat()}"')
+    if "recorded_at" in fields:
+        parts.append(f'"recorded_at":"{event.recorded_at.isoformat()}"')
+    if "data" in fields:
+        parts.append(f'"data":{event.data}')
+    return "{" + ",".join(parts) + "}"
 
 
 def tombstone_body(tombstone: Tombstone) -> dict[str, Any]:
@@ -106,7 +127,7 @@ class SharedRead:
     epoch: int = 0
     items: list[RawEvent | Tombstone] = field(default_factory=list)
     finished: float = 0.0
-    _encoded: dict[tuple[int, bool], str] = field(default_factory=dict)
+    _encoded: dict[tuple[int, frozenset[str]], str] = field(default_factory=dict)
     # the frames readers made of it, by where they stood (see Reader.live_frames), and
     # the position of the partition after them; None: made once, not kept
     frames: dict[Hashable, tuple[list[Any], int] | None] = field(default_factory=dict)
@@ -119,13 +140,13 @@ class SharedRead:
             return True
         return bool(self.items) and self.items[-1].position >= head
 
-    def encoded(self, index: int, include_data: bool) -> str:
-        key = (index, include_data)
+    def encoded(self, index: int, fields: frozenset[str]) -> str:
+        key = (index, fields)
         text = self._encoded.get(key)
         if text is None:
             item = self.items[index]
             assert isinstance(item, RawEvent)
-            text = self._encoded[key] = event_json(item, include_data)
+            text = self._encoded[key] = event_json(item, fields)
         return text
 
 

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from subengine.gateway._hub import READ_LIMIT, Hub, SharedRead, dumps, tombstone_body
 from subengine.gateway._sse import frame_text
+from subengine.model._event_fields import ALL_FIELDS
 from subengine.model._events import Tombstone, partition_for
 from subengine.model._gateway_cursor import GatewayCursor, InvalidCursor, StreamPosition
 from subengine.streams._read import EncodedPage, RawEvent
@@ -24,13 +25,13 @@ from subengine.streams._read import EncodedPage, RawEvent
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    """What a client reads of one stream: its keys and types (None: all) and whether
-    events carry their data."""
+    """What a client reads of one stream: its keys and types (None: all) and the fields
+    its events carry (`subengine.model._event_fields`)."""
 
     stream: str
     keys: frozenset[str] | None = None
     types: frozenset[str] | None = None
-    include_data: bool = True
+    fields: frozenset[str] = ALL_FIELDS
 
     def keeps(self, event: RawEvent) -> bool:
         return (self.keys is None or event.key in self.keys) and (
@@ -140,7 +141,7 @@ class Reader:
             limit=limit,
             keys=selection.keys,
             types=selection.types,
-            include_data=selection.include_data,
+            fields=selection.fields,
             max_bytes=max_bytes,
             oversize=oversize,
         )
@@ -268,7 +269,7 @@ class Reader:
             if selection.keeps(item):
                 if len(events) >= limit:
                     break
-                text = shared.encoded(index, selection.include_data)
+                text = shared.encoded(index, selection.fields)
                 grown = size + len(text.encode()) + (1 if events else 0)
                 if grown > max_bytes and (events or not oversize):
                     full = True
@@ -456,7 +457,7 @@ class Reader:
                 first = item.position
             last = item.position
             if selection.keeps(item):
-                kept.append(shared.encoded(index, selection.include_data))
+                kept.append(shared.encoded(index, selection.fields))
         if last is not None:
             assert first is not None
             self._advance(stream, partition, last)

@@ -150,7 +150,7 @@ def lease_json(lease: Lease) -> str:
             "head": lease.gap.head,
         },
     }
-    events = ",".join(event_json(event, True) for event in lease.events)
+    events = ",".join(event_json(event) for event in lease.events)
     return f'{dumps(head)[:-1]},"events":[{events}]}}'
 
 

@@ -37,6 +37,7 @@ from subengine.gateway._sse_response import (
     released_on_error,
 )
 from subengine.gateway._state import Gateway, gateway_of
+from subengine.model._event_fields import read_fields, split_fields
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 from subengine.model._names import validate_key, validate_type
 from subengine.streams._read import EncodedPage
@@ -329,9 +330,13 @@ async def _disconnected(receive: Receive) -> None:
 
 def _selection(request: Request, stream: str) -> Selection:
     params = request.query_params
+    flag = params.get("include_data")
     return Selection(
         stream,
         keys=parse_names(params.getlist("key"), "key", validate_key),
         types=parse_names(params.getlist("type"), "type", validate_type),
-        include_data=parse_flag(params.get("include_data"), "include_data", True),
+        fields=read_fields(
+            split_fields(params.getlist("fields")) if "fields" in params else None,
+            None if flag is None else parse_flag(flag, "include_data", True),
+        ),
     )

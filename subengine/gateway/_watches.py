@@ -32,6 +32,14 @@ from subengine.gateway._sse_response import (
 )
 from subengine.gateway._state import Gateway, gateway_of
 from subengine.model._errors import InvalidInput
+from subengine.model._event_fields import (
+    ALL_FIELDS,
+    WITHOUT_DATA,
+    fields_of,
+    fields_text,
+    read_fields,
+    split_fields,
+)
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 from subengine.model._names import validate_key, validate_type
 
@@ -71,21 +79,30 @@ async def create_watch(request: Request) -> Response:
         principal.require(name, "read")
         if not isinstance(options, dict):
             raise bad_request(f"the options of stream {name!r} must be an object")
-        unknown = set(options) - {"after", "since", "key", "type", "include_data"}
+        unknown = set(options) - {"after", "since", "key", "type", "include_data", "fields"}
         if unknown:
             raise bad_request(f"unknown option {sorted(unknown)[0]!r} for stream {name!r}")
         keys = _list_option(options, "key", name, validate_key)
         types = _list_option(options, "type", name, validate_type)
-        include_data = options.get("include_data", True)
-        if not isinstance(include_data, bool):
+        include_data = options.get("include_data")
+        if not isinstance(include_data, bool | None):
             raise bad_request(f"include_data of stream {name!r} must be true or false")
+        names = options.get("fields")
+        if names is not None and (
+            not isinstance(names, list) or not all(isinstance(each, str) for each in names)
+        ):
+            raise bad_request(f"fields of stream {name!r} must be a list of field names")
+        try:
+            fields = read_fields(names, include_data)
+        except InvalidInput as error:
+            raise bad_request(f"stream {name!r}: {error}") from None
         after, since = options.get("after"), options.get("since")
         if after is not None and since is not None:
             raise bad_request(f"give stream {name!r} either after or since, not both")
         if not isinstance(after, str | None) or not isinstance(since, str | None):
             raise bad_request(f"after and since of stream {name!r} must be strings")
         positions[name] = await gateway.resolve(name, after, since)
-        spec.append([name, keys, types, include_data])
+        spec.append([name, keys, types, _carried(fields)])
     expires = int(time.time() + gateway.config.watch_ttl)
     payload = {
         "k": None if principal.key is None else principal.key.id,
@@ -160,9 +177,9 @@ async def open_watch(request: Request) -> Response | EventStreamResponse:
             name,
             None if keys is None else frozenset(keys),
             None if types is None else frozenset(types),
-            include_data,
+            _fields(carried),
         )
-        for name, keys, types, include_data in payload["s"]
+        for name, keys, types, carried in payload["s"]
     }
     principal = await _watch_principal(gateway, request, payload.get("k"))
     for name in selections:
@@ -201,3 +218,19 @@ async def _watch_principal(gateway: Gateway, request: Request, key_id: Any) -> P
     if key is None:
         raise Denied(403, "forbidden", "the key that created this watch was revoked")
     return Principal(key)
+
+
+def _carried(fields: frozenset[str]) -> bool | str:
+    """How a watch id names `fields`: as the ids of gateways before `fields` did when
+    they could say it (true or false: `include_data`), else by the fields' names."""
+    if fields == ALL_FIELDS:
+        return True
+    return False if fields == WITHOUT_DATA else fields_text(fields)
+
+
+def _fields(carried: bool | str) -> frozenset[str]:
+    """The fields a watch id names: true or false (`include_data`, before `fields`), or
+    the names of its fields."""
+    if isinstance(carried, bool):
+        return ALL_FIELDS if carried else WITHOUT_DATA
+    return fields_of(split_fields([carried]))

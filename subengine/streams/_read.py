@@ -21,6 +21,7 @@ from subengine.model._errors import (
     StreamBeingDeleted,
     StreamNotFound,
 )
+from subengine.model._event_fields import ALL_FIELDS, PLACE
 from subengine.model._events import Event, Tombstone, gap_reason, stored_events
 from subengine.model._gateway_cursor import GatewayCursor, StreamPosition
 from subengine.model._names import (
@@ -279,14 +280,14 @@ def read_page_json(
     *,
     keys: Iterable[str] | None = None,
     types: Iterable[str] | None = None,
-    include_data: bool = True,
+    fields: frozenset[str] = ALL_FIELDS,
     max_bytes: int | None = None,
     oversize: bool = True,
 ) -> Query[EncodedPage]:
     """`read_page` as the gateway sends it: each event's JSON text made by PostgreSQL,
-    byte for byte what `event_json` writes (docs/gateway.md, "Reading events"), without
-    data unless `include_data`, and None for an event not of `keys` and `types` (None:
-    all), which the cursor still passes.
+    byte for byte what `event_json` writes (docs/gateway.md, "Reading events"), with
+    `fields` alone (`subengine.model._event_fields`), and None for an event not of
+    `keys` and `types` (None: all), which the cursor still passes.
 
     With `max_bytes`, the page ends before the first kept event that would take the
     kept texts (joined by commas) past it; with `oversize`, a page's first kept event
@@ -295,8 +296,8 @@ def read_page_json(
     every partition: the page is still a prefix of what follows the cursor."""
     validate_stream_name(stream)
     after = _positions(positions, "the cursor")
-    if not isinstance(include_data, bool):
-        raise InvalidInput(f"include_data must be True or False, not {include_data!r}")
+    if not isinstance(fields, frozenset) or not PLACE <= fields <= ALL_FIELDS:
+        raise InvalidInput(f"fields must be a frozenset of event fields and the place: {fields!r}")
     if max_bytes is not None:
         validate_whole_number(max_bytes, "max_bytes", 0, BIGINT_MAX)
     budget = BIGINT_MAX if max_bytes is None else max_bytes
@@ -335,7 +336,7 @@ def read_page_json(
         "limit": _limit(limit),
         "keys": _names(keys, "keys"),
         "types": _names(types, "types"),
-        "include_data": include_data,
+        **{f"with_{name}": name in fields for name in ALL_FIELDS - PLACE},
     }
     return Query("read_page_json", params, read)
 

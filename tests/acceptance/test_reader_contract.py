@@ -280,6 +280,31 @@ def test_a_reader_catches_up_then_follows(
     assert rest == []
 
 
+def test_a_reader_of_some_fields_reads_every_event_once_with_those(
+    twin: Twin, engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    """Pages, then live frames: each event has its stream, its place and the fields
+    asked for, and None for the others."""
+    append(engine, orders, 20)
+    reader = twin.reader(
+        gateway.url, orders, fields=["data"], page_limit=7, heartbeat=1, reconnect=QUICK
+    )
+    with collecting(reader) as collector:
+        collector.wait(lambda: len(collector.events()) == 20, "the catch-up")
+        collector.wait(lambda: reader.mode == "sse", "the reader to go live")
+        append(engine, orders, 10, start=20)
+        collector.wait(lambda: len(collector.events()) >= 30, "the live events")
+    assert_exactly_once(collector.items, 30)
+    for event in collector.events():
+        assert event.stream == orders and event.data is not None
+        assert (event.id, event.key, event.type, event.metadata, event.recorded_at) == ((None,) * 5)
+    keys, _ = read_to_end(twin, gateway.url, orders, fields=["key"])
+    assert [item.key for item in keys if isinstance(item, Event)] == [
+        event.key for event in read_to_end(twin, gateway.url, orders)[0] if isinstance(event, Event)
+    ]
+    assert all(item.data is None for item in keys if isinstance(item, Event))
+
+
 @contextmanager
 def watching_gateway(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The gateway application under uvicorn in a thread of this process, whose engine
@@ -328,7 +353,7 @@ def test_a_watch_reads_several_streams_once_and_resumes_by_its_cursor(
     pay(0, 10)
     streams = {
         "orders": StreamOptions(after="beginning"),
-        "payments": StreamOptions(after="beginning", types=["paid"]),
+        "payments": StreamOptions(after="beginning", types=["paid"], fields=["data"]),
     }
     with watching_gateway(dsn, monkeypatch) as url:
         reader = twin.watch(url, streams, heartbeat=1, reconnect=QUICK)
@@ -343,6 +368,8 @@ def test_a_watch_reads_several_streams_once_and_resumes_by_its_cursor(
         }
         assert_exactly_once(list(by_stream["orders"]), 15)
         assert sorted(numbers(by_stream["payments"])) == [1, 3, 5, 7, 9, 11, 13]
+        assert all(event.id is None for event in by_stream["payments"])  # its fields
+        assert all(event.id is not None for event in by_stream["orders"])
         cursor = collector.cursors[-1]
         assert cursor is not None
         pay(14, 2)

@@ -16,6 +16,7 @@ import pytest
 import subengine
 from subengine.db._sql import SQL
 from subengine.gateway._hub import event_json
+from subengine.model._event_fields import ALL_FIELDS, EVENT_FIELDS, WITHOUT_DATA, fields_of
 from subengine.model._events import partition_for
 from subengine.streams._read import EncodedPage, read_page, read_page_json
 
@@ -27,6 +28,14 @@ ODD_TIMES = [
     datetime(2026, 6, 30, 23, 59, 59, 999999, tzinfo=timezone(timedelta(hours=-3, minutes=-30))),
     datetime(1900, 1, 1, tzinfo=UTC),  # local mean time: offsets with seconds in some zones
     datetime(999, 12, 31, 12, tzinfo=UTC),  # a year of three digits
+]
+# every field alone (with the place, which every read has), the place alone, all but data,
+# and all but the times
+SOME_FIELDS = [
+    *(fields_of([name]) for name in EVENT_FIELDS),
+    fields_of([]),
+    WITHOUT_DATA,
+    ALL_FIELDS - {"occurred_at", "recorded_at"},
 ]
 ZONES = ["UTC", "Africa/Abidjan", "Europe/Paris", "America/St_Johns", "Asia/Kathmandu"]
 
@@ -71,13 +80,16 @@ def test_each_event_is_the_text_event_json_writes(
     run = SQL(engine.schema).run
     raw = run(sql, read_page("odd", [], 10_000))
     encoded = run(sql, read_page_json("odd", [], 10_000))
-    metadata_only = run(sql, read_page_json("odd", [], 10_000, include_data=False))
     assert len(raw.events) == len(ODD_KEYS) * 6
     assert [(p, q) for p, q, _ in encoded.events] == [(e.partition, e.position) for e in raw.events]
-    assert [text for _, _, text in encoded.events] == [event_json(e, True) for e in raw.events]
-    assert [text for _, _, text in metadata_only.events] == [
-        event_json(e, False) for e in raw.events
-    ]
+    assert [text for _, _, text in encoded.events] == [event_json(e) for e in raw.events]
+    for fields in SOME_FIELDS:
+        some = run(sql, read_page_json("odd", [], 10_000, fields=fields))
+        made = [text for _, _, text in some.events]
+        assert made == [event_json(e, fields) for e in raw.events], sorted(fields)
+        assert [list(json.loads(text)) for text in made if text is not None] == [
+            [name for name in EVENT_FIELDS if name in fields]
+        ] * len(raw.events)
     texts = [json.loads(text) for _, _, text in encoded.events if text is not None]
     times = [e[name] for e in texts for name in ("occurred_at", "recorded_at")]
     assert any("." not in time for time in times)  # the cases the test means to meet
@@ -159,7 +171,7 @@ def test_a_filtered_page_counts_only_the_events_it_keeps(
     engine: subengine.Engine, sql: psycopg.Connection[Any]
 ) -> None:
     fill(engine, sql, "odd")
-    options = {"keys": ["plain"], "include_data": False}
+    options = {"keys": ["plain"], "fields": WITHOUT_DATA}
     expected = whole_page(sql, engine.schema, "odd", **options).events
     one = max(len(t.encode()) for _, _, t in expected if t is not None)
     events, pages = read_by_pages(sql, engine.schema, "odd", one, **options)

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from subengine.client import Event, GatewayError, Reconnect, Reset, Tombstone
+from subengine.client import Event, GatewayError, Reconnect, Reset, StreamOptions, Tombstone
 from subengine.client._core import ReadCore, Resume, SseFrame, SseParser, selection_of
 from subengine.gateway import GatewayCursor, StreamPosition
+from subengine.model._errors import InvalidInput
 
 TIME = "2026-11-23T18:00:00+00:00"
 
@@ -53,7 +54,7 @@ def events_frame(partition: int, first: int, last: int) -> str:
     )
 
 
-def core(after: str | None = None, **options: Any) -> ReadCore:
+def core(after: str | None = None, selection: Any = None, **options: Any) -> ReadCore:
     settings: dict[str, Any] = {
         "since": None,
         "api_key": None,
@@ -64,7 +65,8 @@ def core(after: str | None = None, **options: Any) -> ReadCore:
         "reconnect": Reconnect(),
         **options,
     }
-    return ReadCore("orders", selection_of((), (), True), after=after, **settings)
+    chosen = selection_of((), (), True) if selection is None else selection
+    return ReadCore("orders", chosen, after=after, **settings)
 
 
 def delivered(batch: list[tuple[Any, str]]) -> list[tuple[int, int]]:
@@ -180,3 +182,45 @@ def test_the_api_key_is_sent_as_a_bearer_token_and_the_cursor_as_last_event_id()
     assert call.headers["Authorization"] == "Bearer s3cret"
     assert call.headers["Last-Event-ID"] == cursor(1, 4)
     assert call.read_timeout == 2.0  # twice the heartbeat
+
+
+def test_a_read_of_some_fields_asks_for_them_and_fills_the_rest_with_none() -> None:
+    reading = core(selection=selection_of((), (), True, ["data", "key"]))
+    assert ("fields", "data,key") in reading.next_call(now=0).params
+    page = {
+        "events": [{"partition": 0, "position": 1, "key": "k", "data": {"n": 1}}],
+        "tombstones": [],
+        "resets": [],
+        "cursor": cursor(1, 1),
+        "up_to_date": True,
+    }
+    ((item, _),) = reading.page(page)
+    assert item == Event("orders", 0, 1, None, "k", None, None, {"n": 1}, None, None, None)
+    # in a frame, the stream is the frame's
+    frame = json.dumps(
+        {"stream": "orders", "partition": 0, "events": [{"partition": 0, "position": 2}]}
+    )
+    ((item, _),) = reading.frame("events", frame, cursor(1, 2))
+    assert isinstance(item, Event)
+    assert (item.stream, item.position, item.id, item.data) == ("orders", 2, None, None)
+
+
+@pytest.mark.parametrize(
+    ("fields", "include_data", "named"),
+    [
+        (["colour"], True, "'colour'"),
+        (["data"], False, "not both"),
+        ("data,key", True, "'data,key'"),
+    ],
+)
+def test_a_read_of_unknown_fields_is_refused_before_any_request(
+    fields: Any, include_data: bool, named: str
+) -> None:
+    with pytest.raises(InvalidInput, match=named):
+        selection_of((), (), include_data, fields)
+    with pytest.raises(InvalidInput, match=named):
+        StreamOptions(
+            fields=[fields] if isinstance(fields, str) else fields, include_data=include_data
+        )
+    with pytest.raises(InvalidInput, match="a list"):
+        StreamOptions(fields="data")  # type: ignore[arg-type]

@@ -302,8 +302,8 @@ SELECT s.epoch, s.partitions, h.heads, h.floors, h.aged, h.capped, e.id, e.strea
 -- `event_json` writes (docs/gateway.md, "Reading events"): the same keys in the same
 -- order, no spaces but those in data and metadata (jsonb's text), times as Python's
 -- isoformat writes them in the session's time zone (a fraction only when there are
--- microseconds, an offset's seconds only when it has some), data only with
--- `include_data`. The stream's epoch, partition count, heads and floors and what removed
+-- microseconds, an offset's seconds only when it has some), and of the fields only those
+-- whose `with_<field>` is true (partition and position always). The stream's epoch, partition count, heads and floors and what removed
 -- their gaps come on the first row only (NULL on the others: decoded once). Positions
 -- that are not one per partition of the stream read no events.
 --
@@ -337,7 +337,9 @@ SELECT CASE WHEN c.n IS NULL OR c.n = 1 THEN s.epoch END AS epoch,
                array_agg(p.floor ORDER BY p.partition) AS floors,
                array_agg(p.aged_through ORDER BY p.partition) AS aged,
                array_agg(p.capped_through ORDER BY p.partition) AS capped,
-               '{{"stream":' || to_json(s.name)::text || ',"partition":' AS prefix
+               CASE WHEN %(with_stream)s::boolean
+                    THEN '{{"stream":' || to_json(s.name)::text || ',"partition":'
+                    ELSE '{{"partition":' END AS prefix
           FROM {schema}.partitions p
          WHERE p.stream = s.name) h
   LEFT JOIN LATERAL (
@@ -391,38 +393,47 @@ SELECT CASE WHEN c.n IS NULL OR c.n = 1 THEN s.epoch END AS epoch,
                  LIMIT %(limit)s) x) c ON true
   LEFT JOIN LATERAL (SELECT * FROM {schema}.events e WHERE e.ctid = c.at OFFSET 0) e ON true
   LEFT JOIN LATERAL (
-        SELECT to_char(e.recorded_at,
+        SELECT CASE WHEN %(with_occurred_at)s::boolean OR %(with_recorded_at)s::boolean THEN
+               to_char(e.recorded_at,
                        CASE WHEN date_trunc('second', e.recorded_at) = e.recorded_at
                             THEN 'YYYY-MM-DD"T"HH24:MI:SSTZH:TZM'
                             ELSE 'YYYY-MM-DD"T"HH24:MI:SS.USTZH:TZM' END)
                || CASE WHEN extract(timezone FROM e.recorded_at)::int %% 60 = 0 THEN ''
                        ELSE ':' || lpad((abs(extract(timezone FROM e.recorded_at)::int) %% 60)::text,
-                                        2, '0') END AS recorded
+                                        2, '0') END
+               END AS recorded
         OFFSET 0) t ON true
   LEFT JOIN LATERAL (
         SELECT CASE WHEN (%(keys)s::text[] IS NULL OR e.key = ANY (%(keys)s::text[]))
                      AND (%(types)s::text[] IS NULL OR e.type = ANY (%(types)s::text[]))
                THEN h.prefix || e.partition
                     || ',"position":' || e.position
-                    || ',"id":"' || e.id
-                    || '","key":' || to_json(e.key)::text
-                    || ',"key_version":' || e.key_version
-                    || ',"type":' || to_json(e.type)::text
-                    || ',"metadata":' || e.metadata::text
-                    || ',"occurred_at":"'
-                    || CASE WHEN e.occurred_at = e.recorded_at THEN t.recorded
-                            ELSE to_char(e.occurred_at,
-                                         CASE WHEN date_trunc('second', e.occurred_at) = e.occurred_at
-                                              THEN 'YYYY-MM-DD"T"HH24:MI:SSTZH:TZM'
-                                              ELSE 'YYYY-MM-DD"T"HH24:MI:SS.USTZH:TZM' END)
+                    || CASE WHEN %(with_id)s::boolean THEN ',"id":"' || e.id || '"' ELSE '' END
+                    || CASE WHEN %(with_key)s::boolean THEN ',"key":' || to_json(e.key)::text
+                            ELSE '' END
+                    || CASE WHEN %(with_key_version)s::boolean THEN ',"key_version":' || e.key_version
+                            ELSE '' END
+                    || CASE WHEN %(with_type)s::boolean THEN ',"type":' || to_json(e.type)::text
+                            ELSE '' END
+                    || CASE WHEN %(with_metadata)s::boolean THEN ',"metadata":' || e.metadata::text
+                            ELSE '' END
+                    || CASE WHEN NOT %(with_occurred_at)s::boolean THEN ''
+                            WHEN e.occurred_at = e.recorded_at THEN ',"occurred_at":"' || t.recorded || '"'
+                            ELSE ',"occurred_at":"'
+                                 || to_char(e.occurred_at,
+                                            CASE WHEN date_trunc('second', e.occurred_at) = e.occurred_at
+                                                 THEN 'YYYY-MM-DD"T"HH24:MI:SSTZH:TZM'
+                                                 ELSE 'YYYY-MM-DD"T"HH24:MI:SS.USTZH:TZM' END)
                                  || CASE WHEN extract(timezone FROM e.occurred_at)::int %% 60 = 0
                                          THEN ''
                                          ELSE ':' || lpad((abs(extract(timezone FROM e.occurred_at)::int)
                                                            %% 60)::text, 2, '0') END
+                                 || '"'
                        END
-                    || '","recorded_at":"' || t.recorded
-                    || CASE WHEN %(include_data)s::boolean THEN '","data":' || e.data::text || '}}'
-                            ELSE '"}}' END
+                    || CASE WHEN %(with_recorded_at)s::boolean THEN ',"recorded_at":"' || t.recorded || '"'
+                            ELSE '' END
+                    || CASE WHEN %(with_data)s::boolean THEN ',"data":' || e.data::text ELSE '' END
+                    || '}}'
                END AS json) j ON true
  WHERE s.name = %(stream)s
  ORDER BY c.n
