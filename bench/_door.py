@@ -7,6 +7,7 @@ that a run delivered every event in order, and py-spy around the gateway.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -356,6 +357,13 @@ class GatewayDoor(Door):
         super().__init__(Child("gateway", bench.subengine_serve(), env, logs))
         self.engine = engine
         self.partitions = partitions
+        self.fields: str | None = None  # the `fields` parameter of its reads (None: all)
+
+    def reading(self, fields: str, name: str) -> GatewayDoor:
+        """This gateway, read with `fields=` (a view named `name`: it starts nothing)."""
+        view = copy.copy(self)
+        view.fields, view.name = fields, name
+        return view
 
     def url(self, stream: str) -> str:
         return f"{self.child.url}/v1/streams/{stream}/events"
@@ -371,7 +379,10 @@ class GatewayDoor(Door):
         pages: list[Any] = []
         cursor = "beginning"
         for _ in range(2 * (expected // PAGE) + 10):
-            answer = client.get(self.url(stream), params={"after": cursor, "limit": PAGE})
+            params: dict[str, Any] = {"after": cursor, "limit": PAGE}
+            if self.fields is not None:
+                params["fields"] = self.fields
+            answer = client.get(self.url(stream), params=params)
             answer.raise_for_status()
             self.bytes_read += len(answer.content)
             page = answer.json()

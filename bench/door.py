@@ -12,6 +12,8 @@ httpx client, loopback; every run must deliver every event once and in order, or
 subengine runs twice: its own API (/v1, pages of events with their envelope) and its
 Durable Streams surface (`--durable-streams`), which the same client code as the
 reference's reads and writes with the same requests and bodies; each gets the goals.
+Its own API's catch-up is also read with `fields=data` (each event's data and place,
+what the Durable Streams reads carry), and gets the catch-up goals too.
 
     .venv/bin/python bench/door.py            # 50,000 events, 3 rounds: a few minutes
     .venv/bin/python bench/door.py --quick    # a smoke test
@@ -185,7 +187,11 @@ def catch_up(config: Config, doors: list[Door], conn: Connection, work: Workload
     for each in doors:
         fill(each, stream, work.batches)
     progress(f"catch-up: {config.events:,} events in each server's {stream}")
-    by_name: dict[str, Door | None] = {each.name: each for each in doors}
+    by_name: dict[str, Door | None] = {}
+    for each in doors:
+        by_name[each.name] = each
+        if isinstance(each, GatewayDoor):  # and read for the data alone
+            by_name[LEAN] = each.reading("data", LEAN)
     by_name[SQL] = None
     for door in by_name.values():  # warm-up: caches, pools, plans, the JIT
         read_once(door, conn, stream, config.events)
@@ -319,6 +325,7 @@ MEMORY, FILE, GATEWAY, DS = (
     "subengine gateway",
     "subengine, DS",
 )
+LEAN = "gateway fields=data"  # the native catch-up, reading only the events' data
 
 
 def throughput(title: str, figure: Figure, config: Config) -> None:
@@ -326,11 +333,11 @@ def throughput(title: str, figure: Figure, config: Config) -> None:
     kinds = ("server", "PostgreSQL", "client", "bytes/event")[: 4 if read else 3]
     bytes_read = "; bytes read per event" if read else ""
     print(f"{title}: events/s, median (min-max); seconds; CPU s per run (medians){bytes_read}")
-    print(f"  {'':<18} {'events/s':>30} {'seconds':>9} " + " ".join(f"{k:>11}" for k in kinds))
+    print(f"  {'':<20} {'events/s':>30} {'seconds':>9} " + " ".join(f"{k:>11}" for k in kinds))
     for name, values in figure.values.items():
         spread = Spread.of(values)
         cpu = " ".join(figure.cpu_text(name, kind) for kind in kinds)
-        print(f"  {name:<18} {spread.span(1, 0):>30} {config.events / spread.median:9.3f} {cpu}")
+        print(f"  {name:<20} {spread.span(1, 0):>30} {config.events / spread.median:9.3f} {cpu}")
 
 
 def short(value: float) -> str:
@@ -347,7 +354,7 @@ def report(config: Config, results: dict[str, Any], work: Workload, facts: str) 
         f" {config.rounds} rounds in rotating order. The machine is shared: the figures are"
         " indicative."
     )
-    table: list[tuple[str, ...]] = [("figure", MEMORY, FILE, "plain PostgreSQL", GATEWAY, DS)]
+    table: list[tuple[str, ...]] = [("figure", MEMORY, FILE, "plain PostgreSQL", GATEWAY, DS, LEAN)]
     goals: list[tuple[str, float, float, str, float]] = []  # name, ours, theirs, sense, goal
     for name, plain, title in (
         ("catch-up", SQL, f"catch-up read of {config.events:,} events"),
@@ -359,11 +366,16 @@ def report(config: Config, results: dict[str, Any], work: Workload, facts: str) 
         print()
         throughput(title, figure, config)
         medians = {variant: figure.spread(variant).median for variant in figure.values}
-        cells = [short(medians[v]) for v in (MEMORY, FILE, plain, GATEWAY, DS)]
+        cells = [
+            short(medians[v]) if v in medians else "-"
+            for v in (MEMORY, FILE, plain, GATEWAY, DS, LEAN)
+        ]
         table.append(
             (f"{title}, events/s", cells[0], cells[1], f"{cells[2]} ({plain})", *cells[3:])
         )
-        for door, tag in ((GATEWAY, ""), (DS, " (DS)")):
+        for door, tag in ((GATEWAY, ""), (DS, " (DS)"), (LEAN, " (fields=data)")):
+            if door not in medians:
+                continue
             ours = medians[door]
             if name == "catch-up":
                 goals.append(
@@ -401,7 +413,7 @@ def report(config: Config, results: dict[str, Any], work: Workload, facts: str) 
                 )
                 cells.append(f"{p50.median:.1f} / {p99.median:.1f}")
             table.append(
-                (f"append -> {mode} reader, p50 / p99 ms", cells[0], cells[1], "-", *cells[2:])
+                (f"append -> {mode} reader, p50 / p99 ms", cells[0], cells[1], "-", *cells[2:], "-")
             )
             for door, tag in ((GATEWAY, ""), (DS, " (DS)")):
                 for what in ("p50", "p99"):
@@ -426,7 +438,7 @@ def report(config: Config, results: dict[str, Any], work: Workload, facts: str) 
         ratio = ours / theirs
         ok = ratio >= goal if sense == ">=" else ratio <= goal
         print(
-            f"  {name:<36} {ours:>12,.2f} {theirs:>12,.2f} {ratio:>6.2f}x"
+            f"  {name:<45} {ours:>12,.2f} {theirs:>12,.2f} {ratio:>6.2f}x"
             f"  goal {sense} {goal:g}x  {verdict(ok)}"
         )
 
