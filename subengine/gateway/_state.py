@@ -36,9 +36,10 @@ class GatewayConfig:
     stream_lifetime: float = 600.0
     # seconds between head polls, the safety net for lost notifications
     poll_interval: float = 1.0
-    # events per page: the default and the most a request may ask for
+    # events per page: the default and the most a request may ask for (a page also ends
+    # at PAGE_BYTES of events' JSON: a page of 10,000 takes events of 100 bytes or less)
     page_limit: int = 100
-    max_page_limit: int = 1000
+    max_page_limit: int = 10_000
     # seconds a long-poll may wait at most (and waits when `wait` is not given)
     max_wait: float = 60.0
     default_wait: float = 30.0

@@ -273,6 +273,24 @@ def _names(names: Iterable[str] | None, what: str) -> list[str] | None:
     return found
 
 
+# About how many bytes each field takes in an event's JSON, but for the data's own (its
+# stored size is counted): what the page query estimates a page's bytes by, before it
+# writes any JSON. Keys, types and streams longer than this are cut exactly by `read`.
+_FIELD_BYTES = {
+    "stream": 40,
+    "partition": 16,
+    "position": 20,
+    "id": 46,
+    "key": 30,
+    "key_version": 18,
+    "type": 30,
+    "metadata": 16,
+    "occurred_at": 48,
+    "recorded_at": 48,
+    "data": 8,
+}
+
+
 def read_page_json(
     stream: str,
     positions: Sequence[int],
@@ -293,7 +311,10 @@ def read_page_json(
     kept texts (joined by commas) past it; with `oversize`, a page's first kept event
     comes even when it alone is larger. An event the filters passed over takes no
     bytes. Whatever the bound leaves out is after every event the page holds, in
-    every partition: the page is still a prefix of what follows the cursor."""
+    every partition: the page is still a prefix of what follows the cursor. PostgreSQL
+    ends the page first by an estimate of the bytes (the data's stored size and about
+    what each other field takes), so that it writes little JSON past the bound; a page
+    it ended so may hold fewer bytes than `max_bytes`, and is `full` too."""
     validate_stream_name(stream)
     after = _positions(positions, "the cursor")
     if not isinstance(fields, frozenset) or not PLACE <= fields <= ALL_FIELDS:
@@ -326,6 +347,8 @@ def read_page_json(
                     break
                 size = grown
             events.append((row[6], row[7], text))
+        else:  # PostgreSQL's estimate may have ended the page after its last row
+            full = bool(rows[-1][9])
         return EncodedPage(
             stream, epoch, tuple(heads), tuple(floors), tombstones, events, max(size, 0), full
         )
@@ -337,6 +360,9 @@ def read_page_json(
         "keys": _names(keys, "keys"),
         "types": _names(types, "types"),
         **{f"with_{name}": name in fields for name in ALL_FIELDS - PLACE},
+        "max_bytes": budget,
+        "bytes_bound": max_bytes is not None,
+        "overhead": 2 + sum(_FIELD_BYTES[name] for name in fields),
     }
     return Query("read_page_json", params, read)
 

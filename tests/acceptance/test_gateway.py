@@ -292,6 +292,7 @@ def test_a_stream_re_created_with_other_partitions_gives_reset_not_an_error(
         ("/v1/streams/orders/events", {"since": "yesterday"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"since": "2026-01-01T00:00:00"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"limit": "0"}, 400, "bad_request"),
+        ("/v1/streams/orders/events", {"limit": "10001"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"limit": "²"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"live": "push"}, 400, "bad_request"),
         ("/v1/streams/orders/events", {"live": "long-poll", "wait": "nan"}, 400, "bad_request"),

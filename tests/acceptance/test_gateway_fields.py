@@ -217,3 +217,20 @@ def test_a_watch_asking_for_unknown_fields_is_refused(
     error = answer.json()["error"]
     assert error["code"] == "bad_request" and named in error["message"], error
     assert "orders" in error["message"]
+
+
+def test_a_page_of_small_events_holds_up_to_ten_thousand(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    """Pages end at 1 MiB of JSON or at `limit`, which goes to 10,000: a catch-up of
+    small events takes few requests."""
+    for start in range(0, 6000, 1000):
+        append(engine, orders, 1000, start)
+    url = f"{gateway.url}/v1/streams/orders/events"
+    answer = web.get(url, params={"limit": 10_000, "fields": "data"}, timeout=TIMEOUT)
+    assert answer.status_code == 200, answer.text
+    page = answer.json()
+    assert page["up_to_date"] and len(page["events"]) == 6000
+    assert sorted(e["data"]["n"] for e in page["events"]) == list(range(6000))
+    whole = web.get(url, params={"limit": 10_000}, timeout=TIMEOUT)  # ends at 1 MiB
+    assert not whole.json()["up_to_date"] and len(whole.content) < (1 << 20) + 500

@@ -280,3 +280,26 @@ def test_a_page_reads_about_its_own_rows_before_the_table_is_analyzed(
     assert len(page.events) == 100
     # about 350; a join that reads a partition's entries per probe: 16,000
     assert row is not None and row[0] < 2000, row
+
+
+@pytest.mark.parametrize("fields", [ALL_FIELDS, fields_of(["data"])])
+def test_postgresql_writes_about_a_pages_bytes_of_json_whatever_its_limit(
+    engine: subengine.Engine, sql: psycopg.Connection[Any], fields: frozenset[str]
+) -> None:
+    """Events of 50 KB, a page of at most 120 KB out of a limit of 20: PostgreSQL writes
+    the JSON of the three events its estimate lets in, not of twenty, and the page
+    keeps the two that fit; read page by page, every event comes once, in order."""
+    engine.create_stream("large", partitions=2)
+    rng = random.Random(7)
+    blob = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(50_000))
+    engine.append(
+        "large", [subengine.NewEvent(f"k{n}", "t", {"n": n, "blob": blob}) for n in range(20)]
+    )
+    query = read_page_json("large", [], 20, fields=fields, max_bytes=120_000)
+    rows = sql.execute(SQL(engine.schema).text(query.name), query.params).fetchall()
+    assert len(rows) == 3
+    page = SQL(engine.schema).run(sql, query)
+    assert len(page.events) == 2 and page.full
+    assert 100_000 < page.size <= 120_000
+    events, _ = read_by_pages(sql, engine.schema, "large", 120_000, fields=fields)
+    assert events == whole_page(sql, engine.schema, "large", fields=fields).events

@@ -294,6 +294,14 @@ SELECT s.epoch, s.partitions, h.heads, h.floors, h.aged, h.capped, e.id, e.strea
  WHERE s.name = %(stream)s
  ORDER BY e.recorded_at, e.partition, e.position
 
+-- part: page_event_size
+-- About how many bytes an event takes in a page of read_page_json (0 when the `keys` and
+-- `types` filters pass over it): `overhead`, and its data's stored size when data is sent.
+CASE WHEN (%(keys)s::text[] IS NULL OR e.key = ANY (%(keys)s::text[]))
+      AND (%(types)s::text[] IS NULL OR e.type = ANY (%(types)s::text[]))
+     THEN %(overhead)s::int + CASE WHEN %(with_data)s::boolean THEN pg_column_size(e.data) ELSE 0 END
+     ELSE 0 END
+
 -- name: read_page_json
 -- read_page as the gateway sends it: the same page (up to `limit` events after the cursor
 -- `positions`, oldest first across partitions, in one snapshot), a row per event with its
@@ -303,9 +311,17 @@ SELECT s.epoch, s.partitions, h.heads, h.floors, h.aged, h.capped, e.id, e.strea
 -- order, no spaces but those in data and metadata (jsonb's text), times as Python's
 -- isoformat writes them in the session's time zone (a fraction only when there are
 -- microseconds, an offset's seconds only when it has some), and of the fields only those
--- whose `with_<field>` is true (partition and position always). The stream's epoch, partition count, heads and floors and what removed
--- their gaps come on the first row only (NULL on the others: decoded once). Positions
--- that are not one per partition of the stream read no events.
+-- whose `with_<field>` is true (partition and position always). The stream's epoch,
+-- partition count, heads and floors and what removed their gaps come on the first row
+-- only (NULL on the others: decoded once). Positions that are not one per partition of
+-- the stream read no events.
+--
+-- Bytes: the page also ends before the first event that would take the estimated size of
+-- the kept events past `max_bytes` (the first event always comes), so that a page of
+-- large events makes and sends only about `max_bytes` of JSON, whatever its `limit`. The
+-- estimate is `overhead` per kept event plus its data's stored size when data is sent
+-- (pg_column_size: known without reading a TOASTed value); `full` says, on each row,
+-- whether the estimate reaches `max_bytes` with it. The caller cuts the page exactly.
 --
 -- Which rows: the page is the first `limit` rows after the cursor in (recorded_at,
 -- partition, position) order. For any time T, the first `limit` of the rows recorded at
@@ -314,10 +330,13 @@ SELECT s.epoch, s.partitions, h.heads, h.floors, h.aged, h.capped, e.id, e.strea
 -- there are at least `limit` of them. So rather than `limit` rows of every partition, it
 -- reads up to T: probes at about 26% steps after each partition's cursor (positions are
 -- dense from the floor to the head) tell, per candidate T, at least how many rows each
--- partition has by then; T is the first probed time by which they add up to `limit` (none:
--- no bound), and each partition is read up to its first probe after T. With one partition
--- nothing is probed. The candidates are read narrow (ctid, recorded_at, position); only
--- the chosen rows are read whole, by ctid, in the same snapshot. Each probe and each
+-- partition has by then, and about how many bytes (each probe's size for the rows since
+-- the one before); T is the first probed time by which they add up to `limit` or to
+-- `max_bytes` (none: no bound), and each partition is read up to its first probe after T.
+-- With one partition and no `max_bytes` nothing is probed. The candidates are read
+-- narrow (ctid, recorded_at, position, size); only the chosen rows are read whole, by
+-- ctid, in the same snapshot: sorting the candidates whole, or writing JSON past the
+-- bytes, took 2 to 5 times as long for events of 1.5 KB. Each probe and each
 -- chosen row is a lateral lookup kept apart by `OFFSET 0`, so that its position (or
 -- ctid) is the index's condition whatever the planner believes of the table: right
 -- after a bulk append, before autovacuum's analyze, a join made it read every row of a
@@ -330,7 +349,7 @@ SELECT CASE WHEN c.n IS NULL OR c.n = 1 THEN s.epoch END AS epoch,
        CASE WHEN c.n IS NULL OR c.n = 1 THEN h.floors END AS floors,
        CASE WHEN c.n IS NULL OR c.n = 1 THEN h.aged END AS aged,
        CASE WHEN c.n IS NULL OR c.n = 1 THEN h.capped END AS capped,
-       c.partition, c.position, j.json
+       c.partition, c.position, j.json, c.full
   FROM {schema}.streams s
   CROSS JOIN LATERAL (
         SELECT array_agg(p.head ORDER BY p.partition) AS heads,
@@ -353,7 +372,7 @@ SELECT CASE WHEN c.n IS NULL OR c.n = 1 THEN s.epoch END AS epoch,
                AND p.head > coalesce((%(positions)s::bigint[])[p.partition + 1], 0)
                AND coalesce(cardinality(%(positions)s::bigint[]), 0) IN (0, s.partitions)
         ), probe AS (
-            SELECT c.partition, o.step, e.recorded_at AS at,
+            SELECT c.partition, o.step, e.recorded_at AS at, e.size,
                    o.step - coalesce(lag(o.step) OVER (PARTITION BY c.partition ORDER BY o.step),
                                      0) AS gain
               FROM cursor c
@@ -361,36 +380,43 @@ SELECT CASE WHEN c.n IS NULL OR c.n = 1 THEN s.epoch END AS epoch,
                    SELECT DISTINCT least(round(power(10.0::float8, g / 10.0))::bigint, c.n) AS step
                      FROM generate_series(0, least(ceil(10 * log(%(limit)s::float8))::int, 180)) g) o
              CROSS JOIN LATERAL (
-                   SELECT e.recorded_at FROM {schema}.events e
+                   SELECT e.recorded_at, {page_event_size} AS size FROM {schema}.events e
                     WHERE e.stream = s.name AND e.partition = c.partition
                       AND e.position = c.lo + o.step
                    OFFSET 0) e
-             WHERE (SELECT count(*) FROM cursor) > 1
+             WHERE (SELECT count(*) FROM cursor) > 1 OR %(bytes_bound)s::boolean
         ), bound AS (
             SELECT min(r.at) AS at
-              FROM (SELECT probe.at, sum(probe.gain) OVER (ORDER BY probe.at) AS reach
-                      FROM probe) r
-             WHERE r.reach >= %(limit)s
+              FROM (SELECT probe.at, sum(probe.gain) OVER w AS reach,
+                           sum(probe.gain * probe.size) OVER w AS bytes
+                      FROM probe
+                    WINDOW w AS (ORDER BY probe.at)) r
+             WHERE r.reach >= %(limit)s OR r.bytes >= %(max_bytes)s
         ), span AS (
             SELECT c.partition, c.lo, b.at,
                    c.lo + coalesce((SELECT min(pr.step) - 1 FROM probe pr
                                      WHERE pr.partition = c.partition AND pr.at > b.at), c.n) AS hi
               FROM cursor c CROSS JOIN bound b
         )
-        SELECT x.at, x.partition, x.position,
-               row_number() OVER (ORDER BY x.recorded_at, x.partition, x.position) AS n
+        SELECT x.at, x.partition, x.position, x.n, x.before + x.size >= %(max_bytes)s AS full
           FROM (
-                SELECT x.*
-                  FROM span d
-                 CROSS JOIN LATERAL (
-                       SELECT e.ctid AS at, e.recorded_at, e.partition, e.position
-                         FROM {schema}.events e
-                        WHERE e.stream = s.name AND e.partition = d.partition
-                          AND e.position > d.lo AND e.position <= d.hi
-                          AND (d.at IS NULL OR e.recorded_at <= d.at)
-                        ORDER BY e.position) x
-                 ORDER BY x.recorded_at, x.partition, x.position
-                 LIMIT %(limit)s) x) c ON true
+                SELECT x.*, row_number() OVER w AS n, sum(x.size) OVER w - x.size AS before
+                  FROM (
+                        SELECT x.*
+                          FROM span d
+                         CROSS JOIN LATERAL (
+                               SELECT e.ctid AS at, e.recorded_at, e.partition, e.position,
+                                      {page_event_size} AS size
+                                 FROM {schema}.events e
+                                WHERE e.stream = s.name AND e.partition = d.partition
+                                  AND e.position > d.lo AND e.position <= d.hi
+                                  AND (d.at IS NULL OR e.recorded_at <= d.at)
+                                ORDER BY e.position) x
+                         ORDER BY x.recorded_at, x.partition, x.position
+                         LIMIT %(limit)s) x
+                WINDOW w AS (ORDER BY x.recorded_at, x.partition, x.position
+                             ROWS UNBOUNDED PRECEDING)) x
+         WHERE x.before < %(max_bytes)s OR x.n = 1) c ON true
   LEFT JOIN LATERAL (SELECT * FROM {schema}.events e WHERE e.ctid = c.at OFFSET 0) e ON true
   LEFT JOIN LATERAL (
         SELECT CASE WHEN %(with_occurred_at)s::boolean OR %(with_recorded_at)s::boolean THEN
