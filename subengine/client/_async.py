@@ -14,6 +14,7 @@ import httpx
 
 from subengine.client._core import (
     CURSOR_HEADER,
+    PAGE_LIMIT,
     Call,
     Mode,
     ReadCore,
@@ -65,7 +66,7 @@ class AsyncReader:
         follow: bool = True,
         api_key: str | None = None,
         heartbeat: float = 15.0,
-        page_limit: int | None = None,
+        page_limit: int | None = PAGE_LIMIT,
         long_poll_wait: float = 30.0,
         timeout: float = 30.0,
         reconnect: Reconnect | None = None,

@@ -40,6 +40,9 @@ CURSOR_HEADER = "Subengine-Cursor"
 RESUMABLE = frozenset({"rotate", "shutdown", "slow"})
 # the frame that ends a stream: `close`; older gateways named it `error` (docs/gateway.md)
 CLOSE_FRAMES = frozenset({"close", "error"})
+# events per page while a reader catches up: pages of the gateway's default 100 made a
+# catch-up of small events take twice as long; 1,000 is the most any gateway takes
+PAGE_LIMIT = 1000
 # statuses worth asking again (after Retry-After, when given)
 RETRYABLE_STATUSES = frozenset({408, 425, 429})
 
