@@ -73,6 +73,7 @@ async def create_watch(request: Request) -> Response:
     if not isinstance(heartbeat, int | float) or not 1 <= heartbeat <= 60:
         raise bad_request("heartbeat must be a number of seconds from 1 to 60")
     spec = []
+    named: dict[str, str] = {}  # the fields of streams that `include_data` cannot say
     positions: dict[str, StreamPosition] = {}
     for name, options in streams.items():
         parse_stream_name(name)
@@ -85,7 +86,7 @@ async def create_watch(request: Request) -> Response:
         keys = _list_option(options, "key", name, validate_key)
         types = _list_option(options, "type", name, validate_type)
         include_data = options.get("include_data")
-        if not isinstance(include_data, bool | None):
+        if "include_data" in options and not isinstance(include_data, bool):
             raise bad_request(f"include_data of stream {name!r} must be true or false")
         names = options.get("fields")
         if names is not None and (
@@ -102,15 +103,22 @@ async def create_watch(request: Request) -> Response:
         if not isinstance(after, str | None) or not isinstance(since, str | None):
             raise bad_request(f"after and since of stream {name!r} must be strings")
         positions[name] = await gateway.resolve(name, after, since)
-        spec.append([name, keys, types, _carried(fields)])
+        # [name, keys, types, include_data], as gateways before `fields` read it
+        spec.append([name, keys, types, "data" in fields])
+        if fields not in (ALL_FIELDS, WITHOUT_DATA):
+            named[name] = fields_text(fields)
     expires = int(time.time() + gateway.config.watch_ttl)
-    payload = {
+    payload: dict[str, Any] = {
         "k": None if principal.key is None else principal.key.id,
         "x": expires,
         "h": heartbeat,
         "s": spec,
         "c": GatewayCursor(positions).encode(),
     }
+    if named:
+        # apart from the streams' entries: a gateway before `fields` ignores it, and
+        # sends such a watch whole events (or all but their data), which hold its fields
+        payload["f"] = named
     wid = await _sign(gateway, payload)
     return json_response(
         {
@@ -177,9 +185,9 @@ async def open_watch(request: Request) -> Response | EventStreamResponse:
             name,
             None if keys is None else frozenset(keys),
             None if types is None else frozenset(types),
-            _fields(carried),
+            _fields(include_data, payload.get("f", {}).get(name)),
         )
-        for name, keys, types, carried in payload["s"]
+        for name, keys, types, include_data in payload["s"]
     }
     principal = await _watch_principal(gateway, request, payload.get("k"))
     for name in selections:
@@ -220,17 +228,9 @@ async def _watch_principal(gateway: Gateway, request: Request, key_id: Any) -> P
     return Principal(key)
 
 
-def _carried(fields: frozenset[str]) -> bool | str:
-    """How a watch id names `fields`: as the ids of gateways before `fields` did when
-    they could say it (true or false: `include_data`), else by the fields' names."""
-    if fields == ALL_FIELDS:
-        return True
-    return False if fields == WITHOUT_DATA else fields_text(fields)
-
-
-def _fields(carried: bool | str) -> frozenset[str]:
-    """The fields a watch id names: true or false (`include_data`, before `fields`), or
-    the names of its fields."""
-    if isinstance(carried, bool):
-        return ALL_FIELDS if carried else WITHOUT_DATA
-    return fields_of(split_fields([carried]))
+def _fields(include_data: bool, named: str | None) -> frozenset[str]:
+    """The fields of a watch's stream: those its id names apart, or what its entry's
+    `include_data` says."""
+    if named is not None:
+        return fields_of(split_fields([named]))
+    return ALL_FIELDS if include_data else WITHOUT_DATA

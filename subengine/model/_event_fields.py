@@ -36,6 +36,8 @@ def fields_of(names: Iterable[str]) -> frozenset[str]:
     """The fields a read asking for `names` carries: those, and the event's place."""
     found = set(PLACE)
     for name in names:
+        if not isinstance(name, str):
+            raise InvalidInput(f"an event field is a name (text), not {name!r}"[:120])
         if name not in ALL_FIELDS:
             shown = repr(name) if len(name) <= 40 else repr(name[:40]) + "..."
             raise InvalidInput(

@@ -5,6 +5,8 @@ the same events come as in a read of every field, and bad input is refused."""
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 import time
 from typing import Any
@@ -177,6 +179,12 @@ def test_a_watch_carries_the_fields_each_stream_asks_for(
     assert all(list(e) == ["partition", "position", "data"] for e in by_stream["orders"])
     assert all("data" not in e and "id" in e for e in by_stream["payments"])
     assert len(by_stream["orders"]) == len(by_stream["payments"]) == 3
+    # the id keeps each stream's entry as gateways before `fields` read it (name, keys,
+    # types, include_data) and names the fields apart: such a gateway sends whole events
+    body_text = made.json()["wid"].split(".")[1]
+    payload = json.loads(base64.urlsafe_b64decode(body_text + "=" * (-len(body_text) % 4)))
+    assert sorted(payload["s"]) == [["orders", None, None, True], ["payments", None, None, False]]
+    assert payload["f"] == {"orders": "partition,position,data"}
 
 
 @pytest.mark.parametrize(
@@ -206,6 +214,7 @@ def test_a_read_asking_for_unknown_fields_is_refused(
         ({"fields": ["data", 3]}, "must be a list"),
         ({"fields": ["colour"]}, "'colour'"),
         ({"fields": ["data"], "include_data": True}, "not both"),
+        ({"include_data": None}, "true or false"),
     ],
 )
 def test_a_watch_asking_for_unknown_fields_is_refused(

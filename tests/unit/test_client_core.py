@@ -211,6 +211,7 @@ def test_a_read_of_some_fields_asks_for_them_and_fills_the_rest_with_none() -> N
         (["colour"], True, "'colour'"),
         (["data"], False, "not both"),
         ("data,key", True, "'data,key'"),
+        ([3], True, "not 3"),
     ],
 )
 def test_a_read_of_unknown_fields_is_refused_before_any_request(

@@ -423,3 +423,9 @@ def test_a_batch_of_another_stream_is_refused(sub: Subscriber) -> None:
     elsewhere = GatewayCursor({"payments": StreamPosition(1, (1,))}).encode()
     other = {**batch(sub, 0, 0, 1), "stream": "payments", "cursor": elsewhere}
     assert push(sub, other) == 400
+
+
+def test_a_subscriber_refuses_fields_its_webhooks_cannot_carry(gateway: Gateway) -> None:
+    """A webhook's events carry every field, or all but data (`include_data`)."""
+    with pytest.raises(ValueError, match=r"not StreamOptions\.fields"):
+        subscriber(gateway, {"orders": StreamOptions(fields=["data"])})
