@@ -248,8 +248,8 @@ class EncodedPage:
     """What `read_page_json` found, in one snapshot: `Page`'s epoch, heads, floors and
     tombstones, and the events as (partition, position, JSON text) in page order, the
     text None for an event the filters passed over. `size` is the bytes of the kept
-    events' texts joined by commas; `full` says that the byte bound ended the page before
-    an event it had read."""
+    events' texts joined by commas; `full` says that the byte bound ended the page: the
+    exact one, before an event PostgreSQL had written, or PostgreSQL's estimate."""
 
     stream: str
     epoch: int
@@ -273,18 +273,18 @@ def _names(names: Iterable[str] | None, what: str) -> list[str] | None:
     return found
 
 
-# About how many bytes each field takes in an event's JSON, but for the data's own (its
-# stored size is counted): what the page query estimates a page's bytes by, before it
-# writes any JSON. Keys, types and streams longer than this are cut exactly by `read`.
+# The bytes of each field in an event's JSON that the page query does not measure (its
+# key and type, its data and metadata and the stream's name it does): what it estimates
+# a page's bytes by, before it writes any JSON (`page_event_size` in queries.sql).
 _FIELD_BYTES = {
-    "stream": 40,
+    "stream": 12,
     "partition": 16,
     "position": 20,
     "id": 46,
-    "key": 30,
+    "key": 9,
     "key_version": 18,
-    "type": 30,
-    "metadata": 16,
+    "type": 10,
+    "metadata": 12,
     "occurred_at": 48,
     "recorded_at": 48,
     "data": 8,
@@ -312,9 +312,11 @@ def read_page_json(
     comes even when it alone is larger. An event the filters passed over takes no
     bytes. Whatever the bound leaves out is after every event the page holds, in
     every partition: the page is still a prefix of what follows the cursor. PostgreSQL
-    ends the page first by an estimate of the bytes (the data's stored size and about
-    what each other field takes), so that it writes little JSON past the bound; a page
-    it ended so may hold fewer bytes than `max_bytes`, and is `full` too."""
+    ends the page first by an estimate of the bytes (`page_event_size` in queries.sql),
+    so that it writes little JSON past the bound. A page that estimate ended may hold
+    fewer bytes than `max_bytes` (the estimate ran high), and is `full` all the same;
+    one that its probes ended early (their sizes ran high) is not `full` and is not up
+    to date either, so its reader reads on at once."""
     validate_stream_name(stream)
     after = _positions(positions, "the cursor")
     if not isinstance(fields, frozenset) or not PLACE <= fields <= ALL_FIELDS:
@@ -362,7 +364,9 @@ def read_page_json(
         **{f"with_{name}": name in fields for name in ALL_FIELDS - PLACE},
         "max_bytes": budget,
         "bytes_bound": max_bytes is not None,
-        "overhead": 2 + sum(_FIELD_BYTES[name] for name in fields),
+        "overhead": 2
+        + sum(_FIELD_BYTES[name] for name in fields)
+        + (len(stream) if "stream" in fields else 0),
     }
     return Query("read_page_json", params, read)
 

@@ -296,10 +296,20 @@ SELECT s.epoch, s.partitions, h.heads, h.floors, h.aged, h.capped, e.id, e.strea
 
 -- part: page_event_size
 -- About how many bytes an event takes in a page of read_page_json (0 when the `keys` and
--- `types` filters pass over it): `overhead`, and its data's stored size when data is sent.
+-- `types` filters pass over it): `overhead` (what its fixed parts take), its key and type
+-- when they are sent, and its data and metadata when they are sent: their stored size, or
+-- four times that when PostgreSQL compressed them (known without reading a TOASTed value).
 CASE WHEN (%(keys)s::text[] IS NULL OR e.key = ANY (%(keys)s::text[]))
       AND (%(types)s::text[] IS NULL OR e.type = ANY (%(types)s::text[]))
-     THEN %(overhead)s::int + CASE WHEN %(with_data)s::boolean THEN pg_column_size(e.data) ELSE 0 END
+     THEN %(overhead)s::int
+          + CASE WHEN %(with_key)s::boolean THEN octet_length(e.key) ELSE 0 END
+          + CASE WHEN %(with_type)s::boolean THEN octet_length(e.type) ELSE 0 END
+          + CASE WHEN NOT %(with_metadata)s::boolean THEN 0
+                 WHEN pg_column_compression(e.metadata) IS NULL THEN pg_column_size(e.metadata)
+                 ELSE 4 * pg_column_size(e.metadata) END
+          + CASE WHEN NOT %(with_data)s::boolean THEN 0
+                 WHEN pg_column_compression(e.data) IS NULL THEN pg_column_size(e.data)
+                 ELSE 4 * pg_column_size(e.data) END
      ELSE 0 END
 
 -- name: read_page_json
@@ -318,10 +328,10 @@ CASE WHEN (%(keys)s::text[] IS NULL OR e.key = ANY (%(keys)s::text[]))
 --
 -- Bytes: the page also ends before the first event that would take the estimated size of
 -- the kept events past `max_bytes` (the first event always comes), so that a page of
--- large events makes and sends only about `max_bytes` of JSON, whatever its `limit`. The
--- estimate is `overhead` per kept event plus its data's stored size when data is sent
--- (pg_column_size: known without reading a TOASTed value); `full` says, on each row,
--- whether the estimate reaches `max_bytes` with it. The caller cuts the page exactly.
+-- large events makes and sends about `max_bytes` of JSON, whatever its `limit`
+-- (page_event_size; values that compress more than fourfold make more); `full` says, on
+-- each row, whether the estimate reaches `max_bytes` with it. The caller cuts the page
+-- exactly.
 --
 -- Which rows: the page is the first `limit` rows after the cursor in (recorded_at,
 -- partition, position) order. For any time T, the first `limit` of the rows recorded at
