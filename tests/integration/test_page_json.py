@@ -257,6 +257,48 @@ def test_the_page_is_read_pages_page_from_any_cursor(
             assert page.tombstones == expected.tombstones
 
 
+@pytest.mark.parametrize("filtered", [False, True])
+def test_a_page_bounded_by_bytes_is_a_prefix_of_the_page_from_any_cursor(
+    engine: subengine.Engine, sql: psycopg.Connection[Any], filtered: bool
+) -> None:
+    """PostgreSQL's estimate and its probes end a page early, never elsewhere: what it
+    reads is the start of `read_page`'s page, one event at least."""
+    heads = uneven(engine)
+    run = SQL(engine.schema).run
+    rng = random.Random(2626)
+    cursors: list[list[int]] = [[], heads, [h // 2 for h in heads]]
+    cursors += [[rng.randint(0, h) for h in heads] for _ in range(25)]
+    first_keys: dict[int, str] = {}  # the keys `uneven` appends, by partition
+    for n in range(200):
+        first_keys.setdefault(partition_for(f"key-{n}", 5), f"key-{n}")
+    keys = [first_keys[0], first_keys[2]]
+    for max_bytes in (0, 150, 1500, 6000):
+        for limit in (3, 64, 5000):
+            for cursor in cursors:
+                expected = [
+                    (e.partition, e.position)
+                    for e in run(sql, read_page("uneven", cursor, limit)).events
+                ]
+                page = run(
+                    sql,
+                    read_page_json(
+                        "uneven",
+                        cursor,
+                        limit,
+                        keys=keys if filtered else None,
+                        max_bytes=max_bytes,
+                    ),
+                )
+                got = [(p, q) for p, q, _ in page.events]
+                assert got == expected[: len(got)] and (got or not expected), (
+                    max_bytes,
+                    limit,
+                    cursor,
+                )
+                kept = [t for _, _, t in page.events if t is not None]
+                assert page.size <= max_bytes or len(kept) == 1
+
+
 def test_a_page_reads_about_its_own_rows_before_the_table_is_analyzed(
     engine: subengine.Engine, sql: psycopg.Connection[Any]
 ) -> None:
