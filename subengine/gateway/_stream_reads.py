@@ -268,8 +268,9 @@ async def _long_poll(
             # what moves from now on wakes the wait below
             changed, resync = watcher.take()
             # what a reply gathers stays within one page's bytes: a later read adds only
-            # what fits beside what is there (and a comma)
-            room = PAGE_BYTES - size - 1 if events else PAGE_BYTES
+            # what fits beside what is there (and a comma), nothing beside an event that
+            # came alone over them
+            room = max(PAGE_BYTES - size - 1, 0) if events else PAGE_BYTES
             if live and not resync:
                 taken = await reader.live_page(
                     stream,

@@ -120,6 +120,24 @@ def test_a_lingering_reply_stops_gathering_at_a_full_page(
     assert answer.json()["up_to_date"] is True
 
 
+def test_a_reply_that_gathered_an_event_over_a_page_reads_on_without_an_error(
+    engine: subengine.Engine, orders: str, gateway: GatewayProcess
+) -> None:
+    """An event whose JSON alone is over a page's 1 MiB (its data compresses, so the
+    page's estimate of it is small): a reply still gathering after it read the next
+    page with a budget below zero, which was refused with a 400."""
+    engine.append(orders, [subengine.NewEvent("k1", "T", {"blob": "a" * 1_048_500})])
+    engine.append(orders, [subengine.NewEvent(f"k{n}", "T", {"n": n}) for n in range(2, 6)])
+    answer = web.get(
+        events_url(gateway),
+        params={"live": "long-poll", "key": "k1", "limit": "2", "min_events": "2", "wait": "1"},
+        timeout=TIMEOUT,
+    )
+    assert answer.status_code == 200, answer.text[:300]
+    (event,) = answer.json()["events"]
+    assert len(event["data"]["blob"]) == 1_048_500
+
+
 @pytest.mark.parametrize(
     ("params", "named"),
     [
