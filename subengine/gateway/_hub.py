@@ -58,14 +58,7 @@ def event_json(event: RawEvent, fields: frozenset[str] = ALL_FIELDS) -> str:
     `fields` alone (`subengine.model._event_fields`), its data and metadata spliced in
     as the JSON text PostgreSQL gave. (Catch-up pages have the same text made by
     PostgreSQL: `subengine.streams._read.read_page_json`.)"""
-    if fields is ALL_FIELDS:  # most reads, in one format string
-        return (
-            f'{{"stream":{_text(event.stream)},"partition":{event.partition},'
-            f'"position":{event.position},"id":"{event.id}","key":{_text(event.key)},'
-            f'"key_version":{event.key_version},"type":{_text(event.type)},'
-            f'"metadata":{event.metadata},"occurred_at":"{event.occurred_at.isoformat()}",'
-            f'"recorded_at":"{event.recorded_at.isoformat()}","data":{event.data}}}'
-        )
+    # a test per field: a table of writers per field took a quarter longer (live frames)
     parts = [f'"stream":{_text(event.stream)}'] if "stream" in fields else []
     parts.append(f'"partition":{event.partition},"position":{event.position}')
     if "id" in fields:
